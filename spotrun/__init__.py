@@ -1,0 +1,49 @@
+"""spotrun: keep torchrun training alive on preemptible machines.
+
+Library entry points used inside a training script:
+
+* :class:`Checkpointer` - sharded, checksummed, pickle-free checkpoints; exact resume.
+* :class:`ResumableDataLoader`, :class:`ResumableDistributedSampler` - data order that
+  resumes at the exact next batch.
+"""
+
+__version__ = "0.1.0"
+
+from spotrun.checkpointer import Checkpointer  # noqa: E402
+from spotrun.errors import (  # noqa: E402
+    CheckpointError,
+    CheckpointSaveError,
+    ConfigError,
+    CorruptShardError,
+    ManifestError,
+    NoCheckpointError,
+    SpotrunError,
+    StateMismatchError,
+    StateSerializationError,
+    StorageError,
+)
+
+__all__ = [
+    "Checkpointer",
+    "ResumableDataLoader",
+    "ResumableDistributedSampler",
+    "CheckpointError",
+    "CheckpointSaveError",
+    "ConfigError",
+    "CorruptShardError",
+    "ManifestError",
+    "NoCheckpointError",
+    "SpotrunError",
+    "StateMismatchError",
+    "StateSerializationError",
+    "StorageError",
+]
+
+
+def __getattr__(name: str):
+    # spotrun.data is imported lazily so `import spotrun` stays cheap for the supervisor.
+    if name in ("ResumableDataLoader", "ResumableDistributedSampler"):
+        from spotrun import data
+
+        return getattr(data, name)
+    raise AttributeError(f"module 'spotrun' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Sharded checkpoint format: layout, planning, writing, reading and the catalog of steps."""

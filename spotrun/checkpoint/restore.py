@@ -1,0 +1,105 @@
+"""Loading one step: read the manifest, fetch and verify the files this rank needs,
+and rebuild the state dicts.
+
+Nothing is applied to the training objects here: a caller first loads everything
+(so a corrupt shard is found before any model is touched), then applies it. Each file
+is fetched once and its size and SHA-256 are checked against the manifest before it
+is parsed; tensors are checked against the recorded dtype and shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spotrun.checkpoint.layout import file_key, manifest_key
+from spotrun.checkpoint.shard import decode_shard, dtype_name
+from spotrun.errors import CorruptShardError, StateMismatchError
+from spotrun.manifest import Manifest
+from spotrun.state import tree
+from spotrun.storage.base import Storage
+
+
+@dataclass
+class LoadedStep:
+    """A verified step, ready to apply.
+
+    Attributes:
+        manifest: the step's manifest.
+        replicated: top-level name -> state dict (as ``state_dict()`` produced it).
+        rank_local: this rank's own state by name (e.g. ``"rng"``).
+    """
+
+    manifest: Manifest
+    replicated: dict[str, Any]
+    rank_local: dict[str, Any]
+
+
+def read_manifest(storage: Storage, step: int) -> Manifest:
+    """Fetch and parse a step's manifest.
+
+    Raises:
+        ObjectNotFoundError: no manifest (the step never committed).
+        ManifestError: the manifest is malformed.
+    """
+    key = manifest_key(step)
+    return Manifest.from_json(storage.get(key), where=f"{storage.uri}/{key}")
+
+
+def load_step(storage: Storage, step: int, rank: int, world_size: int) -> LoadedStep:
+    """Load everything ``rank`` needs from ``step``, verifying every file it reads.
+
+    Raises:
+        StateMismatchError: the step was saved at another world size.
+        CorruptShardError: a file's size, checksum, or a tensor's dtype/shape is wrong.
+        ManifestError, ObjectNotFoundError, StorageError: as the reads raise them.
+    """
+    manifest = read_manifest(storage, step)
+    if manifest.world_size != world_size:
+        raise StateMismatchError(
+            f"checkpoint step {step} was saved by {manifest.world_size} rank(s), this job has "
+            f"{world_size}; resuming at another world size is not supported yet - start the job "
+            f"with {manifest.world_size} rank(s), or point --checkpoint-uri elsewhere"
+        )
+    rank_skeleton = manifest.rank_state[rank]
+    needed = tree.tensor_names(manifest.state) + tree.tensor_names(rank_skeleton)
+    tensors = _fetch_tensors(storage, manifest, needed)
+    replicated = {name: tree.decode(skel, tensors) for name, skel in manifest.state.items()}
+    rank_local = {name: tree.decode(skel, tensors) for name, skel in rank_skeleton.items()}
+    return LoadedStep(manifest=manifest, replicated=replicated, rank_local=rank_local)
+
+
+def _fetch_tensors(storage: Storage, manifest: Manifest, names: list[str]) -> dict[str, torch.Tensor]:
+    records = {f.path: f for f in manifest.files}
+    stored_name = {n: manifest.aliases.get(n, n) for n in names}
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        target = stored_name[name]
+        if target not in manifest.tensors:
+            raise CorruptShardError(f"step {manifest.step}: manifest lists no tensor {target!r}")
+        by_file.setdefault(manifest.tensors[target].file, []).append(name)
+    loaded: dict[str, torch.Tensor] = {}
+    for path, file_names in by_file.items():
+        key = file_key(manifest.step, path)
+        content = decode_shard(storage.get(key), records[path], where=f"{storage.uri}/{key}")
+        for name in file_names:
+            target = stored_name[name]
+            if target not in loaded:
+                loaded[target] = _checked(content, target, manifest, key)
+            loaded[name] = loaded[target]
+    return loaded
+
+
+def _checked(content: dict[str, torch.Tensor], name: str, manifest: Manifest, key: str) -> torch.Tensor:
+    record = manifest.tensors[name]
+    if name not in content:
+        raise CorruptShardError(f"{key}: tensor {name!r} is missing")
+    tensor = content[name]
+    if dtype_name(tensor.dtype) != record.dtype or list(tensor.shape) != record.shape:
+        raise CorruptShardError(
+            f"{key}: tensor {name!r} is {dtype_name(tensor.dtype)}{list(tensor.shape)}, "
+            f"manifest says {record.dtype}{record.shape}"
+        )
+    return tensor

@@ -1,0 +1,266 @@
+"""Saving one step: stage (copy to CPU), write this rank's shard, commit with a manifest.
+
+Sequence on every rank (all ranks call :func:`save_step` for the same step)::
+
+    encode state -> check every rank has the same replicated structure (1 gather)
+    -> plan who writes which replicated tensor -> stage: copy own tensors to CPU
+    -> write own shard -> gather file records and per-rank state (1 gather)
+    -> rank 0 writes manifest.json with put_if_absent -> broadcast the outcome
+
+A failure on any rank is reported through the gathers, so every rank raises
+:class:`~spotrun.errors.CheckpointSaveError` for the same step and no rank waits at a
+collective that others skipped; no manifest is written, so the step never commits and
+the previous complete step stays the resume point.
+
+Staging and writing are separate (:class:`StagedShard`), so the write can move to a
+background thread while training continues.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spotrun import __version__, dist
+from spotrun.checkpoint.layout import file_key, manifest_key, shard_name
+from spotrun.checkpoint.plan import assign_by_bytes
+from spotrun.checkpoint.shard import encode_shard, sha256_hex, tensor_record
+from spotrun.errors import CheckpointSaveError, SpotrunError, StateMismatchError
+from spotrun.manifest import FileRecord, Manifest, TensorRecord
+from spotrun.state import tree
+from spotrun.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EncodedState:
+    """Replicated and rank-local state split into JSON skeletons and tensors.
+
+    Attributes:
+        skeleton: JSON skeleton of the replicated state, keyed by top-level name.
+        tensors: replicated tensors by name, aliases (tied weights) removed.
+        aliases: alias name -> canonical name, for tensors that are the same tensor.
+        rank_skeleton: JSON skeleton of this rank's own state.
+        rank_tensors: this rank's own tensors by name.
+    """
+
+    skeleton: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    aliases: dict[str, str]
+    rank_skeleton: dict[str, Any]
+    rank_tensors: dict[str, torch.Tensor]
+
+
+def encode_state(replicated: dict[str, Any], rank_local: dict[str, Any], rank: int) -> EncodedState:
+    """Encode state dicts (values already produced by ``state_dict()``).
+
+    Raises:
+        StateSerializationError: a value is neither a tensor nor JSON; names its key.
+    """
+    skeleton: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in replicated.items():
+        skeleton[name], found = tree.encode(value, name)
+        tensors.update(found)
+    tensors, aliases = _dedupe(tensors)
+    rank_prefix = f"rank-{rank:05d}"
+    rank_skeleton: dict[str, Any] = {}
+    rank_tensors: dict[str, torch.Tensor] = {}
+    for name, value in rank_local.items():
+        rank_skeleton[name], found = tree.encode(value, f"{rank_prefix}/{name}")
+        rank_tensors.update(found)
+    return EncodedState(skeleton, tensors, aliases, rank_skeleton, rank_tensors)
+
+
+def _dedupe(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Store each distinct tensor once: tied weights (same storage, same view) become aliases."""
+    canonical: dict[tuple, str] = {}
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, t in tensors.items():
+        if t.numel() == 0:
+            unique[name] = t
+            continue
+        identity = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if identity in canonical:
+            aliases[name] = canonical[identity]
+        else:
+            canonical[identity] = name
+            unique[name] = t
+    return unique, aliases
+
+
+def _structure_digest(encoded: EncodedState) -> str:
+    layout = {
+        "skeleton": encoded.skeleton,
+        "aliases": encoded.aliases,
+        "tensors": {n: [str(t.dtype), list(t.shape)] for n, t in sorted(encoded.tensors.items())},
+    }
+    return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class StagedShard:
+    """This rank's part of a step, copied off the training tensors.
+
+    Attributes:
+        step: training step.
+        rank: writer rank.
+        tensors: name -> contiguous CPU copy (pinned when copied from CUDA).
+        owner: replicated tensor name -> rank that writes it (the whole plan).
+    """
+
+    step: int
+    rank: int
+    tensors: dict[str, torch.Tensor]
+    owner: dict[str, int]
+
+
+def _copy_to_cpu(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type == "cuda":
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
+    return t.contiguous().clone()
+
+
+def stage(encoded: EncodedState, step: int, rank: int, world_size: int) -> StagedShard:
+    """Copy the tensors this rank writes to CPU; returns once the copies are complete."""
+    sizes = {n: t.numel() * t.element_size() for n, t in encoded.tensors.items()}
+    owner = assign_by_bytes(sizes, world_size)
+    mine = {n: _copy_to_cpu(t) for n, t in encoded.tensors.items() if owner[n] == rank}
+    mine.update({n: _copy_to_cpu(t) for n, t in encoded.rank_tensors.items()})
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return StagedShard(step=step, rank=rank, tensors=mine, owner=owner)
+
+
+def write_shard(storage: Storage, staged: StagedShard) -> FileRecord:
+    """Serialise and store this rank's shard; returns its manifest record."""
+    path = shard_name(staged.rank)
+    data = encode_shard(
+        staged.tensors,
+        {"format": "spotrun-checkpoint", "step": staged.step, "rank": staged.rank},
+    )
+    storage.put(file_key(staged.step, path), data)
+    return FileRecord(path=path, rank=staged.rank, size_bytes=len(data), sha256=sha256_hex(data))
+
+
+@dataclass(frozen=True)
+class SaveContext:
+    """Facts recorded in the manifest besides the state itself."""
+
+    reason: str
+    run_id: str
+    incarnation: int
+
+
+def save_step(
+    storage: Storage,
+    step: int,
+    replicated: dict[str, Any],
+    rank_local: dict[str, Any],
+    context: SaveContext,
+) -> Manifest | None:
+    """Save and commit ``step`` on every rank (collective: all ranks must call it).
+
+    Returns:
+        The committed manifest on rank 0, ``None`` on other ranks.
+
+    Raises:
+        StateSerializationError: a state value cannot be stored (before anything is written).
+        StateMismatchError: ranks disagree on the replicated state's structure.
+        CheckpointSaveError: writing or committing failed on some rank; nothing committed.
+    """
+    rank, world_size = dist.rank(), dist.world_size()
+    local_error: SpotrunError | None = None
+    try:
+        encoded = encode_state(replicated, rank_local, rank)
+        first: dict[str, Any] = {"digest": _structure_digest(encoded)}
+    except SpotrunError as exc:  # reported to the other ranks so none waits alone
+        local_error, first = exc, {"error": f"{type(exc).__name__}: {exc}"}
+    firsts = dist.all_gather_json(first)
+    if local_error is not None:
+        raise local_error
+    errors = {r: f["error"] for r, f in enumerate(firsts) if "error" in f}
+    if errors:
+        raise CheckpointSaveError(
+            f"save of step {step} refused: " + "; ".join(f"rank {r}: {e}" for r, e in errors.items())
+        )
+    digests = [f["digest"] for f in firsts]
+    if len(set(digests)) != 1:
+        differing = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise StateMismatchError(
+            f"replicated state differs in structure between rank 0 and rank(s) {differing}; "
+            "state passed to Checkpointer(state=...) must be identical on every rank (as in DDP)"
+        )
+    report: dict[str, Any] = {"ok": True}
+    try:
+        staged = stage(encoded, step, rank, world_size)
+        record = write_shard(storage, staged)
+        report.update(
+            file=record.__dict__,
+            rank_state=encoded.rank_skeleton,
+            rank_tensors={n: tensor_record(t, record.path).__dict__ for n, t in encoded.rank_tensors.items()},
+        )
+    except (SpotrunError, OSError) as exc:
+        report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        log.error("rank %d failed to write its shard of step %d: %s", rank, step, report["error"])
+    reports = dist.all_gather_json(report)
+    failed = {r: rep["error"] for r, rep in enumerate(reports) if not rep["ok"]}
+    if failed:
+        raise CheckpointSaveError(
+            f"save of step {step} failed on rank(s) {sorted(failed)}: "
+            + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+            + " - nothing was committed"
+        )
+    outcome: dict[str, Any] = {"ok": True}
+    manifest = None
+    if rank == 0:
+        try:
+            manifest = _build_manifest(step, encoded, staged.owner, reports, context, world_size)
+            storage.put_if_absent(manifest_key(step), manifest.to_json())
+        except (SpotrunError, OSError) as exc:
+            outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    outcome = dist.broadcast_json(outcome)
+    if not outcome["ok"]:
+        raise CheckpointSaveError(f"commit of step {step} failed on rank 0: {outcome['error']}")
+    return manifest
+
+
+def _build_manifest(
+    step: int,
+    encoded: EncodedState,
+    owner: dict[str, int],
+    reports: list[dict[str, Any]],
+    context: SaveContext,
+    world_size: int,
+) -> Manifest:
+    tensors: dict[str, TensorRecord] = {
+        n: tensor_record(t, shard_name(owner[n])) for n, t in encoded.tensors.items()
+    }
+    for rep in reports:
+        tensors.update({n: TensorRecord(**r) for n, r in rep["rank_tensors"].items()})
+    return Manifest(
+        step=step,
+        world_size=world_size,
+        files=[FileRecord(**rep["file"]) for rep in reports],
+        tensors=tensors,
+        state=encoded.skeleton,
+        rank_state=[rep["rank_state"] for rep in reports],
+        aliases=encoded.aliases,
+        reason=context.reason,
+        created_unix_s=time.time(),
+        run_id=context.run_id,
+        incarnation=context.incarnation,
+        spotrun_version=__version__,
+        torch_version=torch.__version__,
+    )

@@ -1,0 +1,324 @@
+"""The training-loop API: periodic and emergency checkpoints, and exact resume.
+
+Typical use inside a ``torchrun`` worker (see the README for the whole loop)::
+
+    ckpt = spotrun.Checkpointer(
+        state={"model": model, "optimizer": opt, "scheduler": sched, "data": loader},
+        interval_steps=100,
+    )
+    step = ckpt.restore()              # 0 on a fresh start
+    ...
+        step += 1
+        if ckpt.end_of_step(step):     # True: an emergency checkpoint committed, stop now
+            return
+
+"When to save" (:meth:`Checkpointer.end_of_step`) is kept apart from "how to save"
+(:mod:`spotrun.checkpoint.save`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from typing import Any
+
+from spotrun import control, dist
+from spotrun.checkpoint import catalog
+from spotrun.checkpoint.restore import LoadedStep, load_step
+from spotrun.checkpoint.save import SaveContext, save_step
+from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv
+from spotrun.errors import (
+    CheckpointSaveError,
+    ConfigError,
+    CorruptShardError,
+    ManifestError,
+    NoCheckpointError,
+    ObjectNotFoundError,
+    StateMismatchError,
+    StorageError,
+)
+from spotrun.state.rng import RNGState
+from spotrun.storage import Storage, open_storage
+
+log = logging.getLogger(__name__)
+
+_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Checkpointer:
+    """Saves and restores the whole training state of every rank.
+
+    Args:
+        state: name -> object to checkpoint. Objects with ``state_dict()`` /
+            ``load_state_dict()`` (model, optimizer, LR scheduler, gradient scaler,
+            :class:`spotrun.data.ResumableDataLoader`) or plain dicts of tensors and
+            JSON values. This state must be identical on every rank (DDP replicas): it
+            is written once in total, spread over the ranks by bytes.
+        uri: checkpoint root; default ``$SPOTRUN_CHECKPOINT_URI``, else ``./checkpoints``.
+        interval_steps: save every this many steps in :meth:`end_of_step`; 0 = never.
+        rank_state: name -> object whose state differs per rank (saved by each rank).
+            Every rank's RNGs (Python, NumPy, torch CPU, each CUDA device) are always saved.
+        check_interval_steps: look for a save request every this many steps (1 = every
+            step; each check is one 1-element all-reduce).
+        handle_signals: turn SIGTERM/SIGINT into an emergency-save request (main thread
+            only). A second SIGINT interrupts as usual.
+        max_failed_periodic_saves: consecutive failed periodic saves tolerated (logged)
+            before :meth:`end_of_step` raises.
+        storage: a ready storage backend (overrides ``uri``; for tests and embedding).
+
+    Raises:
+        ConfigError: bad arguments or environment.
+    """
+
+    def __init__(
+        self,
+        state: dict[str, Any],
+        *,
+        uri: str | None = None,
+        interval_steps: int = 0,
+        rank_state: dict[str, Any] | None = None,
+        check_interval_steps: int = 1,
+        handle_signals: bool = True,
+        max_failed_periodic_saves: int = 3,
+        storage: Storage | None = None,
+    ) -> None:
+        if not isinstance(state, dict) or not state:
+            raise ConfigError("Checkpointer(state=...) needs a non-empty dict of name -> object")
+        if "rng" in (rank_state or {}):
+            raise ConfigError("rank_state name 'rng' is reserved for the RNG states spotrun saves")
+        if interval_steps < 0 or check_interval_steps < 1:
+            raise ConfigError("interval_steps must be >= 0 and check_interval_steps >= 1")
+        self._state = dict(state)
+        self._rank_state = {**(rank_state or {}), "rng": RNGState()}
+        self._env = WorkerEnv.from_environ()
+        self._storage = storage or open_storage(uri or self._env.checkpoint_uri or DEFAULT_CHECKPOINT_URI)
+        self.interval_steps = interval_steps
+        self.check_interval_steps = check_interval_steps
+        self.max_failed_periodic_saves = max_failed_periodic_saves
+        self._run_id = self._env.run_id or uuid.uuid4().hex
+        self._last_saved_step: int | None = None
+        self._failed_periodic_saves = 0
+        self._signal_name: str | None = None
+        self._previous_handlers: dict[int, Any] = {}
+        self._owner_pid = os.getpid()
+        self.preempted = False
+        if handle_signals:
+            self._install_signal_handlers()
+
+    # --- properties -----------------------------------------------------------
+
+    @property
+    def storage(self) -> Storage:
+        """The storage backend in use."""
+        return self._storage
+
+    @property
+    def last_saved_step(self) -> int | None:
+        """The newest step this process saved or restored, if any."""
+        return self._last_saved_step
+
+    # --- restore --------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Load the newest loadable complete checkpoint into every object; return its step.
+
+        Starts from the step the supervisor chose (``$SPOTRUN_RESUME_STEP``) or, without a
+        supervisor, from the newest complete step in storage. If a step fails verification
+        on any rank (checksum, missing file, bad manifest), every rank falls back to the
+        next older complete step together, and the log says so.
+
+        Returns:
+            The restored step, or 0 when there is nothing to resume.
+
+        Raises:
+            StateMismatchError: the checkpoint does not fit these objects (other world size,
+                missing keys, ...). Nothing is silently skipped.
+            NoCheckpointError: complete steps exist but none of them loads.
+        """
+        candidates = dist.broadcast_json(self._candidate_steps() if dist.rank() == 0 else None)
+        for index, step in enumerate(candidates):
+            loaded, problem = self._try_load(step)
+            problems = dist.all_gather_json(problem)
+            failed = {r: p for r, p in enumerate(problems) if p is not None}
+            if not failed:
+                self._apply(loaded)
+                self._last_saved_step = step
+                self._run_id = self._env.run_id or loaded.manifest.run_id or self._run_id
+                if dist.rank() == 0:
+                    log.info("restored step %d from %s", step, self._storage.uri)
+                return step
+            older = candidates[index + 1] if index + 1 < len(candidates) else None
+            if dist.rank() == 0:
+                log.warning(
+                    "checkpoint step %d failed verification (%s); falling back to %s",
+                    step,
+                    "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items())),
+                    f"step {older}" if older is not None else "nothing older",
+                )
+        if candidates:
+            raise NoCheckpointError(
+                f"no complete checkpoint under {self._storage.uri} could be loaded "
+                f"(tried steps {candidates}); see the log for each failure"
+            )
+        if dist.rank() == 0:
+            log.info("no checkpoint under %s: starting from step 0", self._storage.uri)
+        return 0
+
+    def _candidate_steps(self) -> list[int]:
+        steps = [s.step for s in catalog.list_steps(self._storage) if s.status == catalog.COMPLETE]
+        if self._env.resume_step is not None:
+            steps = [s for s in steps if s <= self._env.resume_step]
+        return sorted(steps, reverse=True)
+
+    def _try_load(self, step: int) -> tuple[LoadedStep | None, str | None]:
+        try:
+            return load_step(self._storage, step, dist.rank(), dist.world_size()), None
+        except (CorruptShardError, ManifestError, ObjectNotFoundError) as exc:
+            return None, str(exc)
+        except StorageError as exc:
+            return None, f"{type(exc).__name__}: {exc}"
+
+    def _apply(self, loaded: LoadedStep) -> None:
+        for name, obj in self._state.items():
+            if name not in loaded.replicated:
+                raise StateMismatchError(
+                    f"checkpoint step {loaded.manifest.step} has no state named {name!r} "
+                    f"(it has {sorted(loaded.replicated)})"
+                )
+            _load_into(name, obj, loaded.replicated[name])
+        for name, obj in self._rank_state.items():  # RNG last: nothing may draw after it
+            if name not in loaded.rank_local:
+                raise StateMismatchError(f"checkpoint lacks this rank's state {name!r}")
+            _load_into(name, obj, loaded.rank_local[name])
+
+    # --- saving ---------------------------------------------------------------
+
+    def end_of_step(self, step: int) -> bool:
+        """Call once per training step, after the optimizer step, on every rank.
+
+        Agrees across ranks whether a save was requested (a supervisor's request file or
+        a signal on any rank); if so, every rank saves this same step as an emergency
+        checkpoint, and this returns True: the loop must stop and the process exit 0.
+        Otherwise saves a periodic checkpoint every ``interval_steps``.
+
+        Raises:
+            CheckpointSaveError: the emergency save failed, or too many periodic saves
+                failed in a row.
+        """
+        if step % self.check_interval_steps == 0 and dist.any_rank(self._save_requested()):
+            self._emergency_save(step)
+            return True
+        if self.interval_steps and step % self.interval_steps == 0:
+            self._periodic_save(step)
+        return False
+
+    def save(self, step: int, reason: str = "manual") -> None:
+        """Save and commit ``step`` now, on every rank (a collective).
+
+        Does nothing if this step is already saved (e.g. a periodic save at the last step).
+
+        Raises:
+            StateSerializationError: a state value is neither a tensor nor JSON (names its key).
+            CheckpointSaveError: the save failed; nothing was committed.
+        """
+        if self._last_saved_step == step:
+            return
+        started_s = time.monotonic()
+        replicated = {name: _state_of(obj) for name, obj in self._state.items()}
+        rank_local = {name: _state_of(obj) for name, obj in self._rank_state.items()}
+        context = SaveContext(reason=reason, run_id=self._run_id, incarnation=self._env.incarnation)
+        manifest = save_step(self._storage, step, replicated, rank_local, context)
+        self._last_saved_step = step
+        if manifest is not None:
+            log.info(
+                "committed step %d (%s): %d files, %.1f MiB in %.2f s",
+                step, reason, len(manifest.files), manifest.size_bytes / 2**20,
+                time.monotonic() - started_s,
+            )
+
+    def _periodic_save(self, step: int) -> None:
+        try:
+            self.save(step, reason="periodic")
+            self._failed_periodic_saves = 0
+        except CheckpointSaveError as exc:
+            self._failed_periodic_saves += 1
+            log.error("periodic save of step %d failed (%d in a row): %s",
+                      step, self._failed_periodic_saves, exc)
+            if self._failed_periodic_saves > self.max_failed_periodic_saves:
+                raise
+
+    def _emergency_save(self, step: int) -> None:
+        if dist.rank() == 0:
+            log.warning("save requested (%s): emergency checkpoint of step %d",
+                        self._describe_request(), step)
+        # A dying DataLoader worker sends SIGCHLD, whose torch handler raises in this
+        # thread; keep it from aborting the save. The process exits right after.
+        if threading.current_thread() is threading.main_thread():
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        if self._last_saved_step != step:
+            self.save(step, reason="emergency")
+        self.preempted = True
+        if self._env.control_dir and dist.local_rank() == 0:
+            control.write_commit_report(self._env.control_dir, step)
+
+    def _save_requested(self) -> bool:
+        if self._signal_name is not None:
+            return True
+        return bool(self._env.control_dir) and control.save_requested(self._env.control_dir)
+
+    def _describe_request(self) -> str:
+        if self._signal_name:
+            return self._signal_name
+        if self._env.control_dir:
+            request = control.read_save_request(self._env.control_dir)
+            if request is not None:
+                return f"supervisor: {request.reason}"
+        return "another rank"
+
+    # --- signals --------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("Checkpointer created outside the main thread: signals not handled")
+            return
+        for signum in _HANDLED_SIGNALS:
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._owner_pid:
+            return  # a forked DataLoader worker: keep serving batches, the parent decides
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self._signal_name == "SIGINT":
+            raise KeyboardInterrupt
+        self._signal_name = name
+
+    def close(self) -> None:
+        """Restore the signal handlers that were in place before this Checkpointer."""
+        if os.getpid() != self._owner_pid:
+            return
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers.clear()
+
+
+def _state_of(obj: Any) -> Any:
+    state_dict = getattr(obj, "state_dict", None)
+    return state_dict() if callable(state_dict) else obj
+
+
+def _load_into(name: str, obj: Any, value: Any) -> None:
+    load = getattr(obj, "load_state_dict", None)
+    if callable(load):
+        try:
+            load(value)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise StateMismatchError(f"cannot load saved state {name!r}: {exc}") from exc
+    elif isinstance(obj, dict):
+        obj.clear()
+        obj.update(value)
+    else:
+        raise ConfigError(f"state {name!r} ({type(obj).__name__}) has no load_state_dict()")

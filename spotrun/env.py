@@ -1,0 +1,67 @@
+"""Environment variables through which the supervisor talks to the training workers.
+
+The supervisor (``spotrun run``) sets these for the launch command; torchrun passes
+them on to every worker unchanged. A training script started without the
+supervisor simply sees none of them and runs with the defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+#: Root URI of the checkpoints (a local directory or ``s3://bucket/prefix``).
+CHECKPOINT_URI = "SPOTRUN_CHECKPOINT_URI"
+#: Step of the newest complete checkpoint the supervisor found; unset for a fresh start.
+RESUME_STEP = "SPOTRUN_RESUME_STEP"
+#: Directory (local to this node) of the control channel: save requests and commit reports.
+CONTROL_DIR = "SPOTRUN_CONTROL_DIR"
+#: Identifier shared by every incarnation of one training job.
+RUN_ID = "SPOTRUN_RUN_ID"
+#: 0 for the first start of a job, +1 for every later start that resumes it.
+INCARNATION = "SPOTRUN_INCARNATION"
+
+DEFAULT_CHECKPOINT_URI = "./checkpoints"
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What the supervisor told this worker, read from the environment.
+
+    Attributes:
+        checkpoint_uri: root URI of the checkpoints; ``None`` if unset.
+        resume_step: step the supervisor chose to resume from; ``None`` for "find it yourself".
+        control_dir: local control-channel directory; ``None`` when no supervisor runs.
+        run_id: job identifier; ``None`` if unset.
+        incarnation: start count of this job (0 = first start).
+    """
+
+    checkpoint_uri: str | None
+    resume_step: int | None
+    control_dir: str | None
+    run_id: str | None
+    incarnation: int
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> "WorkerEnv":
+        """Read the variables; raises :class:`~spotrun.errors.ConfigError` on a malformed number."""
+        from spotrun.errors import ConfigError
+
+        env = os.environ if environ is None else environ
+
+        def _int(name: str) -> int | None:
+            raw = env.get(name, "").strip()
+            if not raw:
+                return None
+            try:
+                return int(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{name}={raw!r} is not an integer") from exc
+
+        return cls(
+            checkpoint_uri=env.get(CHECKPOINT_URI) or None,
+            resume_step=_int(RESUME_STEP),
+            control_dir=env.get(CONTROL_DIR) or None,
+            run_id=env.get(RUN_ID) or None,
+            incarnation=_int(INCARNATION) or 0,
+        )

@@ -1,0 +1,67 @@
+"""Exception types raised by spotrun.
+
+Every error that spotrun raises on purpose derives from :class:`SpotrunError`, so a
+training script can catch them all at once. Storage errors also derive from the
+matching builtin (``FileNotFoundError``, ``PermissionError``, ``FileExistsError``)
+so code that already handles those keeps working.
+"""
+
+from __future__ import annotations
+
+
+class SpotrunError(Exception):
+    """Base class of every error spotrun raises on purpose."""
+
+
+class ConfigError(SpotrunError, ValueError):
+    """A bad option, URI or environment variable, found before any work starts."""
+
+
+# --- storage -----------------------------------------------------------------
+
+
+class StorageError(SpotrunError, OSError):
+    """A storage operation failed (after retries, where the backend retries)."""
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """The object does not exist."""
+
+
+class ObjectExistsError(StorageError, FileExistsError):
+    """A conditional put found the object already there (another writer committed first)."""
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """The credentials in use may not perform this operation."""
+
+
+# --- checkpoints -------------------------------------------------------------
+
+
+class CheckpointError(SpotrunError):
+    """Base class of checkpoint format and consistency errors."""
+
+
+class ManifestError(CheckpointError):
+    """A manifest is missing, is not valid JSON, or does not follow the format."""
+
+
+class CorruptShardError(CheckpointError):
+    """A shard's size or checksum differs from what its manifest recorded."""
+
+
+class StateSerializationError(CheckpointError, TypeError):
+    """A state value is neither a tensor nor JSON-serialisable; the message names its key."""
+
+
+class StateMismatchError(CheckpointError):
+    """Saved state does not fit the objects it is loaded into (missing keys, world size...)."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed on at least one rank; no manifest was written, so nothing was committed."""
+
+
+class NoCheckpointError(CheckpointError):
+    """No complete checkpoint exists where one was required."""

@@ -1,0 +1,196 @@
+"""The checkpoint manifest: versioned JSON, written last, whose presence commits a step.
+
+Format version 1 (``manifest.json`` inside ``step-NNNNNNNNN/``)::
+
+    {
+      "format": "spotrun-checkpoint", "format_version": 1,
+      "step": 200, "reason": "periodic",
+      "created_unix_s": 1764488000.5, "world_size": 2,
+      "run_id": "...", "incarnation": 1, "spotrun_version": "0.1.0", "torch_version": "2.13.0",
+      "files":   [{"path": "rank-00000.safetensors", "rank": 0, "size_bytes": 123, "sha256": "..."}],
+      "tensors": {"model/w": {"file": "rank-00000.safetensors", "dtype": "float32",
+                              "shape": [4, 4], "offsets": null}},
+      "aliases": {"model/head.weight": "model/emb.weight"},
+      "state": {...skeleton of the replicated state...},
+      "rank_state": [{...skeleton of rank 0's own state...}, ...]
+    }
+
+``offsets`` is ``null`` for whole tensors (the only kind format 1 writes); it is reserved
+for shards of one global tensor. Readers refuse a newer ``format_version`` with a clear
+error instead of guessing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from spotrun.errors import ManifestError
+
+FORMAT_NAME = "spotrun-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file of a checkpoint step.
+
+    Attributes:
+        path: path relative to the step directory.
+        rank: the rank that wrote it.
+        size_bytes: exact size in bytes.
+        sha256: hex SHA-256 of the whole file.
+    """
+
+    path: str
+    rank: int
+    size_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where one tensor lives.
+
+    Attributes:
+        file: the :class:`FileRecord` path holding it.
+        dtype: torch dtype name without ``torch.`` (``"float32"``).
+        shape: global shape.
+        offsets: per-dimension offset of this piece in the global tensor; ``None`` = whole.
+    """
+
+    file: str
+    dtype: str
+    shape: list[int]
+    offsets: list[int] | None = None
+
+
+@dataclass
+class Manifest:
+    """A parsed, validated manifest (see the module docstring for the JSON form)."""
+
+    step: int
+    world_size: int
+    files: list[FileRecord]
+    tensors: dict[str, TensorRecord]
+    state: Any
+    rank_state: list[Any]
+    aliases: dict[str, str] = field(default_factory=dict)
+    reason: str = "periodic"
+    created_unix_s: float = 0.0
+    run_id: str = ""
+    incarnation: int = 0
+    spotrun_version: str = ""
+    torch_version: str = ""
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def size_bytes(self) -> int:
+        """Total bytes of all files (the manifest itself excluded)."""
+        return sum(f.size_bytes for f in self.files)
+
+    def to_json(self) -> bytes:
+        """Serialise to UTF-8 JSON (strict: no NaN tokens)."""
+        doc = {"format": FORMAT_NAME, **asdict(self)}
+        return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str = "manifest") -> "Manifest":
+        """Parse and validate.
+
+        Raises:
+            ManifestError: not JSON, not a spotrun manifest, a newer format, or a field of
+                the wrong type; the message says which and where.
+        """
+        try:
+            doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+            raise ManifestError(f"{where} is not valid JSON: {exc}") from exc
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise ManifestError(f"{where} is not a spotrun checkpoint manifest")
+        version = doc.get("format_version")
+        if not isinstance(version, int) or version < 1:
+            raise ManifestError(f"{where} has an invalid format_version {version!r}")
+        if version > FORMAT_VERSION:
+            raise ManifestError(
+                f"{where} has format_version {version}; this spotrun reads up to "
+                f"{FORMAT_VERSION}: upgrade spotrun to load it"
+            )
+        try:
+            return _parse_v1(doc)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestError(f"{where} is malformed: {exc!r}") from exc
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _int(value: Any, name: str, minimum: int = 0) -> int:
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def _parse_v1(doc: dict[str, Any]) -> Manifest:
+    world_size = _int(doc["world_size"], "world_size", 1)
+    files = []
+    for raw in doc["files"]:
+        path = _str(raw["path"], "files[].path")
+        if path.startswith("/") or ".." in path.split("/"):
+            raise ValueError(f"file path {path!r} escapes the step directory")
+        files.append(
+            FileRecord(
+                path=path,
+                rank=_int(raw["rank"], "files[].rank"),
+                size_bytes=_int(raw["size_bytes"], "files[].size_bytes"),
+                sha256=_str(raw["sha256"], "files[].sha256"),
+            )
+        )
+    file_paths = {f.path for f in files}
+    tensors = {}
+    for name, raw in doc["tensors"].items():
+        record = TensorRecord(
+            file=_str(raw["file"], f"tensors[{name}].file"),
+            dtype=_str(raw["dtype"], f"tensors[{name}].dtype"),
+            shape=[_int(d, f"tensors[{name}].shape[]") for d in raw["shape"]],
+            offsets=None if raw.get("offsets") is None else [_int(o, "offsets[]") for o in raw["offsets"]],
+        )
+        if record.file not in file_paths:
+            raise ValueError(f"tensor {name!r} is in {record.file!r}, which is not among the files")
+        tensors[name] = record
+    aliases = {_str(k, "aliases key"): _str(v, "aliases value") for k, v in doc.get("aliases", {}).items()}
+    for alias, target in aliases.items():
+        if target not in tensors:
+            raise ValueError(f"alias {alias!r} points at unknown tensor {target!r}")
+    rank_state = doc["rank_state"]
+    if not isinstance(rank_state, list) or len(rank_state) != world_size:
+        raise ValueError(f"rank_state must list {world_size} entries (one per rank)")
+    created = doc.get("created_unix_s", 0.0)
+    if not isinstance(created, (int, float)) or not math.isfinite(created):
+        raise ValueError(f"created_unix_s must be a number, got {created!r}")
+    return Manifest(
+        step=_int(doc["step"], "step"),
+        world_size=world_size,
+        files=files,
+        tensors=tensors,
+        state=doc["state"],
+        rank_state=rank_state,
+        aliases=aliases,
+        reason=_str(doc.get("reason", "periodic"), "reason"),
+        created_unix_s=float(created),
+        run_id=_str(doc.get("run_id", ""), "run_id"),
+        incarnation=_int(doc.get("incarnation", 0), "incarnation"),
+        spotrun_version=_str(doc.get("spotrun_version", ""), "spotrun_version"),
+        torch_version=_str(doc.get("torch_version", ""), "torch_version"),
+        format_version=doc["format_version"],
+    )

@@ -1,0 +1,1 @@
+"""Turning training state into tensors plus JSON, and back, without pickle."""

@@ -1,0 +1,146 @@
+"""Split a nested state (``state_dict()`` output) into a JSON skeleton and named tensors.
+
+A checkpoint stores non-tensor state as JSON and tensors in safetensors files. This
+module converts between a nested Python value and that pair:
+
+``encode(value, prefix)`` -> ``(skeleton, tensors)`` where ``skeleton`` is JSON-ready and
+every tensor is replaced by ``{"__tensor__": name}``; ``decode(skeleton, tensors)``
+rebuilds the value. Types survive the round trip: dicts with ``int`` keys (optimizer
+state), tuples (``betas``), non-finite floats. Anything else - a function, a numpy
+array, a ``torch.dtype`` - raises :class:`~spotrun.errors.StateSerializationError`
+naming its key, so a save fails before a single byte is written.
+
+Skeleton tags (a dict with exactly one of these keys is a tagged value):
+    ``{"__tensor__": name}``      a tensor stored under ``name``
+    ``{"__tuple__": [...]}``      a tuple
+    ``{"__dict__": [[k, v], ...]}`` a dict whose keys are not all plain strings
+    ``{"__float__": "nan"|"inf"|"-inf"}`` a non-finite float
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from spotrun.errors import ManifestError, StateSerializationError
+
+_TAGS = ("__tensor__", "__tuple__", "__dict__", "__float__")
+
+
+def _plain_key(key: object) -> bool:
+    return type(key) is str and not (key.startswith("__") and key.endswith("__"))
+
+
+def encode(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Encode ``value``; tensor names are ``prefix/<path>``.
+
+    Args:
+        value: nested dict/list/tuple of tensors, str, int, float, bool and None.
+        prefix: name of the whole value, e.g. ``"model"``; also used in error messages.
+
+    Returns:
+        ``(skeleton, tensors)``: JSON-serialisable skeleton, and tensors by name (the
+        caller's tensors, not copies).
+
+    Raises:
+        StateSerializationError: a value of another type; the message names its key path.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _encode(value, prefix, tensors)
+    return skeleton, tensors
+
+
+def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise StateSerializationError(
+                f"state value {path!r} is a {value.layout} tensor; only dense tensors can be saved"
+            )
+        if path in tensors:
+            raise StateSerializationError(f"two tensors would be stored under the name {path!r}")
+        tensors[path] = value
+        return {"__tensor__": path}
+    if value is None or type(value) in (bool, int, str):
+        return value
+    if type(value) is float:
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(value, dict):
+        if all(_plain_key(k) for k in value):
+            return {k: _encode(v, f"{path}/{k}", tensors) for k, v in value.items()}
+        items = []
+        for k, v in value.items():
+            if type(k) not in (str, int):
+                raise StateSerializationError(
+                    f"state key {k!r} under {path!r} is a {type(k).__name__}; keys must be str or int"
+                )
+            items.append([k, _encode(v, f"{path}/{k}", tensors)])
+        return {"__dict__": items}
+    if isinstance(value, list):
+        return [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]}
+    raise StateSerializationError(
+        f"state value {path!r} has type {type(value).__module__}.{type(value).__qualname__}, "
+        "which is neither a tensor nor JSON-serialisable (str, int, float, bool, None, "
+        "list, tuple, dict); convert it to one of those or to a tensor"
+    )
+
+
+def tensor_names(skeleton: Any) -> list[str]:
+    """Names of every tensor a skeleton refers to, in order of appearance."""
+    names: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if "__tensor__" in node and len(node) == 1:
+                names.append(node["__tensor__"])
+                return
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(skeleton)
+    return names
+
+
+def decode(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Rebuild the value that :func:`encode` turned into ``skeleton``.
+
+    Raises:
+        ManifestError: the skeleton is malformed or names a tensor missing from ``tensors``.
+    """
+    if isinstance(skeleton, list):
+        return [decode(v, tensors) for v in skeleton]
+    if not isinstance(skeleton, dict):
+        if skeleton is None or type(skeleton) in (bool, int, float, str):
+            return skeleton
+        raise ManifestError(f"unexpected value of type {type(skeleton).__name__} in a state skeleton")
+    if len(skeleton) == 1:
+        (tag, body), = skeleton.items()
+        if tag == "__tensor__":
+            try:
+                return tensors[body]
+            except (KeyError, TypeError):
+                raise ManifestError(f"state refers to tensor {body!r}, which was not loaded") from None
+        if tag == "__tuple__":
+            _expect(isinstance(body, list), "__tuple__ must hold a list")
+            return tuple(decode(v, tensors) for v in body)
+        if tag == "__dict__":
+            _expect(isinstance(body, list) and all(isinstance(p, list) and len(p) == 2 for p in body),
+                    "__dict__ must hold [key, value] pairs")
+            return {k: decode(v, tensors) for k, v in body}
+        if tag == "__float__":
+            _expect(body in ("nan", "inf", "-inf"), f"bad __float__ value {body!r}")
+            return float(body)
+    if any(k in _TAGS for k in skeleton):
+        raise ManifestError(f"malformed tagged value in a state skeleton: keys {sorted(skeleton)}")
+    return {k: decode(v, tensors) for k, v in skeleton.items()}
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise ManifestError(f"malformed state skeleton: {message}")

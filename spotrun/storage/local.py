@@ -1,0 +1,192 @@
+"""Local-directory storage backend (the default).
+
+Atomicity comes from POSIX: each object is written to a hidden temporary file in the
+same directory, fsynced, and then renamed (``put``) or hard-linked (``put_if_absent``,
+which fails with ``EEXIST`` instead of overwriting) onto its key. A writer killed in the
+middle leaves only a hidden ``.*.tmp-*`` file, which ``list`` never shows.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+
+from spotrun.errors import (
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageError,
+    StoragePermissionError,
+)
+from spotrun.storage.base import ObjectInfo, Storage
+
+#: Bytes handed to one ``write`` call; large shards are written in pieces of this size.
+DEFAULT_WRITE_CHUNK_BYTES = 8 * 1024 * 1024
+_TMP_MARK = ".tmp-"
+
+
+def _is_temporary(name: str) -> bool:
+    return name.startswith(".") and _TMP_MARK in name
+
+
+def _translate(exc: OSError, what: str) -> StorageError:
+    if isinstance(exc, FileNotFoundError):
+        return ObjectNotFoundError(errno.ENOENT, f"{what}: no such object")
+    if isinstance(exc, PermissionError):
+        return StoragePermissionError(errno.EACCES, f"{what}: permission denied")
+    return StorageError(exc.errno or errno.EIO, f"{what}: {exc.strerror or exc}")
+
+
+class LocalStorage(Storage):
+    """Objects as files under ``root_dir``.
+
+    Args:
+        root_dir: directory of the store; created on first write.
+        write_chunk_bytes: size of each ``write`` call when storing an object.
+        fsync: flush data and directory entries to disk before a put returns (durable
+            across a power loss); tests may turn it off for speed.
+    """
+
+    def __init__(
+        self,
+        root_dir: str,
+        *,
+        write_chunk_bytes: int = DEFAULT_WRITE_CHUNK_BYTES,
+        fsync: bool = True,
+    ) -> None:
+        if write_chunk_bytes <= 0:
+            raise ValueError(f"write_chunk_bytes must be positive, got {write_chunk_bytes}")
+        self._root = os.path.abspath(os.path.expanduser(root_dir))
+        self._write_chunk_bytes = write_chunk_bytes
+        self._fsync = fsync
+
+    @property
+    def uri(self) -> str:
+        return self._root
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self._root, *key.split("/"))
+
+    # --- writing --------------------------------------------------------------
+
+    def _write_temporary(self, key: str, data: memoryview) -> str:
+        final = self._path(key)
+        directory = os.path.dirname(final)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(
+            directory, f".{os.path.basename(final)}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            self._write_chunks(fd, data)
+            if self._fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    def _write_chunks(self, fd: int, data: memoryview) -> None:
+        offset = 0
+        while offset < len(data):
+            offset += os.write(fd, data[offset : offset + self._write_chunk_bytes])
+
+    def _sync_dir(self, key: str) -> None:
+        if not self._fsync:
+            return
+        fd = os.open(os.path.dirname(self._path(key)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _put(self, key: str, data: memoryview) -> None:
+        try:
+            tmp = self._write_temporary(key, data)
+            os.replace(tmp, self._path(key))
+            self._sync_dir(key)
+        except OSError as exc:
+            raise _translate(exc, f"put {self._path(key)}") from exc
+
+    def _put_if_absent(self, key: str, data: memoryview) -> None:
+        final = self._path(key)
+        try:
+            tmp = self._write_temporary(key, data)
+            try:
+                os.link(tmp, final)  # fails with EEXIST, never overwrites
+            finally:
+                _unlink_quietly(tmp)
+            self._sync_dir(key)
+        except FileExistsError as exc:
+            raise ObjectExistsError(errno.EEXIST, f"{final} already exists") from exc
+        except OSError as exc:
+            raise _translate(exc, f"put_if_absent {final}") from exc
+
+    # --- reading --------------------------------------------------------------
+
+    def _get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except IsADirectoryError as exc:
+            raise ObjectNotFoundError(errno.ENOENT, f"get {path}: is a directory") from exc
+        except OSError as exc:
+            raise _translate(exc, f"get {path}") from exc
+
+    def _stat(self, key: str) -> ObjectInfo:
+        path = self._path(key)
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise _translate(exc, f"stat {path}") from exc
+        if not os.path.isfile(path):
+            raise ObjectNotFoundError(errno.ENOENT, f"stat {path}: not a file")
+        return ObjectInfo(key=key, size_bytes=st.st_size, mtime_s=st.st_mtime)
+
+    def _list(self, prefix: str) -> list[ObjectInfo]:
+        # Walk only the deepest directory the prefix names, then filter by the prefix.
+        base_dir = prefix.rpartition("/")[0]
+        start = self._path(base_dir) if base_dir else self._root
+        infos: list[ObjectInfo] = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames.sort()
+            for name in filenames:
+                if _is_temporary(name):
+                    continue
+                full = os.path.join(dirpath, name)
+                key = os.path.relpath(full, self._root).replace(os.sep, "/")
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(full)
+                except FileNotFoundError:  # deleted while listing
+                    continue
+                infos.append(ObjectInfo(key=key, size_bytes=st.st_size, mtime_s=st.st_mtime))
+        return infos
+
+    def _delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise _translate(exc, f"delete {path}") from exc
+        # Remove directories left empty, up to the root.
+        directory = os.path.dirname(path)
+        while directory != self._root and directory.startswith(self._root):
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break
+            directory = os.path.dirname(directory)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
