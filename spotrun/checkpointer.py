@@ -28,7 +28,7 @@ from typing import Any
 
 from spotrun import control, dist
 from spotrun.checkpoint import catalog
-from spotrun.checkpoint.restore import LoadedStep, load_step
+from spotrun.checkpoint.restore import LoadedStep, load_step, reject_step
 from spotrun.checkpoint.save import SaveContext, save_step
 from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv
 from spotrun.errors import (
@@ -37,7 +37,6 @@ from spotrun.errors import (
     CorruptShardError,
     ManifestError,
     NoCheckpointError,
-    ObjectNotFoundError,
     StateMismatchError,
     StorageError,
 )
@@ -143,7 +142,7 @@ class Checkpointer:
         for index, step in enumerate(candidates):
             loaded, problem = self._try_load(step)
             problems = dist.all_gather_json(problem)
-            failed = {r: p for r, p in enumerate(problems) if p is not None}
+            failed = {r: p["message"] for r, p in enumerate(problems) if p is not None}
             if not failed:
                 self._apply(loaded)
                 self._last_saved_step = step
@@ -159,6 +158,8 @@ class Checkpointer:
                     "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items())),
                     f"step {older}" if older is not None else "nothing older",
                 )
+                if any(p["corrupt"] for p in problems if p is not None):
+                    reject_step(self._storage, step, "; ".join(failed.values()))
         if candidates:
             raise NoCheckpointError(
                 f"no complete checkpoint under {self._storage.uri} could be loaded "
@@ -174,13 +175,13 @@ class Checkpointer:
             steps = [s for s in steps if s <= self._env.resume_step]
         return sorted(steps, reverse=True)
 
-    def _try_load(self, step: int) -> tuple[LoadedStep | None, str | None]:
+    def _try_load(self, step: int) -> tuple[LoadedStep | None, dict | None]:
         try:
             return load_step(self._storage, step, dist.rank(), dist.world_size()), None
-        except (CorruptShardError, ManifestError, ObjectNotFoundError) as exc:
-            return None, str(exc)
-        except StorageError as exc:
-            return None, f"{type(exc).__name__}: {exc}"
+        except (CorruptShardError, ManifestError) as exc:
+            return None, {"corrupt": True, "message": str(exc)}
+        except StorageError as exc:  # missing object, or the store failed after retries
+            return None, {"corrupt": False, "message": f"{type(exc).__name__}: {exc}"}
 
     def _apply(self, loaded: LoadedStep) -> None:
         for name, obj in self._state.items():

@@ -18,7 +18,13 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
-from spotrun.checkpoint.layout import file_key, manifest_key, parse_step_dir
+from spotrun.checkpoint.layout import (
+    REJECTED_MANIFEST_NAME,
+    file_key,
+    manifest_key,
+    parse_step_dir,
+    step_dir,
+)
 from spotrun.errors import ManifestError, ObjectNotFoundError
 from spotrun.manifest import MANIFEST_NAME, Manifest
 from spotrun.storage.base import ObjectInfo, Storage
@@ -106,6 +112,8 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo]) -> StepInfo
         )
 
     if mkey not in sizes:
+        if f"{step_dir(step)}/{REJECTED_MANIFEST_NAME}" in sizes:
+            return result(CORRUPT, "failed verification on restore; see " + REJECTED_MANIFEST_NAME)
         return result(INCOMPLETE, f"no {MANIFEST_NAME}: the save never committed")
     try:
         manifest = Manifest.from_json(storage.get(mkey), where=f"{storage.uri}/{mkey}")

@@ -12,6 +12,8 @@ import re
 from spotrun.manifest import MANIFEST_NAME
 
 STEP_DIR_DIGITS = 9
+#: Where a manifest goes when its step fails verification on restore.
+REJECTED_MANIFEST_NAME = "rejected-manifest.json"
 _STEP_DIR_RE = re.compile(r"^step-(\d{%d,})$" % STEP_DIR_DIGITS)
 
 

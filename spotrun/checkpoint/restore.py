@@ -14,12 +14,18 @@ from typing import Any
 
 import torch
 
-from spotrun.checkpoint.layout import file_key, manifest_key
+import json
+import logging
+import time
+
+from spotrun.checkpoint.layout import REJECTED_MANIFEST_NAME, file_key, manifest_key, step_dir
 from spotrun.checkpoint.shard import decode_shard, dtype_name
 from spotrun.errors import CorruptShardError, StateMismatchError
 from spotrun.manifest import Manifest
 from spotrun.state import tree
 from spotrun.storage.base import Storage
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -103,3 +109,20 @@ def _checked(content: dict[str, torch.Tensor], name: str, manifest: Manifest, ke
             f"manifest says {record.dtype}{record.shape}"
         )
     return tensor
+
+
+def reject_step(storage: Storage, step: int, reason: str) -> None:
+    """Un-commit a step that failed verification, keeping its manifest for inspection.
+
+    The manifest moves to ``rejected-manifest.json`` (with the reason), so the step shows
+    as ``corrupt`` in ``spotrun ls``, is never resumed from again, and a later save of the
+    same step can commit. Errors are logged, not raised: the caller is already falling back.
+    """
+    key = manifest_key(step)
+    try:
+        doc = {"reason": reason, "rejected_unix_s": time.time(), "manifest": storage.get(key).decode("utf-8", "replace")}
+        storage.put(f"{step_dir(step)}/{REJECTED_MANIFEST_NAME}", json.dumps(doc).encode())
+        storage.delete(key)
+        log.warning("step %d un-committed: its manifest moved to %s", step, REJECTED_MANIFEST_NAME)
+    except OSError as exc:
+        log.error("could not un-commit corrupt step %d: %s", step, exc)

@@ -1,0 +1,224 @@
+"""Single-process checkpoint tests: round trip, exact resume, errors, verification."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+import spotrun
+from spotrun.checkpoint import catalog
+from spotrun.checkpoint.layout import file_key, manifest_key, shard_name
+from spotrun.checkpoint.shard import encode_shard
+from spotrun.errors import NoCheckpointError, StateMismatchError, StateSerializationError
+from spotrun.storage import LocalStorage
+
+
+class TiedModel(torch.nn.Module):
+    """Embedding and output head share one weight (field case C05)."""
+
+    def __init__(self, vocab: int = 11, width: int = 6) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.drop = torch.nn.Dropout(0.5)
+        self.hidden = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B,) int64 -> (B, vocab)
+        return self.head(self.drop(torch.relu(self.hidden(self.emb(x)))))
+
+
+def build(seed: int = 0):
+    torch.manual_seed(seed)
+    model = TiedModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=40)
+    return model, opt, sched
+
+
+def train(model, opt, sched, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, 11, (16,))
+        noise = random.random() + float(np.random.rand())  # python and numpy RNG matter too
+        loss = torch.nn.functional.cross_entropy(model(x), x) * (1.0 + 0.0 * noise)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item() + noise)
+    return losses
+
+
+def checkpointer(tmp_path, model, opt, sched, **kwargs) -> spotrun.Checkpointer:
+    return spotrun.Checkpointer(
+        {"model": model, "optimizer": opt, "scheduler": sched},
+        storage=LocalStorage(str(tmp_path), fsync=False),
+        handle_signals=False,
+        **kwargs,
+    )
+
+
+def test_resume_is_bit_exact(tmp_path):
+    model, opt, sched = build()
+    ckpt = checkpointer(tmp_path, model, opt, sched)
+    train(model, opt, sched, 5)
+    ckpt.save(5)
+    reference = train(model, opt, sched, 6)
+
+    model2, opt2, sched2 = build(seed=123)  # different init and RNG: all must come from the checkpoint
+    random.seed(99)
+    np.random.seed(99)
+    ckpt2 = checkpointer(tmp_path, model2, opt2, sched2)
+    assert ckpt2.restore() == 5
+    assert train(model2, opt2, sched2, 6) == reference
+    for (name, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert sched2.get_last_lr() == sched.get_last_lr()
+    assert opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+
+
+def test_c05_tied_weights(tmp_path):
+    model, opt, sched = build()
+    train(model, opt, sched, 3)
+    checkpointer(tmp_path, model, opt, sched).save(3)
+    manifest = json.loads((tmp_path / manifest_key(3)).read_text())
+    assert manifest["aliases"] == {"model/head.weight": "model/emb.weight"}
+
+    model2, opt2, sched2 = build(seed=7)
+    assert checkpointer(tmp_path, model2, opt2, sched2).restore() == 3
+    assert model2.head.weight.data_ptr() == model2.emb.weight.data_ptr()
+    assert model2.head.weight is model2.emb.weight
+    assert torch.equal(model2.emb.weight, model.emb.weight)
+    assert torch.equal(model2.head.weight, model.head.weight)
+
+
+def test_non_serialisable_value_names_its_key_and_writes_nothing(tmp_path):
+    model, opt, sched = build()
+    extra = {"epoch": 3, "hooks": {"on_end": print}}
+    ckpt = spotrun.Checkpointer(
+        {"model": model, "extra": extra}, storage=LocalStorage(str(tmp_path)), handle_signals=False
+    )
+    with pytest.raises(StateSerializationError, match=r"extra/hooks/on_end"):
+        ckpt.save(1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_json_state_round_trips_types(tmp_path):
+    extra = {"epoch": 3, "ids": {0: "a", 1: "b"}, "betas": (0.9, 0.99), "inf": float("inf"), "none": None}
+    ckpt = spotrun.Checkpointer({"extra": extra}, storage=LocalStorage(str(tmp_path)), handle_signals=False)
+    ckpt.save(2)
+    restored: dict = {}
+    ckpt2 = spotrun.Checkpointer({"extra": restored}, storage=LocalStorage(str(tmp_path)), handle_signals=False)
+    assert ckpt2.restore() == 2
+    assert restored == extra
+    assert isinstance(restored["betas"], tuple) and list(restored["ids"]) == [0, 1]
+
+
+def test_corrupt_shard_falls_back_to_previous_step(tmp_path, caplog):
+    model, opt, sched = build()
+    ckpt = checkpointer(tmp_path, model, opt, sched)
+    train(model, opt, sched, 2)
+    ckpt.save(2)
+    after_two = {k: v.clone() for k, v in model.state_dict().items()}
+    train(model, opt, sched, 2)
+    ckpt.save(4)
+    shard = tmp_path / file_key(4, shard_name(0))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # same size, different bytes: only the checksum can tell
+    shard.write_bytes(bytes(data))
+    assert catalog.newest_complete(LocalStorage(str(tmp_path))).step == 4  # sizes still match
+
+    model2, opt2, sched2 = build(seed=5)
+    with caplog.at_level(logging.WARNING, logger="spotrun"):
+        assert checkpointer(tmp_path, model2, opt2, sched2).restore() == 2
+    assert "checkpoint step 4 failed verification" in caplog.text
+    assert "falling back to step 2" in caplog.text
+    for name, value in model2.state_dict().items():
+        assert torch.equal(value, after_two[name]), name
+    steps = {s.step: s for s in catalog.list_steps(LocalStorage(str(tmp_path)))}
+    assert steps[4].status == catalog.CORRUPT and steps[2].status == catalog.COMPLETE
+
+    # The rejected step can be saved again later and then commits normally.
+    ckpt2 = checkpointer(tmp_path, model2, opt2, sched2)
+    ckpt2.save(4)
+    assert catalog.newest_complete(LocalStorage(str(tmp_path))).step == 4
+
+
+def test_every_step_corrupt_is_an_error_not_a_fresh_start(tmp_path):
+    model, opt, sched = build()
+    ckpt = checkpointer(tmp_path, model, opt, sched)
+    ckpt.save(1)
+    shard = tmp_path / file_key(1, shard_name(0))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(NoCheckpointError, match="tried steps"):
+        checkpointer(tmp_path, *build()).restore()
+
+
+def test_fresh_start_returns_zero(tmp_path):
+    assert checkpointer(tmp_path, *build()).restore() == 0
+
+
+def test_missing_state_name_is_a_clear_error(tmp_path):
+    model, opt, sched = build()
+    spotrun.Checkpointer({"model": model}, storage=LocalStorage(str(tmp_path)), handle_signals=False).save(1)
+    with pytest.raises(StateMismatchError, match="no state named 'optimizer'"):
+        checkpointer(tmp_path, model, opt, sched).restore()
+
+
+def test_wrong_architecture_is_a_clear_error(tmp_path):
+    model, opt, sched = build()
+    checkpointer(tmp_path, model, opt, sched).save(1)
+    other = torch.nn.Linear(3, 3)
+    ckpt = spotrun.Checkpointer(
+        {"model": other, "optimizer": {}, "scheduler": {}},
+        storage=LocalStorage(str(tmp_path)), handle_signals=False,
+    )
+    with pytest.raises(StateMismatchError, match="cannot load saved state 'model'"):
+        ckpt.restore()
+
+
+def test_periodic_saves_follow_interval(tmp_path):
+    model, opt, sched = build()
+    ckpt = checkpointer(tmp_path, model, opt, sched, interval_steps=3)
+    for step in range(1, 8):
+        assert ckpt.end_of_step(step) is False
+    assert [s.step for s in catalog.list_steps(LocalStorage(str(tmp_path)))] == [3, 6]
+
+
+def test_c11_metadata_values_are_strings_and_empty_shard_opens(tmp_path):
+    data = encode_shard({"w": torch.ones(2)}, {"step": 7, "ratio": 0.5, "ok": True})
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(data)
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"step": "7", "ratio": "0.5", "ok": "True"}
+        assert torch.equal(f.get_tensor("w"), torch.ones(2))
+    empty = tmp_path / "empty.safetensors"
+    empty.write_bytes(encode_shard({}, {"rank": 1}))
+    with safe_open(str(empty), framework="pt") as f:
+        assert list(f.keys()) == [] and f.metadata() == {"rank": "1"}
+    with pytest.raises(StateSerializationError):
+        encode_shard({}, {3: "x"})
+
+
+def test_rng_states_are_restored(tmp_path):
+    ckpt = spotrun.Checkpointer({"x": {"v": 1}}, storage=LocalStorage(str(tmp_path)), handle_signals=False)
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    ckpt.save(1)
+    expected = (random.random(), float(np.random.rand()), torch.rand(3))
+    random.seed(10)
+    np.random.seed(20)
+    torch.manual_seed(30)
+    assert spotrun.Checkpointer({"x": {}}, storage=LocalStorage(str(tmp_path)), handle_signals=False).restore() == 1
+    got = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])

@@ -1,0 +1,47 @@
+"""Collective save/load with real torchrun and gloo (2 ranks)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from safetensors import safe_open
+
+WORKER = pathlib.Path(__file__).parent / "workers" / "tiny_dist.py"
+pytestmark = pytest.mark.slow
+
+
+def torchrun(ckpt_dir: pathlib.Path, mode: str) -> list[dict]:
+    out_dir = ckpt_dir.parent / f"out-{mode}"
+    out_dir.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(WORKER), str(ckpt_dir), mode, str(out_dir)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads((out_dir / f"rank-{r}.json").read_text()) for r in range(2)]
+
+
+def test_c11_rank_without_tensors_writes_a_shard_that_opens(tmp_path):
+    ck = tmp_path / "ck"
+    torchrun(ck, "save")
+    manifest = json.loads((ck / "step-000000003" / "manifest.json").read_text())
+    assert [f["rank"] for f in manifest["files"]] == [0, 1]
+    assert manifest["tensors"]["w/only"]["file"] == "rank-00000.safetensors"
+    with safe_open(str(ck / "step-000000003" / "rank-00001.safetensors"), framework="pt") as f:
+        assert list(f.keys()) == []
+        assert f.metadata()["rank"] == "1"
+    rows = torchrun(ck, "load")
+    assert [r["w"] for r in rows] == [[0.0, 1.0, 2.0, 3.0]] * 2
+    assert [r["meta"] for r in rows] == [{"epoch": 1}] * 2
+
+
+def test_a_rank_whose_write_fails_fails_the_save_on_every_rank(tmp_path):
+    ck = tmp_path / "ck"
+    rows = torchrun(ck, "fail-rank1")
+    assert all(r["error"] and "rank(s) [1]" in r["error"] and "injected" in r["error"] for r in rows)
+    assert not (ck / "step-000000004" / "manifest.json").exists()

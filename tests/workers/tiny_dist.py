@@ -1,0 +1,50 @@
+"""torchrun worker for test_distributed_save: a replicated state small enough that rank 1
+owns none of its tensors, saved and loaded through the collective save path.
+
+Usage: torchrun --nproc-per-node 2 tiny_dist.py CKPT_DIR save|load|fail-rank1 OUT_DIR
+(each rank writes its JSON result to OUT_DIR/rank-R.json)
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from spotrun.checkpoint.restore import load_step
+from spotrun.checkpoint.save import SaveContext, save_step
+from spotrun.errors import CheckpointSaveError, StorageError
+from spotrun.storage import LocalStorage
+
+ckpt_dir, mode, out_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+storage = LocalStorage(ckpt_dir)
+replicated = {"w": {"only": torch.arange(4, dtype=torch.float32)}, "meta": {"epoch": 1}}
+context = SaveContext(reason="test", run_id="r", incarnation=0)
+
+
+def report(doc):
+    with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
+        json.dump(doc, f)
+
+
+if mode == "save":
+    save_step(storage, 3, replicated, {}, context)
+    report({"rank": rank, "saved": 3})
+elif mode == "load":
+    loaded = load_step(storage, 3, rank, dist.get_world_size())
+    report({"rank": rank, "w": loaded.replicated["w"]["only"].tolist(),
+                      "meta": loaded.replicated["meta"]})
+elif mode == "fail-rank1":
+    if rank == 1:
+        def broken_put(key, data):
+            raise StorageError(5, f"injected write failure for {key}")
+        storage.put = broken_put
+    try:
+        save_step(storage, 4, replicated, {}, context)
+        report({"rank": rank, "error": None})
+    except CheckpointSaveError as exc:
+        report({"rank": rank, "error": str(exc)})
+dist.destroy_process_group()
