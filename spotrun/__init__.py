@@ -9,7 +9,6 @@ Library entry points used inside a training script:
 
 __version__ = "0.1.0"
 
-from spotrun.checkpointer import Checkpointer  # noqa: E402
 from spotrun.errors import (  # noqa: E402
     CheckpointError,
     CheckpointSaveError,
@@ -41,7 +40,12 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # spotrun.data is imported lazily so `import spotrun` stays cheap for the supervisor.
+    # The torch-dependent parts load on first use, so that `spotrun run` (the supervisor)
+    # starts in milliseconds and handles a SIGTERM that arrives right after it starts.
+    if name == "Checkpointer":
+        from spotrun.checkpointer import Checkpointer
+
+        return Checkpointer
     if name in ("ResumableDataLoader", "ResumableDistributedSampler"):
         from spotrun import data
 

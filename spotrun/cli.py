@@ -1,0 +1,158 @@
+"""The ``spotrun`` command line.
+
+    spotrun run [options] -- LAUNCH_COMMAND...   supervise a training command (see
+                                                 :mod:`spotrun.supervisor.run` for exit codes)
+    spotrun ls URI [--json]                      list the checkpoints under URI
+
+Errors of spotrun itself (:class:`~spotrun.errors.SpotrunError`: a bad option, URI or
+storage failure) print one line ``spotrun: error: ...`` and exit 2. Logging is configured
+here only, never at import time: timestamped lines on stderr, prefixed ``spotrun:``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from spotrun.env import DEFAULT_CHECKPOINT_URI
+from spotrun.errors import SpotrunError
+
+EXIT_USAGE = 2
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level", choices=_LOG_LEVELS, default=None,
+        help="log verbosity on stderr (default: info for run, warning for ls)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="spotrun",
+        description="Keep torchrun training alive on spot machines.",
+    )
+    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run", parents=[common], help="supervise a launch command (usually torchrun)",
+        description="Run LAUNCH_COMMAND, resume it from the newest complete checkpoint, turn "
+        "preemption notices into emergency checkpoints. Exit codes: 0 finished, 143 preempted "
+        "and saved, 142 preempted without a new checkpoint, 2 spotrun error, else the "
+        "command's own code.",
+    )
+    run.add_argument("--checkpoint-uri", default=DEFAULT_CHECKPOINT_URI, metavar="URI",
+                     help="checkpoint root: local dir, file:// or s3://bucket/prefix (default %(default)s)")
+    run.add_argument("--grace-period-s", type=float, default=30.0, metavar="S",
+                     help="seconds from a notice to the hard kill (default %(default)s, as Kubernetes)")
+    run.add_argument("--safety-margin-s", type=float, default=5.0, metavar="S",
+                     help="seconds kept free before the end of the grace period (default %(default)s)")
+    run.add_argument("--stop-timeout-s", type=float, default=5.0, metavar="S",
+                     help="seconds between SIGTERM and SIGKILL when stopping the command (default %(default)s)")
+    run.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                     help="restarts after a crash without a notice (default %(default)s)")
+    run.add_argument("--restart-backoff-s", type=float, default=10.0, metavar="S",
+                     help="wait before the first restart, doubled each time, at most 300 s (default %(default)s)")
+    run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- LAUNCH_COMMAND...",
+                     help="the command to supervise, e.g. torchrun --nproc-per-node 8 train.py")
+    run.set_defaults(handler=_cmd_run, default_log_level="info")
+
+    ls = sub.add_parser("ls", parents=[common], help="list checkpoints and whether they are complete")
+    ls.add_argument("uri", metavar="URI", help="checkpoint root: local dir, file:// or s3://bucket/prefix")
+    ls.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    ls.set_defaults(handler=_cmd_ls, default_log_level="warning")
+    return parser
+
+
+def _configure_logging(level_name: str) -> None:
+    formatter = logging.Formatter(
+        "spotrun: %(asctime)s.%(msecs)03dZ %(levelname)s %(message)s", datefmt="%Y-%m-%dT%H:%M:%S"
+    )
+    formatter.converter = time.gmtime
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    logger = logging.getLogger("spotrun")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level_name.upper())
+    logger.propagate = False
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from spotrun.supervisor import SupervisorConfig, supervise
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    config = SupervisorConfig(
+        command=tuple(command),
+        checkpoint_uri=args.checkpoint_uri,
+        grace_period_s=args.grace_period_s,
+        safety_margin_s=args.safety_margin_s,
+        stop_timeout_s=args.stop_timeout_s,
+        max_restarts=args.max_restarts,
+        restart_backoff_s=args.restart_backoff_s,
+    )
+    return supervise(config)
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from spotrun.checkpoint.catalog import list_steps
+    from spotrun.storage import open_storage
+
+    storage = open_storage(args.uri)
+    steps = list_steps(storage)
+    if args.json:
+        print(json.dumps([s.to_json() for s in steps], indent=1))
+        return 0
+    if not steps:
+        print(f"no checkpoints under {storage.uri}")
+        return 0
+    rows = [("STEP", "STATUS", "WORLD", "SIZE", "TIME (UTC)", "REASON", "PROBLEM")]
+    for s in steps:
+        rows.append((
+            str(s.step), s.status, "-" if s.world_size is None else str(s.world_size),
+            human_size(s.size_bytes), utc_iso(s.created_unix_s), s.reason or "-", s.problem or "-",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    return 0
+
+
+def human_size(size_bytes: int) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (binary units; bytes shown exactly below 1 KiB)."""
+    if size_bytes < 1024:
+        return f"{size_bytes} B"
+    value = size_bytes / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def utc_iso(unix_s: float) -> str:
+    """Seconds since the epoch as ``2025-11-30T06:04:00Z``."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix_s))
+
+
+def _error_text(exc: SpotrunError) -> str:
+    if isinstance(exc, OSError) and exc.strerror:  # storage errors: drop the "[Errno N]" prefix
+        return exc.strerror
+    return str(exc)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``spotrun`` console script; returns the exit code."""
+    args = _build_parser().parse_args(argv)
+    _configure_logging(args.log_level or args.default_log_level)
+    try:
+        return args.handler(args)
+    except SpotrunError as exc:
+        print(f"spotrun: error: {_error_text(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,278 @@
+"""S3-compatible storage backend (AWS S3, MinIO, Cloudflare R2, moto...).
+
+Endpoint, credentials and profile come from the standard AWS settings, resolved by
+boto3 itself: ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_PROFILE``,
+``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, config files, instance roles. An explicit
+``endpoint_url`` option overrides the environment. The region is the ``region_name``
+option, else ``AWS_REGION``, else ``AWS_DEFAULT_REGION`` or the profile's region, else
+``us-east-1``.
+
+How the :class:`~spotrun.storage.base.Storage` contract is met:
+
+* ``put`` is a single ``PutObject`` below ``multipart_threshold_bytes``, else a parallel
+  multipart upload that is aborted on any failure (:mod:`spotrun.storage.s3_transfer`).
+  S3 makes an object visible only when its ``PutObject``/``CompleteMultipartUpload``
+  succeeds, so readers never see a partial object.
+* ``put_if_absent`` is a conditional write (``IfNoneMatch="*"``); S3 answers ``412``
+  to every writer but the first.
+* every request is retried by one tenacity policy (:mod:`spotrun.storage.s3_retry`)
+  bounded by a deadline; botocore's own retries are off.
+* botocore errors become spotrun errors (:mod:`spotrun.storage.s3_errors`), cause kept.
+
+Request checksums are only sent where S3 requires them (``when_required``), because
+several S3-compatible stores reject the CRC headers that newer botocore adds by default;
+spotrun verifies its own checksums on load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import urllib3.exceptions
+from botocore.exceptions import BotoCoreError, ClientError
+
+from spotrun.errors import ConfigError, ObjectExistsError, StorageError
+from spotrun.storage import s3_transfer
+from spotrun.storage.base import ObjectInfo, Storage
+from spotrun.storage.s3_config import S3Options, make_client, parse_s3_uri
+from spotrun.storage.s3_errors import is_conditional_conflict, is_precondition_failed, translate
+from spotrun.storage.s3_retry import RetryPolicy
+
+__all__ = ["S3Options", "S3Storage", "make_client", "parse_s3_uri"]
+
+log = logging.getLogger(__name__)
+
+_BOTO_ERRORS = (ClientError, BotoCoreError, urllib3.exceptions.HTTPError)
+
+
+class S3Storage(Storage):
+    """Objects under ``s3://bucket/prefix``.
+
+    Args:
+        bucket: bucket name; the bucket must exist.
+        prefix: key prefix without leading/trailing ``/``; may be empty. Object ``k`` is
+            stored as ``prefix/k``.
+        options: transfer, retry and connection options (defaults if ``None``).
+        client: a ready boto3 S3 client to use instead of building one from ``options``
+            (tests wrap a client to inject faults).
+
+    Raises:
+        ConfigError: bad bucket, prefix or options.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        options: S3Options | None = None,
+        *,
+        client: Any = None,
+    ) -> None:
+        if not bucket or "/" in bucket:
+            raise ConfigError(f"bad S3 bucket name {bucket!r}")
+        bucket_, prefix_ = parse_s3_uri(f"s3://{bucket}/{prefix}")
+        self._bucket = bucket_
+        self._prefix = prefix_
+        self._options = options or S3Options()
+        self._retry = RetryPolicy(
+            deadline_s=self._options.retry_deadline_s,
+            sleep=self._options.sleep,
+            clock=self._options.clock,
+        )
+        self._client = client if client is not None else make_client(self._options)
+        self._local = threading.local()
+
+    @classmethod
+    def from_uri(cls, uri: str, **options: Any) -> S3Storage:
+        """``S3Storage`` for ``s3://bucket[/prefix]``; ``options`` are :class:`S3Options` fields.
+
+        Raises:
+            ConfigError: a malformed URI or an unknown/out-of-range option.
+        """
+        bucket, prefix = parse_s3_uri(uri)
+        return cls(bucket, prefix, S3Options.from_kwargs(**options))
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self._bucket}/{self._prefix}" if self._prefix else f"s3://{self._bucket}"
+
+    @property
+    def bucket(self) -> str:
+        """The bucket name."""
+        return self._bucket
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client in use."""
+        return self._client
+
+    @contextlib.contextmanager
+    def deadline(self, timeout_s: float) -> Iterator[None]:
+        """Bound every operation this thread starts inside the block to ``timeout_s`` from now.
+
+        Operations then stop retrying before the deadline (or before their own
+        ``retry_deadline_s``, whichever comes first); one that starts after it has
+        passed raises :class:`StorageError` at once. Blocks nest; the earliest wins.
+        The deadline bounds retrying, not a request in flight: one attempt can still
+        take up to ``connect_timeout_s`` plus ``read_timeout_s`` (per socket read).
+        """
+        previous = getattr(self._local, "deadline_at", None)
+        at = self._retry.clock() + timeout_s
+        self._local.deadline_at = at if previous is None else min(previous, at)
+        try:
+            yield
+        finally:
+            self._local.deadline_at = previous
+
+    # --- plumbing ---------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        return f"{self._prefix}/{key}" if self._prefix else key
+
+    def _what(self, operation: str, key: str) -> str:
+        return f"{operation} s3://{self._bucket}/{self._key(key)}"
+
+    def _caller(self, what: str) -> Callable[[Callable[[], Any], str], Any]:
+        """A ``call(fn, what)`` that retries under this operation's deadline."""
+        deadline_at = self._retry.deadline_from_now()
+        contextual = getattr(self._local, "deadline_at", None)
+        if contextual is not None:
+            deadline_at = min(deadline_at, contextual)
+        if self._retry.clock() >= deadline_at:
+            raise StorageError(errno.ETIMEDOUT, f"{what}: deadline passed before it started")
+        return lambda fn, label: self._retry.call(fn, what=label, deadline_at=deadline_at)
+
+    @contextlib.contextmanager
+    def _translated(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except _BOTO_ERRORS as exc:
+            raise translate(exc, what=what, bucket=self._bucket) from exc
+
+    def _transfer_kwargs(self) -> dict[str, Any]:
+        return {
+            "part_size_bytes": self._options.part_size_bytes,
+            "max_concurrency": self._options.max_concurrency,
+        }
+
+    # --- hooks ------------------------------------------------------------------
+
+    def _put(self, key: str, data: memoryview) -> None:
+        what = self._what("put", key)
+        call = self._caller(what)
+        with self._translated(what):
+            if len(data) >= self._options.multipart_threshold_bytes:
+                s3_transfer.upload_multipart(
+                    self._client, call, bucket=self._bucket, key=self._key(key), data=data,
+                    **self._transfer_kwargs(),
+                )
+            else:
+                body = bytes(data)
+                call(
+                    lambda: self._client.put_object(
+                        Bucket=self._bucket, Key=self._key(key), Body=body
+                    ),
+                    what,
+                )
+
+    def _put_if_absent(self, key: str, data: memoryview) -> None:
+        what = self._what("put_if_absent", key)
+        call = self._caller(what)
+        attempts = 0
+        body = b""
+
+        def attempt() -> None:
+            nonlocal attempts
+            attempts += 1
+            self._client.put_object(
+                Bucket=self._bucket, Key=self._key(key), Body=body, IfNoneMatch="*"
+            )
+
+        try:
+            with self._translated(what):
+                if len(data) >= self._options.multipart_threshold_bytes:
+                    s3_transfer.upload_multipart(
+                        self._client, call, bucket=self._bucket, key=self._key(key), data=data,
+                        if_none_match=True, **self._transfer_kwargs(),
+                    )
+                    return
+                body = bytes(data)
+                call(attempt, what)
+        except StorageError as exc:
+            cause = exc.__cause__
+            if not (is_precondition_failed(cause) or is_conditional_conflict(cause)):
+                raise
+            if attempts > 1 and self._own_earlier_attempt_landed(key, body):
+                return
+            raise ObjectExistsError(errno.EEXIST, f"{what}: the object already exists") from cause
+
+    def _own_earlier_attempt_landed(self, key: str, body: bytes) -> bool:
+        """After a retried conditional put lost, whether the winner was our own first try.
+
+        A first attempt can succeed on the server while its response is lost; the retry
+        then fails its precondition against our own object. Equal bytes mean success.
+        """
+        try:
+            landed = self._get(key) == body
+        except StorageError:
+            return False
+        if landed:
+            log.info("put_if_absent %s: an earlier attempt of this call had stored it", key)
+        return landed
+
+    def _get(self, key: str) -> bytes:
+        what = self._what("get", key)
+        call = self._caller(what)
+        with self._translated(what):
+            return s3_transfer.download(
+                self._client, call, bucket=self._bucket, key=self._key(key),
+                **self._transfer_kwargs(),
+            )
+
+    def _stat(self, key: str) -> ObjectInfo:
+        what = self._what("stat", key)
+        call = self._caller(what)
+        with self._translated(what):
+            head = call(
+                lambda: self._client.head_object(Bucket=self._bucket, Key=self._key(key)), what
+            )
+        return ObjectInfo(
+            key=key, size_bytes=int(head["ContentLength"]), mtime_s=head["LastModified"].timestamp()
+        )
+
+    def _list(self, prefix: str) -> list[ObjectInfo]:
+        root = f"{self._prefix}/" if self._prefix else ""
+        what = f"list s3://{self._bucket}/{root}{prefix}"
+        call = self._caller(what)
+        request: dict[str, Any] = {"Bucket": self._bucket, "Prefix": root + prefix}
+        infos: list[ObjectInfo] = []
+        with self._translated(what):
+            while True:
+                page = call(
+                    lambda kwargs=dict(request): self._client.list_objects_v2(**kwargs), what
+                )
+                for obj in page.get("Contents", []):
+                    key = obj["Key"][len(root) :]
+                    if not key or key.endswith("/"):  # "directory" markers made by consoles
+                        continue
+                    infos.append(
+                        ObjectInfo(
+                            key=key,
+                            size_bytes=int(obj["Size"]),
+                            mtime_s=obj["LastModified"].timestamp(),
+                        )
+                    )
+                if not page.get("IsTruncated"):
+                    return infos
+                request["ContinuationToken"] = page["NextContinuationToken"]
+
+    def _delete(self, key: str) -> None:
+        what = self._what("delete", key)
+        call = self._caller(what)
+        with self._translated(what):
+            call(lambda: self._client.delete_object(Bucket=self._bucket, Key=self._key(key)), what)

@@ -1,0 +1,28 @@
+"""The node supervisor: ``spotrun run -- torchrun ...``.
+
+* :mod:`spotrun.supervisor.run`     the main loop and the exit codes;
+* :mod:`spotrun.supervisor.config`  :class:`SupervisorConfig`, the options;
+* :mod:`spotrun.supervisor.launch`  resume point and environment of each launch;
+* :mod:`spotrun.supervisor.notices` :class:`Notice` and the :class:`Inbox` every notice
+  source (signals now, cloud metadata pollers later) delivers through;
+* :mod:`spotrun.supervisor.process` descendants, stopping the process tree, reaping.
+"""
+
+from spotrun.supervisor.config import SupervisorConfig
+from spotrun.supervisor.notices import Inbox, Notice
+from spotrun.supervisor.run import (
+    EXIT_FINISHED,
+    EXIT_PREEMPTED_NOT_SAVED,
+    EXIT_PREEMPTED_SAVED,
+    supervise,
+)
+
+__all__ = [
+    "EXIT_FINISHED",
+    "EXIT_PREEMPTED_NOT_SAVED",
+    "EXIT_PREEMPTED_SAVED",
+    "Inbox",
+    "Notice",
+    "SupervisorConfig",
+    "supervise",
+]

@@ -1,0 +1,114 @@
+"""What one launch of the training command starts from: the resume point and its environment.
+
+Before every launch (the first one and each crash restart) the supervisor lists the
+checkpoints again, picks the newest complete step and tells the workers about it through
+the environment variables of :mod:`spotrun.env`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import uuid
+from dataclasses import dataclass
+
+from spotrun import env as spotrun_env
+from spotrun.checkpoint import catalog
+from spotrun.checkpoint.catalog import StepInfo
+from spotrun.storage import LocalStorage, Storage
+
+log = logging.getLogger(__name__)
+
+#: torchrun's variable for its --shutdown-timeout (seconds between its SIGTERM and SIGKILL).
+TORCH_SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything one launch needs.
+
+    Attributes:
+        resume: the newest complete step, or ``None`` for a fresh start.
+        run_id: the job's identifier (from the resumed manifest, else the supervisor's own).
+        incarnation: start count of the job (0 = first start).
+        env: the complete environment of the launch command.
+    """
+
+    resume: StepInfo | None
+    run_id: str
+    incarnation: int
+    env: dict[str, str]
+
+
+def find_resume_point(storage: Storage) -> StepInfo | None:
+    """The newest complete step under ``storage`` (logged), or ``None`` for a fresh start.
+
+    Steps newer than it that are incomplete or corrupt are logged as ignored.
+
+    Raises:
+        StorageError: listing the checkpoints failed.
+    """
+    steps = catalog.list_steps(storage)
+    complete = [s for s in steps if s.status == catalog.COMPLETE]
+    resume = complete[-1] if complete else None
+    floor = resume.step if resume else -1
+    for info in steps:
+        if info.step > floor:
+            log.warning("ignoring %s step %d: %s", info.status, info.step, info.problem)
+    if resume is None:
+        log.info("no complete checkpoint under %s: fresh start", storage.uri)
+    else:
+        log.info(
+            "resuming from step %d under %s (%s checkpoint, world size %s)",
+            resume.step, storage.uri, resume.reason, resume.world_size,
+        )
+    return resume
+
+
+def plan_launch(
+    storage: Storage,
+    uri: str,
+    *,
+    control_dir: str,
+    grace_period_s: float,
+    previous: LaunchPlan | None = None,
+    base_env: dict[str, str] | None = None,
+) -> LaunchPlan:
+    """Choose the resume point and build the launch command's environment.
+
+    Args:
+        storage: the checkpoint storage.
+        uri: the checkpoint URI as the user gave it (passed on for non-local backends;
+            a local directory is passed as an absolute path so workers agree whatever
+            their working directory).
+        control_dir: this launch's node-local control directory.
+        grace_period_s: seconds between a notice and the hard kill; torchrun's shutdown
+            timeout defaults to it (rounded up) unless the user set one.
+        previous: the plan of the previous launch by this supervisor (after a crash):
+            keeps the run id and makes the incarnation grow even without a new checkpoint.
+        base_env: environment to extend; default ``os.environ``.
+
+    Raises:
+        StorageError: listing the checkpoints failed.
+    """
+    resume = find_resume_point(storage)
+    manifest = resume.manifest if resume else None
+    run_id = (manifest.run_id if manifest else "") or (previous.run_id if previous else "")
+    run_id = run_id or uuid.uuid4().hex
+    incarnation = max(
+        manifest.incarnation + 1 if manifest else 0,
+        previous.incarnation + 1 if previous else 0,
+    )
+
+    env = dict(os.environ if base_env is None else base_env)
+    env[spotrun_env.CHECKPOINT_URI] = storage.uri if isinstance(storage, LocalStorage) else uri
+    env[spotrun_env.CONTROL_DIR] = control_dir
+    env[spotrun_env.RUN_ID] = run_id
+    env[spotrun_env.INCARNATION] = str(incarnation)
+    if resume is None:
+        env.pop(spotrun_env.RESUME_STEP, None)
+    else:
+        env[spotrun_env.RESUME_STEP] = str(resume.step)
+    env.setdefault(TORCH_SHUTDOWN_TIMEOUT, str(math.ceil(grace_period_s)))
+    return LaunchPlan(resume=resume, run_id=run_id, incarnation=incarnation, env=env)

@@ -1,0 +1,158 @@
+"""Preemption notices and the supervisor's inbox.
+
+Every source of a preemption notice (a signal today; the cloud metadata pollers later)
+delivers a :class:`Notice` through one :class:`Inbox`, and the supervisor's main loop is
+the only place that acts on it. No work happens inside a signal handler: the Python
+handlers installed by :func:`signal_notices` do nothing, and :func:`signal.set_wakeup_fd`
+makes the interpreter's C-level handler write the signal number into the inbox's
+self-pipe, whichever thread the kernel delivered the signal to. The main loop turns those
+bytes into events after it wakes up.
+
+Events the inbox hands out (:meth:`Inbox.wait`):
+    :class:`Notice`        a preemption notice (from a signal or from :meth:`Inbox.post`);
+    :data:`CHILD_EVENT`    SIGCHLD arrived: some child changed state, reap it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import queue
+import select
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+#: Signals that mean "you are being preempted" to the supervisor.
+NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+#: Event meaning "a child process changed state" (SIGCHLD arrived).
+CHILD_EVENT = "child"
+
+_WAKE_BYTE = b"\0"  # not a signal number: "look at the queue"
+
+
+@dataclass(frozen=True)
+class Notice:
+    """One preemption notice.
+
+    Attributes:
+        source: who sent it: ``"signal"``, later ``"aws"``, ``"gcp"``, ``"azure"``, ``"file"``.
+        kind: what it says, e.g. ``"SIGTERM"`` or ``"spot instance-action terminate"``.
+        received_unix_s: when the supervisor learned of it (seconds since the epoch).
+        deadline_unix_s: when the machine goes away, if the source knows (seconds since the
+            epoch); ``None`` means "the configured grace period from ``received_unix_s``".
+        acknowledge: called once after the emergency checkpoint committed (Azure wants a
+            ``StartRequests`` POST); ``None`` when the source needs no acknowledgement.
+    """
+
+    source: str
+    kind: str
+    received_unix_s: float
+    deadline_unix_s: float | None = None
+    acknowledge: Callable[[], None] | None = None
+
+
+class Inbox:
+    """A thread-safe queue of events plus a self-pipe that wakes the main loop.
+
+    ``post`` may be called from any thread (a cloud notice poller); ``wait`` only from the
+    supervisor's main loop. Close it (or use it as a context manager) to free the pipe.
+    """
+
+    def __init__(self) -> None:
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._read_fd, self._write_fd = os.pipe()
+        for fd in (self._read_fd, self._write_fd):
+            os.set_blocking(fd, False)
+            fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.FD_CLOEXEC)
+
+    @property
+    def wakeup_fd(self) -> int:
+        """Write end of the self-pipe (for :func:`signal.set_wakeup_fd`)."""
+        return self._write_fd
+
+    def post(self, event: object) -> None:
+        """Deliver ``event`` (usually a :class:`Notice`) to the main loop; never blocks."""
+        self._events.put(event)
+        with contextlib.suppress(BlockingIOError):  # pipe full: a wakeup is already pending
+            os.write(self._write_fd, _WAKE_BYTE)
+
+    def wait(self, timeout_s: float | None) -> list[object]:
+        """Block until at least one event is pending or ``timeout_s`` passed; return all pending.
+
+        Args:
+            timeout_s: seconds to wait at most; ``None`` waits without limit, ``0`` polls.
+
+        Returns:
+            The events in arrival order (signals read from the pipe first); empty on timeout.
+        """
+        events = self._drain()
+        if events or (timeout_s is not None and timeout_s <= 0):
+            return events
+        select.select([self._read_fd], [], [], timeout_s)  # retried on EINTR (PEP 475)
+        return self._drain()
+
+    def _drain(self) -> list[object]:
+        events: list[object] = []
+        while True:
+            try:
+                data = os.read(self._read_fd, 4096)
+            except BlockingIOError:
+                break
+            if not data:
+                break
+            events.extend(_signal_event(signum) for signum in data if signum != _WAKE_BYTE[0])
+        while True:
+            try:
+                events.append(self._events.get_nowait())
+            except queue.Empty:
+                break
+        return events
+
+    def close(self) -> None:
+        """Close the pipe; the inbox must not be used afterwards."""
+        for fd in (self._read_fd, self._write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __enter__(self) -> "Inbox":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _signal_event(signum: int) -> object:
+    if signum == signal.SIGCHLD:
+        return CHILD_EVENT
+    return Notice(source="signal", kind=signal.Signals(signum).name, received_unix_s=time.time())
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """Python-level handler: nothing to do; the wakeup fd already carries the signal."""
+
+
+@contextlib.contextmanager
+def signal_notices(inbox: Inbox) -> Iterator[None]:
+    """Route SIGTERM, SIGINT, SIGHUP (as notices) and SIGCHLD into ``inbox`` while active.
+
+    Must be entered in the main thread. The previous handlers and wakeup fd are restored
+    on exit.
+
+    Raises:
+        ValueError: not called from the main thread.
+    """
+    watched = (*NOTICE_SIGNALS, signal.SIGCHLD)
+    previous = {signum: signal.getsignal(signum) for signum in watched}
+    old_fd = signal.set_wakeup_fd(inbox.wakeup_fd, warn_on_full_buffer=False)
+    try:
+        for signum in watched:
+            signal.signal(signum, _ignore)
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        signal.set_wakeup_fd(old_fd)

@@ -1,0 +1,291 @@
+"""The node supervisor behind ``spotrun run -- LAUNCH_COMMAND...``.
+
+One supervisor runs per node. It finds the newest complete checkpoint, starts the launch
+command (usually ``torchrun ...``) in its own process group with the resume point in the
+environment (:mod:`spotrun.supervisor.launch`), and waits. A preemption notice (SIGTERM,
+SIGINT or SIGHUP to the supervisor; cloud notices later, all through
+:class:`~spotrun.supervisor.notices.Inbox`) never reaches torchrun as a signal, because
+torchrun treats those as fatal. Instead the supervisor writes a save request into the
+node-local control directory (:mod:`spotrun.control`) with the deadline
+``notice time + grace period - safety margin``, and waits for the command to exit. If the
+deadline passes first it stops the whole process tree (SIGTERM, then SIGKILL after the
+stop timeout; workers in other sessions included) and leaves no process behind.
+
+Exit codes:
+    0    the command exited 0 and no emergency checkpoint was taken: training finished
+         (also when a notice arrived but the command finished without saving).
+    143  a notice arrived and the emergency checkpoint the workers reported is complete on
+         storage: preempted and saved; restart the job to continue (retryable: >= 128).
+    142  a notice arrived but no emergency checkpoint committed before the command exited
+         or the deadline passed; the job resumes from the last periodic checkpoint
+         (retryable: >= 128, as Kubernetes ``restartPolicy: ExitCode`` expects).
+    2    spotrun's own error (bad option or URI, unreadable storage, command not found).
+    N    otherwise the command's own exit code once ``--max-restarts`` are used up; a
+         command killed by signal S gives ``128 + S``.
+
+The supervisor reaps every child it gets (it is a child subreaper, so orphaned workers
+become its children). It must be the only code in its process that waits for children.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import time
+
+from spotrun import control
+from spotrun.checkpoint import catalog
+from spotrun.errors import ConfigError, SpotrunError
+from spotrun.storage import Storage, open_storage
+from spotrun.supervisor import process
+from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
+from spotrun.supervisor.launch import LaunchPlan, plan_launch
+from spotrun.supervisor.notices import CHILD_EVENT, Inbox, Notice, signal_notices
+
+log = logging.getLogger(__name__)
+
+EXIT_FINISHED = 0
+EXIT_PREEMPTED_SAVED = 143
+EXIT_PREEMPTED_NOT_SAVED = 142
+#: How long to wait for a SIGKILLed command to be reaped before giving up on it, in seconds.
+_REAP_AFTER_KILL_S = 30.0
+
+
+def supervise(config: SupervisorConfig) -> int:
+    """Run the launch command under supervision until it finishes or is preempted.
+
+    Must be called from the main thread of a process that has no other children to wait
+    for (it reaps every child). Installs handlers for SIGTERM, SIGINT, SIGHUP and SIGCHLD
+    while it runs and restores the old ones afterwards.
+
+    Returns:
+        The exit code (see the module docstring).
+
+    Raises:
+        ConfigError: the URI is unsupported or the command cannot be started.
+        StorageError: the checkpoints could not be listed.
+    """
+    if config.safety_margin_s < config.stop_timeout_s:
+        log.warning(
+            "safety margin %.1f s is shorter than the stop timeout %.1f s: stopping a command "
+            "that misses the deadline may not finish within the grace period",
+            config.safety_margin_s, config.stop_timeout_s,
+        )
+    with contextlib.ExitStack() as stack:
+        inbox = stack.enter_context(Inbox())
+        stack.enter_context(signal_notices(inbox))
+        storage = open_storage(config.checkpoint_uri)
+        control_root = tempfile.mkdtemp(prefix="spotrun-control-")
+        stack.callback(shutil.rmtree, control_root, ignore_errors=True)
+        if not process.become_subreaper():
+            log.debug("could not become a child subreaper; orphaned workers go to init")
+        return _Supervisor(config, storage, inbox, control_root).run()
+
+
+class _Supervisor:
+    """State of one ``supervise`` call; see the module docstring for the behaviour."""
+
+    def __init__(self, config: SupervisorConfig, storage: Storage, inbox: Inbox, control_root: str):
+        self.config = config
+        self.storage = storage
+        self.inbox = inbox
+        self.control_root = control_root
+        self.notice: Notice | None = None
+        self.deadline_unix_s: float | None = None
+        self.child: subprocess.Popen | None = None
+        self.child_returncode: int | None = None
+        self.control_dir: str | None = None  # of the command now running, if any
+
+    # --- the launch / restart loop ---------------------------------------------
+
+    def run(self) -> int:
+        try:
+            return self._launch_loop()
+        except BaseException:
+            if self.child is not None and self.child_returncode is None:
+                log.error("supervisor failed while pid %d runs: killing its process tree", self.child.pid)
+                process.kill_tree(os.getpid(), self.child.pid)
+            raise
+
+    def _launch_loop(self) -> int:
+        plan: LaunchPlan | None = None
+        attempt = 0
+        while True:
+            self._handle_events(self.inbox.wait(0))
+            if self.notice is not None:
+                log.warning("notice arrived while no command was running: nothing to save")
+                return EXIT_PREEMPTED_NOT_SAVED
+            control_dir = tempfile.mkdtemp(prefix=f"launch-{attempt}-", dir=self.control_root)
+            plan = plan_launch(
+                self.storage, self.config.checkpoint_uri, control_dir=control_dir,
+                grace_period_s=self.config.grace_period_s, previous=plan,
+            )
+            code = self._run_once(plan, control_dir)
+            if self.notice is not None:
+                return self._preempted_exit_code(code, control_dir)
+            if code == 0:
+                log.info("the command exited 0: training finished")
+                return EXIT_FINISHED
+            if attempt >= self.config.max_restarts:
+                log.error("the command failed with exit code %d; no restarts left", code)
+                return code
+            delay_s = min(self.config.restart_backoff_s * 2**attempt, MAX_RESTART_BACKOFF_S)
+            attempt += 1
+            log.warning(
+                "the command failed with exit code %d: restart %d of %d in %.1f s",
+                code, attempt, self.config.max_restarts, delay_s,
+            )
+            self._wait(delay_s, until_notice=True)
+
+    def _run_once(self, plan: LaunchPlan, control_dir: str) -> int:
+        """Start the command, wait for it (stopping it at the deadline); its exit code."""
+        command = list(self.config.command)
+        try:
+            self.child = subprocess.Popen(command, env=plan.env, start_new_session=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot start {shlex.join(command)}: {exc.strerror or exc}") from exc
+        self.child_returncode = None
+        self.control_dir = control_dir
+        log.info(
+            "started pid %d (run id %s, incarnation %d): %s",
+            self.child.pid, plan.run_id, plan.incarnation, shlex.join(command),
+        )
+        while self.child_returncode is None:
+            timeout_s = None if self.deadline_unix_s is None else self.deadline_unix_s - time.time()
+            self._wait(timeout_s)
+            if self.child_returncode is None and self._deadline_passed():
+                log.warning("deadline passed before the command exited: stopping it")
+                self._stop_child()
+        self.control_dir = None
+        leftovers = process.descendants(os.getpid())
+        if leftovers:
+            log.warning("the command exited but left %d process(es) running: stopping them", len(leftovers))
+            process.stop_tree(os.getpid(), None, stop_timeout_s=self.config.stop_timeout_s, wait=self._wait)
+        code = process.exit_code(self.child_returncode)
+        log.info("the command exited with code %d", code)
+        return code
+
+    def _stop_child(self) -> None:
+        pgid = self.child.pid if self.child_returncode is None else None
+        process.stop_tree(os.getpid(), pgid, stop_timeout_s=self.config.stop_timeout_s, wait=self._wait)
+        give_up = time.monotonic() + _REAP_AFTER_KILL_S
+        while self.child_returncode is None and time.monotonic() < give_up:
+            self._wait(give_up - time.monotonic())
+        if self.child_returncode is None:
+            log.error("pid %d survived SIGKILL for %.0f s; giving up on it", self.child.pid, _REAP_AFTER_KILL_S)
+            self.child_returncode = -9
+
+    # --- events ------------------------------------------------------------------
+
+    def _wait(self, timeout_s: float | None, *, until_notice: bool = False) -> None:
+        """Wait for events up to ``timeout_s`` seconds, handle them and reap children.
+
+        With ``until_notice`` keep waiting for the whole ``timeout_s`` unless a notice comes.
+        """
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            remaining = None if end is None else max(0.0, end - time.monotonic())
+            self._handle_events(self.inbox.wait(remaining))
+            self._reap()
+            if not until_notice or self.notice is not None or remaining == 0.0:
+                return
+
+    def _handle_events(self, events: list[object]) -> None:
+        for event in events:
+            if isinstance(event, Notice):
+                self._on_notice(event)
+            elif event != CHILD_EVENT:
+                log.debug("ignoring unknown event %r", event)
+
+    def _on_notice(self, notice: Notice) -> None:
+        """The one place where a notice turns into a save request (signals and clouds alike)."""
+        end_s = notice.deadline_unix_s if notice.deadline_unix_s is not None else (
+            notice.received_unix_s + self.config.grace_period_s
+        )
+        deadline_unix_s = end_s - self.config.safety_margin_s
+        if self.notice is not None and deadline_unix_s >= self.deadline_unix_s:
+            log.info(
+                "ignoring another notice (%s from %s): already saving, %.1f s to the deadline",
+                notice.kind, notice.source, self.deadline_unix_s - time.time(),
+            )
+            return
+        if self.notice is None:
+            self.notice = notice
+            log.warning(
+                "preemption notice: %s from %s; emergency checkpoint requested, %.1f s to the deadline",
+                notice.kind, notice.source, deadline_unix_s - time.time(),
+            )
+        else:
+            log.warning("notice %s from %s moves the deadline earlier by %.1f s",
+                        notice.kind, notice.source, self.deadline_unix_s - deadline_unix_s)
+        self.deadline_unix_s = deadline_unix_s
+        if self.control_dir is not None:
+            control.write_save_request(
+                self.control_dir,
+                control.SaveRequest(
+                    reason=f"{notice.source}: {notice.kind}" if notice.source != "signal" else notice.kind,
+                    requested_unix_s=time.time(),
+                    deadline_unix_s=deadline_unix_s,
+                ),
+            )
+
+    def _deadline_passed(self) -> bool:
+        return self.deadline_unix_s is not None and time.time() >= self.deadline_unix_s
+
+    def _reap(self) -> None:
+        for pid, returncode in process.reap_children().items():
+            if self.child is not None and pid == self.child.pid and self.child_returncode is None:
+                self.child_returncode = returncode
+                self.child.returncode = returncode  # so Popen never waits for it again
+            else:
+                log.debug("reaped pid %d (exit code %d)", pid, process.exit_code(returncode))
+
+    # --- outcome -----------------------------------------------------------------
+
+    def _preempted_exit_code(self, code: int, control_dir: str) -> int:
+        try:
+            report = control.read_commit_report(control_dir)
+        except SpotrunError as exc:
+            log.error("%s", exc)
+            report = None
+        if report is None:
+            if code == 0:
+                log.info("the command exited 0 without an emergency checkpoint: training finished")
+                return EXIT_FINISHED
+            log.warning(
+                "no emergency checkpoint committed (command exit code %d): "
+                "the job resumes from the last complete checkpoint", code,
+            )
+            return EXIT_PREEMPTED_NOT_SAVED
+        status, problem = self._step_status(report.step)
+        if status != catalog.COMPLETE:
+            log.error(
+                "workers reported step %d committed, but it is %s on storage: %s",
+                report.step, status, problem,
+            )
+            return EXIT_PREEMPTED_NOT_SAVED
+        log.info("emergency checkpoint of step %d is complete: exiting %d", report.step, EXIT_PREEMPTED_SAVED)
+        self._acknowledge()
+        return EXIT_PREEMPTED_SAVED
+
+    def _step_status(self, step: int) -> tuple[str, str | None]:
+        try:
+            infos = [s for s in catalog.list_steps(self.storage) if s.step == step]
+        except SpotrunError as exc:
+            return "unreadable", str(exc)
+        if not infos:
+            return "missing", "no such step directory"
+        return infos[0].status, infos[0].problem
+
+    def _acknowledge(self) -> None:
+        if self.notice is None or self.notice.acknowledge is None:
+            return
+        try:
+            self.notice.acknowledge()
+        except Exception as exc:  # an acknowledgement failure must not lose the exit code
+            log.warning("acknowledging the %s notice failed: %s", self.notice.source, exc)

@@ -1,0 +1,114 @@
+"""`spotrun ls`: what a user sees for complete, incomplete and corrupt steps."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.fake_workers.fakeckpt import write_step
+from tests.s3_server import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
+
+CREATED_UNIX_S = 1_764_488_000.5  # 2025-11-30T07:33:20Z
+
+
+def spotrun_ls(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "spotrun", "ls", *args],
+        capture_output=True, text=True, timeout=120, cwd=cwd,
+    )
+
+
+def bytes_under(path: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> pathlib.Path:
+    root = tmp_path_factory.mktemp("ls") / "ckpt"
+    write_step(str(root), 100, world_size=2, created_unix_s=CREATED_UNIX_S, shard_bytes=3000)
+    write_step(str(root), 150, corrupt=True, created_unix_s=CREATED_UNIX_S)
+    write_step(str(root), 200, commit=False)
+    return root
+
+
+def test_json_lists_every_step_with_its_status(ckpt):
+    done = spotrun_ls(str(ckpt), "--json")
+    assert done.returncode == 0, done.stderr
+    rows = {row["step"]: row for row in json.loads(done.stdout)}
+    assert sorted(rows) == [100, 150, 200]
+
+    complete, corrupt, incomplete = rows[100], rows[150], rows[200]
+    assert complete["status"] == "complete" and complete["problem"] is None
+    assert complete["world_size"] == 2
+    assert complete["reason"] == "periodic"
+    assert complete["created_unix_s"] == CREATED_UNIX_S
+    assert corrupt["status"] == "corrupt" and "rank-00000.safetensors" in corrupt["problem"]
+    assert incomplete["status"] == "incomplete" and "manifest" in incomplete["problem"]
+    assert incomplete["world_size"] is None
+    for step, row in rows.items():
+        assert row["size_bytes"] == bytes_under(ckpt / f"step-{step:09d}")
+
+
+def test_table_shows_status_size_and_utc_time(ckpt):
+    done = spotrun_ls(str(ckpt))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[:2] == ["STEP", "STATUS"]
+    by_step = {line.split()[0]: line for line in lines[1:]}
+    assert sorted(by_step) == ["100", "150", "200"]
+    assert by_step["100"].split()[1] == "complete"
+    assert by_step["150"].split()[1] == "corrupt"
+    assert by_step["200"].split()[1] == "incomplete"
+    assert time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(CREATED_UNIX_S)) in by_step["100"]
+    size_kib = bytes_under(ckpt / "step-000000100") / 1024
+    assert f"{size_kib:.1f} KiB" in by_step["100"]
+    assert "has 100 bytes, manifest recorded 101" in by_step["150"]
+
+
+def test_file_uri_lists_the_same_steps(ckpt):
+    done = spotrun_ls(f"file://{ckpt}", "--json")
+    assert done.returncode == 0, done.stderr
+    assert [row["step"] for row in json.loads(done.stdout)] == [100, 150, 200]
+
+
+def test_missing_directory_is_an_empty_listing(tmp_path):
+    missing = tmp_path / "never-written"
+    as_json = spotrun_ls(str(missing), "--json")
+    assert (as_json.returncode, json.loads(as_json.stdout)) == (0, [])
+    as_table = spotrun_ls(str(missing))
+    assert as_table.returncode == 0 and "no checkpoints" in as_table.stdout
+    assert not missing.exists(), "listing must not create the directory"
+
+
+@pytest.mark.parametrize("uri", ["ftp://host/ckpt", ""])
+def test_bad_uri_is_one_error_line_and_exit_2(uri):
+    done = spotrun_ls(uri)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    [line] = done.stderr.splitlines()
+    assert line.startswith("spotrun: error: ")
+
+
+
+def test_s3_uri_lists_the_same_statuses(s3_bucket):
+    uri = f"{s3_bucket.uri}/job"
+    write_step(uri, 7)
+    write_step(uri, 8, corrupt=True)
+    write_step(uri, 9, commit=False)
+    done = spotrun_ls(uri, "--json")  # the fixture's AWS_ENDPOINT_URL reaches the child
+    assert done.returncode == 0, done.stderr
+    assert [(r["step"], r["status"]) for r in json.loads(done.stdout)] == [
+        (7, "complete"), (8, "corrupt"), (9, "incomplete"),
+    ]
+
+
+def test_missing_bucket_is_one_error_line_and_exit_2(s3_bucket):
+    done = spotrun_ls(f"{s3_bucket.uri}-does-not-exist/job")
+    assert done.returncode == 2
+    [line] = done.stderr.splitlines()
+    assert line.startswith("spotrun: error: ") and "does-not-exist" in line
