@@ -24,12 +24,24 @@ Limits:
       resharding a partly consumed epoch over another world size is not supported
       (``load_state_dict`` refuses it with :class:`~spotrun.errors.StateMismatchError`).
     * One iterator at a time: starting a new ``iter(loader)`` ends the previous one.
+
+Stop signals: torchrun forwards SIGTERM to each rank's whole process group, and a spot VM's
+shutdown signals every process. torch's loader workers die on a SIGTERM that does not come
+from their parent, and the rank then raises ``DataLoader worker ... is killed by signal``
+before it can save (field case C09). Workers of this loader therefore ignore SIGTERM and
+SIGINT unless the parent sends them (the rank decides when to stop, and shuts them down
+as usual); the signals are blocked while workers start, so none slips in before the
+worker has set that up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterator, Sized
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
@@ -41,6 +53,46 @@ from spotrun.errors import ConfigError, StateMismatchError
 #: Version of the dict returned by ``ResumableDataLoader.state_dict``.
 STATE_VERSION = 1
 _REJECTED_KWARGS = ("sampler", "batch_sampler", "generator")
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+class _IgnoreStopSignals:
+    """``worker_init_fn`` wrapper: stop signals from anyone but the parent are ignored.
+
+    The worker keeps SIGTERM and SIGINT blocked and a daemon thread takes them with
+    ``sigwaitinfo``, which tells who sent each: a SIGTERM from the parent (the loader's or
+    multiprocessing's own shutdown) ends the worker at once, as torch's handler does;
+    anything else (torchrun's ``killpg``, a VM-wide shutdown, Ctrl-C) is dropped, and the
+    rank decides when its workers stop.
+    """
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)  # already so when forked
+        threading.Thread(target=_take_stop_signals, name="spotrun-stop-signals", daemon=True).start()
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def _take_stop_signals() -> None:
+    while True:
+        info = signal.sigwaitinfo(_STOP_SIGNALS)
+        if info.si_signo == signal.SIGTERM and info.si_pid == os.getppid():
+            os._exit(0)
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """Block SIGTERM/SIGINT in this thread while loader workers are forked: they inherit the
+    mask, so no stop signal reaches them before :class:`_IgnoreStopSignals` runs; one that
+    arrives for this process meanwhile waits, then is handled as usual."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -202,6 +254,7 @@ class ResumableDataLoader(DataLoader):
         self._seed_generator = torch.Generator()
         for name in _REJECTED_KWARGS:
             dataloader_kwargs.pop(name, None)
+        dataloader_kwargs["worker_init_fn"] = _IgnoreStopSignals(dataloader_kwargs.get("worker_init_fn"))
         super().__init__(
             dataset, batch_size, sampler=sampler, drop_last=drop_last,
             generator=self._seed_generator, **dataloader_kwargs,
@@ -232,7 +285,9 @@ class ResumableDataLoader(DataLoader):
         sampler.set_position(self._epoch, start_index)
         self._seed_generator.manual_seed(sampler.seed + self._epoch)
         if self._batches_consumed < len(self):
-            for batch in super().__iter__():
+            with _stop_signals_blocked():
+                batches = super().__iter__()  # forks the workers, if any
+            for batch in batches:
                 if iteration != self._iteration:
                     return  # a newer iterator took over; it owns the position now
                 self._batches_consumed += 1

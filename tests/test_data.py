@@ -333,3 +333,20 @@ def test_loader_rejects_its_own_sampler_arguments(kwargs):
 def test_loader_rejects_iterable_datasets():
     with pytest.raises(ConfigError, match="map-style"):
         ResumableDataLoader(Stream(), 2)
+
+
+def test_loader_workers_survive_a_sigterm_from_outside(tmp_path):
+    """C09's root cause: torch's loader workers die on a SIGTERM that is not from their parent
+    (torchrun's killpg, a VM shutdown), and the rank then raises instead of saving."""
+    import multiprocessing
+    import subprocess
+
+    loader = ResumableDataLoader(list(range(40)), batch_size=2, shuffle=False, num_workers=2)
+    batches = iter(loader)
+    got = [next(batches).tolist()]
+    worker_pids = [c.pid for c in multiprocessing.active_children()]
+    assert len(worker_pids) == 2
+    for pid in worker_pids:  # sent by another process, as torchrun or systemd would
+        subprocess.run(["kill", "-TERM", str(pid)], check=True)
+    got += [b.tolist() for b in batches]
+    assert [i for b in got for i in b] == list(range(40))

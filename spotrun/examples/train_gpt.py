@@ -1,0 +1,291 @@
+"""Train the byte-level GPT on the standard library's source, with spotrun checkpoints.
+
+Single process::
+
+    python -m spotrun.examples.train_gpt --steps 100
+
+Data parallel (DDP over ``gloo`` on CPU, ``nccl`` on GPU), under the supervisor::
+
+    spotrun run -- torchrun --nproc-per-node 2 -m spotrun.examples.train_gpt --steps 600
+
+Every rank seeds torch before building the model, so replicas start identical; the
+data loader gives each rank its own slice of every epoch. The checkpointed state is
+the raw model (tied weights included), AdamW, the LR scheduler and the data loader's
+position; RNG state is saved per rank by :class:`spotrun.Checkpointer`. A save request
+(signal or supervisor) makes every rank save the same step and exit with code 0.
+
+With ``--log-file``, rank 0 appends one JSON line per step:
+``{"step": int, "loss": float, "lr": float}``; ``loss`` is the mean over ranks at full
+precision, ``lr`` the learning rate that step used. Everything else goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import lr_scheduler
+
+import spotrun
+from spotrun.env import WorkerEnv
+from spotrun.errors import ConfigError
+from spotrun.examples.gpt import GPT, GPTConfig
+from spotrun.examples.stdlib_text import DEFAULT_MAX_BYTES, StdlibText
+
+log = logging.getLogger("spotrun.examples.train_gpt")
+
+#: Gradient-norm clipping threshold.
+GRAD_CLIP_NORM = 1.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; see ``--help``."""
+    p = argparse.ArgumentParser(prog="python -m spotrun.examples.train_gpt", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps in total (default: %(default)s)")
+    p.add_argument("--width", type=int, default=128, help="embedding width (default: %(default)s)")
+    p.add_argument("--depth", type=int, default=2, help="transformer blocks (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=64, help="tokens per sample (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=16, help="samples per step per rank (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--schedule", choices=("onecycle", "cosine", "constant"), default="onecycle",
+                   help="learning-rate schedule (default: %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="steps of LR warm-up; for onecycle, the rising phase (default: 10%% of --steps)")
+    p.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay on matrices (default: %(default)s)")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model init and data order (default: %(default)s)")
+    p.add_argument("--save-interval", type=int, default=100,
+                   help="save every this many steps; 0 = only on request and at the end (default: %(default)s)")
+    p.add_argument("--checkpoint-uri", default=None,
+                   help="checkpoint root (directory or s3://...); default $SPOTRUN_CHECKPOINT_URI, else ./checkpoints")
+    p.add_argument("--log-file", default=None, help="append one JSON line per step here (rank 0)")
+    p.add_argument("--log-interval", type=int, default=25,
+                   help="report loss and tokens/s to stderr every this many steps (default: %(default)s)")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes (default: %(default)s)")
+    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help="cap on the training text, in bytes (default: %(default)s)")
+    p.add_argument("--step-sleep-s", type=float, default=0.0,
+                   help="pause after every step, in seconds, to slow a run down for tests (default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.warmup_steps is None:
+        args.warmup_steps = args.steps // 10
+    for name in ("steps", "batch_size", "log_interval"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("warmup_steps", "save_interval", "num_workers", "step_sleep_s", "weight_decay"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must not be negative")
+    if args.warmup_steps >= args.steps:
+        p.error("--warmup-steps must be smaller than --steps")
+    if args.schedule == "onecycle" and args.steps < max(args.warmup_steps, 2) + 2:
+        p.error("--schedule onecycle needs --steps at least --warmup-steps + 2 (and at least 4)")
+    return args
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process runs: ``rank`` of ``world_size``, on ``device``."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or dist.is_initialized()
+
+
+def setup_runtime() -> Runtime:
+    """Join the process group if started by torchrun (``WORLD_SIZE``/``RANK`` set), pick the device.
+
+    Backend ``nccl`` with device ``cuda:LOCAL_RANK`` when CUDA is available, else
+    ``gloo`` on CPU. Without torchrun: world size 1, no process group.
+    """
+    cuda = torch.cuda.is_available()
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return Runtime(0, 1, 0, torch.device("cuda" if cuda else "cpu"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend="nccl" if cuda else "gloo", device_id=device if cuda else None)
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings only (not biases, not LayerNorm)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def build_scheduler(opt: torch.optim.Optimizer, schedule: str, steps: int, warmup_steps: int) -> lr_scheduler.LRScheduler:
+    """The LR schedule over ``steps`` optimizer steps, peaking at the optimizer's ``lr``.
+
+    Built from torch's schedulers without lambdas, so ``state_dict()`` holds only JSON
+    values. ``onecycle``: :class:`~torch.optim.lr_scheduler.OneCycleLR` rising for
+    ``warmup_steps`` (at least 2); ``cosine``: linear warm-up then cosine decay to lr/10; ``constant``:
+    linear warm-up then constant.
+
+    Raises:
+        ConfigError: unknown ``schedule``, or too few ``steps`` for ``onecycle``.
+    """
+    peak_lr = opt.param_groups[0]["lr"]
+    ramp = (lr_scheduler.LinearLR(opt, start_factor=1.0 / (warmup_steps + 1), total_iters=warmup_steps)
+            if warmup_steps else None)
+    if schedule == "onecycle":
+        rise_steps = max(warmup_steps, 2)  # OneCycleLR divides by (phase length - 1)
+        if steps < rise_steps + 2:
+            raise ConfigError(f"the onecycle schedule needs at least {rise_steps + 2} steps, got {steps}")
+        return lr_scheduler.OneCycleLR(opt, max_lr=peak_lr, total_steps=steps, pct_start=rise_steps / steps)
+    if schedule == "cosine":
+        decay = lr_scheduler.CosineAnnealingLR(opt, T_max=steps - warmup_steps, eta_min=peak_lr / 10)
+        return lr_scheduler.SequentialLR(opt, [ramp, decay], milestones=[warmup_steps]) if ramp else decay
+    if schedule == "constant":
+        return ramp or lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=0)
+    raise ConfigError(f"unknown schedule {schedule!r}")
+
+
+def mean_over_ranks(value: torch.Tensor, rt: Runtime) -> float:
+    """``value`` (a scalar tensor) averaged over all ranks, as a Python float."""
+    value = value.detach().clone()
+    if rt.distributed:
+        dist.all_reduce(value)
+        value /= rt.world_size
+    return value.item()
+
+
+def train_step(ddp: nn.Module, opt: torch.optim.Optimizer, sched: lr_scheduler.LRScheduler,
+               x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """One optimizer step on the batch ``x``, ``y`` (each (B, T)); returns (loss, lr used)."""
+    lr = sched.get_last_lr()[0]
+    _, loss = ddp(x, y)  # scalar
+    opt.zero_grad(set_to_none=True)
+    loss.backward()  # DDP averages gradients over ranks here
+    nn.utils.clip_grad_norm_(ddp.parameters(), GRAD_CLIP_NORM)
+    opt.step()
+    sched.step()
+    return loss, lr
+
+
+class Progress:
+    """Per-step metrics line (rank 0, ``--log-file``) and periodic loss + tokens/s on stderr."""
+
+    def __init__(self, args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None:
+        self._metrics = metrics
+        self._interval = args.log_interval
+        self._tokens_per_step = args.batch_size * args.block_size * rt.world_size
+        self._window_start = time.perf_counter()
+        self._window_steps = 0
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+
+    def record(self, step: int, loss: float, lr: float) -> None:
+        """Note that ``step`` finished with mean ``loss`` at learning rate ``lr``."""
+        if self._metrics is not None:
+            self._metrics.write(json.dumps({"step": step, "loss": loss, "lr": lr}) + "\n")
+            self._metrics.flush()
+        if self.first_loss is None:
+            self.first_loss = loss
+            log.info("step %d: loss %.4f (first step of this run)", step, loss)
+        self.last_loss = loss
+        self._window_steps += 1
+        if step % self._interval == 0:
+            elapsed_s = time.perf_counter() - self._window_start
+            log.info("step %d: loss %.4f, lr %.3g, %.0f tokens/s", step, loss, lr,
+                     self._window_steps * self._tokens_per_step / elapsed_s)
+            self._window_start = time.perf_counter()
+            self._window_steps = 0
+
+
+def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None:
+    """Run (or resume) training up to ``args.steps``; returns early after a requested save."""
+    torch.manual_seed(args.seed)  # identical replicas: every rank draws the same init
+    config = GPTConfig(block_size=args.block_size, width=args.width, depth=args.depth,
+                       heads=args.heads, dropout=args.dropout)
+    model = GPT(config).to(rt.device)
+    ddp = (DistributedDataParallel(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+           if rt.distributed else model)
+    opt = build_optimizer(model, args.lr, args.weight_decay)
+    sched = build_scheduler(opt, args.schedule, args.steps, args.warmup_steps)
+    dataset = StdlibText(args.block_size, max_bytes=args.max_bytes)
+    loader = spotrun.ResumableDataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, seed=args.seed,
+        num_replicas=rt.world_size, rank=rt.rank, num_workers=args.num_workers,
+        pin_memory=rt.device.type == "cuda",
+    )
+    log.info("model: %d parameters; data: %d bytes, %d samples of %d tokens; world size %d on %s",
+             model.num_parameters(), dataset.data.numel(), len(dataset), args.block_size, rt.world_size, rt.device)
+
+    ckpt = spotrun.Checkpointer(
+        state={"model": model, "optimizer": opt, "scheduler": sched, "data": loader},
+        uri=args.checkpoint_uri, interval_steps=args.save_interval,
+    )
+    try:
+        step = ckpt.restore()
+        log.info("incarnation %d: %s", WorkerEnv.from_environ().incarnation,
+                 f"resumed from step {step}" if step else "fresh start")
+        progress = Progress(args, rt, metrics)
+        ddp.train()
+        while step < args.steps:
+            for x, y in loader:
+                x = x.to(rt.device, non_blocking=True)  # (B, T)
+                y = y.to(rt.device, non_blocking=True)  # (B, T)
+                loss, lr = train_step(ddp, opt, sched, x, y)
+                step += 1
+                progress.record(step, mean_over_ranks(loss, rt), lr)
+                if args.step_sleep_s:
+                    time.sleep(args.step_sleep_s)
+                if ckpt.end_of_step(step):
+                    log.info("step %d saved on request; stopping", step)
+                    return
+                if step >= args.steps:
+                    break
+        ckpt.save(step, reason="final")
+        if progress.first_loss is None:
+            log.info("nothing to do: step %d already reached", step)
+        else:
+            log.info("finished at step %d: first loss %.4f, final loss %.4f",
+                     step, progress.first_loss, progress.last_loss)
+    finally:
+        ckpt.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code (0 on completion and after a requested save)."""
+    args = parse_args(argv)
+    rt = setup_runtime()
+    logging.basicConfig(level=logging.INFO if rt.rank == 0 else logging.WARNING, stream=sys.stderr,
+                        format=f"[rank {rt.rank}] %(asctime)s %(message)s")
+    if rt.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    metrics = open(args.log_file, "a", encoding="utf-8") if args.log_file and rt.rank == 0 else None
+    try:
+        train(args, rt, metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Helpers for end-to-end tests: `spotrun run -- torchrun ... train_gpt` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from spotrun.checkpoint.restore import load_step
+from spotrun.storage import open_storage
+
+#: A small, fast configuration of the example trainer (2 ranks on 2 CPU cores).
+TRAIN_ARGS = [
+    "--width", "32", "--depth", "1", "--heads", "2", "--block-size", "32", "--batch-size", "4",
+    "--dropout", "0.1", "--max-bytes", "300000", "--schedule", "onecycle", "--lr", "0.003",
+    "--warmup-steps", "5", "--log-interval", "1000",
+]
+
+
+def torchrun_command(steps: int, save_interval: int, log_file: pathlib.Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "spotrun.examples.train_gpt", "--steps", str(steps), "--save-interval", str(save_interval),
+        "--log-file", str(log_file), *TRAIN_ARGS, *extra,
+    ]
+
+
+def start_supervised(
+    checkpoint_uri: str, command: list[str], *, grace_period_s: float = 60, env: dict | None = None,
+    extra_options: list[str] | None = None, log_path: pathlib.Path | None = None,
+) -> subprocess.Popen:
+    """Start `spotrun run` in its own session; its output goes to ``log_path`` (or is inherited)."""
+    out = open(log_path, "ab") if log_path else None
+    return subprocess.Popen(
+        [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", checkpoint_uri,
+         "--grace-period-s", str(grace_period_s), *(extra_options or []), "--", *command],
+        stdout=out, stderr=subprocess.STDOUT if out else None,
+        env={**os.environ, **(env or {})}, start_new_session=True,
+    )
+
+
+def read_log(log_file: pathlib.Path) -> list[dict]:
+    if not log_file.exists():
+        return []
+    rows = []
+    for line in log_file.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line cut by a kill
+            continue
+    return rows
+
+
+def last_loss_per_step(log_file: pathlib.Path) -> dict[int, float]:
+    """step -> loss of the LAST time that step ran (steps re-run after a resume count last)."""
+    return {row["step"]: row["loss"] for row in read_log(log_file)}
+
+
+def wait_for_step(log_file: pathlib.Path, step: int, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = read_log(log_file)
+        if rows and rows[-1]["step"] >= step:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited with {proc.returncode} before step {step}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"step {step} not reached in {timeout_s} s")
+        time.sleep(0.05)
+
+
+def final_tensors(checkpoint_uri: str, step: int, world_size: int = 2) -> dict[str, torch.Tensor]:
+    """Every model and optimizer tensor of ``step``, by manifest name."""
+    loaded = load_step(open_storage(checkpoint_uri), step, 0, world_size)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, node) -> None:
+        if isinstance(node, torch.Tensor):
+            flat[prefix] = node
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}/{k}", v)
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(f"{prefix}/{i}", v)
+
+    for name in ("model", "optimizer"):
+        walk(name, loaded.replicated[name])
+    return flat
+
+
+def sigterm(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGTERM)
