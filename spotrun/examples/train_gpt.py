@@ -276,7 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     if rt.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    metrics = open(args.log_file, "a", encoding="utf-8") if args.log_file and rt.rank == 0 else None
+    metrics = None
+    if args.log_file and rt.rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.log_file)), exist_ok=True)
+        metrics = open(args.log_file, "a", encoding="utf-8")
     try:
         train(args, rt, metrics)
     finally:
