@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -40,19 +41,36 @@ def reference(tmp_path_factory):
     assert proc.wait(timeout=600) == 0
     losses = last_loss_per_step(log_file)
     assert sorted(losses) == list(range(1, STEPS + 1))
-    return losses, final_tensors(str(root / "ck"), STEPS)
+    return losses, final_tensors(str(root / "ck"), STEPS), root / "ck"
 
 
-def run_until_done(ck: str, log_file, preempt_at_steps: list[int], max_launches: int = 6) -> list[int]:
+def wait_for_text(path, text: str, proc, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in (path.read_text(errors="replace") if path.exists() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, f"never logged {text!r}"
+        time.sleep(0.05)
+
+
+def run_until_done(
+    ck: str, log_file, preempt_at_steps: list[int], max_launches: int = 6, sigterms_per_preemption: int = 1
+) -> list[int]:
     """Launch the same command again and again; SIGTERM the supervisor once the log reaches each
-    step in ``preempt_at_steps`` (consumed in order, one or more per launch). Returns exit codes."""
+    step in ``preempt_at_steps`` (one per launch; ``sigterms_per_preemption`` signals each time,
+    the later ones while the emergency save is under way). Returns the exit codes."""
     codes: list[int] = []
     pending = list(preempt_at_steps)
+    supervisor_log = log_file.parent / "supervisor.log"
     while len(codes) < max_launches:
-        proc = start_supervised(ck, torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", "0.05"))
+        supervisor_log.unlink(missing_ok=True)
+        proc = start_supervised(ck, torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", "0.05"),
+                                log_path=supervisor_log)
         if pending:
             wait_for_step(log_file, pending.pop(0), proc)
             sigterm(proc)
+            for _ in range(sigterms_per_preemption - 1):
+                wait_for_text(supervisor_log, "preemption notice", proc)
+                sigterm(proc)
+                wait_for_text(supervisor_log, "ignoring another notice", proc)
         codes.append(proc.wait(timeout=600))
         if codes[-1] == 0:
             return codes
@@ -60,7 +78,7 @@ def run_until_done(ck: str, log_file, preempt_at_steps: list[int], max_launches:
 
 
 def assert_same_as_reference(reference, ck: str, log_file) -> None:
-    ref_losses, ref_tensors = reference
+    ref_losses, ref_tensors, _ = reference
     assert last_loss_per_step(log_file) == ref_losses
     got = final_tensors(ck, STEPS)
     assert sorted(got) == sorted(ref_tensors)
@@ -75,9 +93,8 @@ def test_sigterm_once_resumes_exactly(reference, tmp_path):
     ck, log_file = str(tmp_path / "ck"), tmp_path / "train.jsonl"
     codes = run_until_done(ck, log_file, [step])
     assert codes == [PREEMPTED, 0]
-    steps_logged = [row["step"] for row in read_log(log_file)]
-    resumed_at = steps_logged[steps_logged.index(max(steps_logged[: steps_logged.index(1) + 1] or [1])) :]
-    assert resumed_at  # the log covers both incarnations
+    emergency = [row["step"] for row in ls_json(ck) if row["reason"] == "emergency"]
+    assert len(emergency) == 1 and step <= emergency[0] < STEPS, emergency
     assert_same_as_reference(reference, ck, log_file)
 
 
@@ -87,8 +104,9 @@ def test_two_sigterms_resume_exactly(reference, tmp_path):
     second = rng.randint(STEPS // 2 + 2, STEPS - 3)
     print(f"preempting at steps {first} and {second}")
     ck, log_file = str(tmp_path / "ck"), tmp_path / "train.jsonl"
-    codes = run_until_done(ck, log_file, [first, second])
+    codes = run_until_done(ck, log_file, [first, second], sigterms_per_preemption=2)
     assert codes == [PREEMPTED, PREEMPTED, 0]
+    assert len([row for row in ls_json(ck) if row["reason"] == "emergency"]) == 2
     assert_same_as_reference(reference, ck, log_file)
 
 
@@ -128,3 +146,20 @@ def test_sigkill_resumes_from_last_periodic_checkpoint(reference, tmp_path):
     restart = steps_logged[steps_logged.index(killed_at) + 1 :]
     assert restart[0] == 11, f"restart began at step {restart[0]}, expected 11 (after periodic step 10)"
     assert_same_as_reference(reference, ck, log_file)
+
+
+def test_replicated_state_is_written_once_spread_over_ranks_by_bytes(reference):
+    from safetensors import safe_open
+
+    step_dir = reference[2] / f"step-{STEPS:09d}"
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    keys_by_file = {}
+    for record in manifest["files"]:
+        with safe_open(str(step_dir / record["path"]), framework="pt") as f:
+            keys_by_file[record["path"]] = {k: f.get_tensor(k).numel() * f.get_tensor(k).element_size()
+                                            for k in f.keys()}
+    replicated = {n for n in manifest["tensors"] if not n.startswith("rank-")}
+    stored = [k for keys in keys_by_file.values() for k in keys if not k.startswith("rank-")]
+    assert sorted(stored) == sorted(replicated)  # every replicated tensor exactly once in total
+    per_rank_bytes = [sum(b for k, b in keys.items() if not k.startswith("rank-")) for keys in keys_by_file.values()]
+    assert len(per_rank_bytes) == 2 and min(per_rank_bytes) > 0.8 * max(per_rank_bytes), per_rank_bytes
