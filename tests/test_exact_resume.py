@@ -163,3 +163,41 @@ def test_replicated_state_is_written_once_spread_over_ranks_by_bytes(reference):
     assert sorted(stored) == sorted(replicated)  # every replicated tensor exactly once in total
     per_rank_bytes = [sum(b for k, b in keys.items() if not k.startswith("rank-")) for keys in keys_by_file.values()]
     assert len(per_rank_bytes) == 2 and min(per_rank_bytes) > 0.8 * max(per_rank_bytes), per_rank_bytes
+
+
+def rank_pids(supervisor_pid: int) -> list[int]:
+    """The training ranks: torchrun starts each in its own session (pgid == pid)."""
+    from spotrun.supervisor.process import descendants
+
+    ranks = []
+    for info in descendants(supervisor_pid):
+        try:
+            with open(f"/proc/{info.pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            is_rank = b"spotrun.examples.train_gpt" in cmdline and b"torch.distributed.run" not in cmdline
+            if is_rank and os.getpgid(info.pid) == info.pid:
+                ranks.append(info.pid)
+        except (OSError, ProcessLookupError):
+            continue
+    return ranks
+
+
+def test_c09_loader_workers_die_first(reference, tmp_path):
+    """num_workers=4, then SIGTERM to each rank's whole process group (the rank and its loader
+    workers), as torchrun or a VM shutdown does: a complete checkpoint is written and the run
+    resumes from it, exactly."""
+    ck, log_file = str(tmp_path / "ck"), tmp_path / "train.jsonl"
+    command = torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", "0.05", "--num-workers", "4")
+    proc = start_supervised(ck, command)
+    wait_for_step(log_file, 12, proc)
+    ranks = rank_pids(proc.pid)
+    assert len(ranks) == 2, ranks
+    for pgid in ranks:
+        os.killpg(pgid, signal.SIGTERM)
+    assert proc.wait(timeout=600) == PREEMPTED
+    emergency = [row for row in ls_json(ck) if row["reason"] == "emergency"]
+    assert len(emergency) == 1 and emergency[0]["status"] == "complete" and emergency[0]["step"] >= 12
+
+    proc = start_supervised(ck, torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--num-workers", "4"))
+    assert proc.wait(timeout=600) == 0
+    assert_same_as_reference(reference, ck, log_file)  # the reference ran with num_workers=0

@@ -1,9 +1,11 @@
 """The node supervisor behind ``spotrun run -- LAUNCH_COMMAND...``.
 
-One supervisor runs per node. It finds the newest complete checkpoint, starts the launch
-command (usually ``torchrun ...``) in its own process group with the resume point in the
-environment (:mod:`spotrun.supervisor.launch`), and waits. A preemption notice (SIGTERM,
-SIGINT or SIGHUP to the supervisor; cloud notices later, all through
+One supervisor runs per node. It first checks that the checkpoint storage can be written,
+read, listed and deleted (:mod:`spotrun.supervisor.preflight`; a failure is spotrun's own
+error, exit code 2, before anything is launched). It then finds the newest complete
+checkpoint, starts the launch command (usually ``torchrun ...``) in its own process group
+with the resume point in the environment (:mod:`spotrun.supervisor.launch`), and waits.
+A preemption notice (SIGTERM, SIGINT or SIGHUP to the supervisor; cloud notices later, all through
 :class:`~spotrun.supervisor.notices.Inbox`) never reaches torchrun as a signal, because
 torchrun treats those as fatal. Instead the supervisor writes a save request into the
 node-local control directory (:mod:`spotrun.control`) with the deadline
@@ -42,7 +44,7 @@ from spotrun import control
 from spotrun.checkpoint import catalog
 from spotrun.errors import ConfigError, SpotrunError
 from spotrun.storage import Storage, open_storage
-from spotrun.supervisor import process
+from spotrun.supervisor import preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.launch import LaunchPlan, plan_launch
 from spotrun.supervisor.notices import CHILD_EVENT, Inbox, Notice, signal_notices
@@ -68,7 +70,8 @@ def supervise(config: SupervisorConfig) -> int:
 
     Raises:
         ConfigError: the URI is unsupported or the command cannot be started.
-        StorageError: the checkpoints could not be listed.
+        StorageError: the storage failed its preflight check (nothing was launched; the
+            message names the cause), or the checkpoints could not be listed.
     """
     if config.safety_margin_s < config.stop_timeout_s:
         log.warning(
@@ -76,10 +79,11 @@ def supervise(config: SupervisorConfig) -> int:
             "that misses the deadline may not finish within the grace period",
             config.safety_margin_s, config.stop_timeout_s,
         )
+    preflight.check_storage(config.checkpoint_uri, s3_endpoint_url=config.s3_endpoint_url)
     with contextlib.ExitStack() as stack:
         inbox = stack.enter_context(Inbox())
         stack.enter_context(signal_notices(inbox))
-        storage = open_storage(config.checkpoint_uri)
+        storage = open_storage(config.checkpoint_uri, **config.storage_options())
         control_root = tempfile.mkdtemp(prefix="spotrun-control-")
         stack.callback(shutil.rmtree, control_root, ignore_errors=True)
         if not process.become_subreaper():
@@ -124,9 +128,10 @@ class _Supervisor:
             plan = plan_launch(
                 self.storage, self.config.checkpoint_uri, control_dir=control_dir,
                 grace_period_s=self.config.grace_period_s, previous=plan,
+                s3_endpoint_url=self.config.s3_endpoint_url,
             )
             code = self._run_once(plan, control_dir)
-            if self.notice is not None:
+            if self.notice is not None or self._workers_saved_on_their_own(control_dir):
                 return self._preempted_exit_code(code, control_dir)
             if code == 0:
                 log.info("the command exited 0: training finished")
@@ -272,6 +277,19 @@ class _Supervisor:
         log.info("emergency checkpoint of step %d is complete: exiting %d", report.step, EXIT_PREEMPTED_SAVED)
         self._acknowledge()
         return EXIT_PREEMPTED_SAVED
+
+    @staticmethod
+    def _workers_saved_on_their_own(control_dir: str) -> bool:
+        """Workers can be told to stop without the supervisor (a SIGTERM to their process
+        groups, systemd's control-group kill): their emergency checkpoint means "preempted"."""
+        try:
+            report = control.read_commit_report(control_dir)
+        except SpotrunError:
+            return True  # let _preempted_exit_code log the unreadable report
+        if report is not None:
+            log.warning("the workers took an emergency checkpoint of step %d without a notice here "
+                        "(a signal reached them directly)", report.step)
+        return report is not None
 
     def _step_status(self, step: int) -> tuple[str, str | None]:
         try:

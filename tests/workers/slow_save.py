@@ -1,0 +1,56 @@
+"""torchrun worker for test_c08: trains a tiny model and takes SLOW_SAVE_S seconds to write
+its shard of every checkpoint (a slow disk or a big model), then reports how it ended.
+
+Usage: torchrun --nproc-per-node 2 slow_save.py OUT_DIR   (checkpoint URI from the supervisor)
+Each rank writes OUT_DIR/rank-R.json = {"step", "save_s", "exit": 0} just before exiting 0,
+so a rank killed by SIGKILL leaves no file.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import spotrun
+from spotrun.env import WorkerEnv
+from spotrun.storage import LocalStorage
+
+SLOW_SAVE_S = float(os.environ.get("SLOW_SAVE_S", "45"))
+
+
+class SlowStorage(LocalStorage):
+    def put(self, key, data):
+        time.sleep(SLOW_SAVE_S)
+        super().put(key, data)
+
+
+out_dir = sys.argv[1]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 8)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+ckpt = spotrun.Checkpointer({"model": model, "optimizer": opt},
+                            storage=SlowStorage(WorkerEnv.from_environ().checkpoint_uri))
+step = ckpt.restore()
+while True:
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    step += 1
+    if rank == 0:
+        with open(os.path.join(out_dir, "progress"), "w") as f:
+            f.write(str(step))
+    started = time.monotonic()
+    if ckpt.end_of_step(step):
+        break
+    time.sleep(0.05)
+report = {"step": step, "save_s": time.monotonic() - started, "exit": 0}
+with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
+    json.dump(report, f)
+dist.destroy_process_group()
+sys.exit(0)
