@@ -1,0 +1,46 @@
+"""Preemption notice sources: AWS, GCP, Azure metadata servers and a drill file.
+
+Typical use in the supervisor::
+
+    choice = parse_notice_option(args.notice)               # ConfigError on a bad value
+    sources = build_sources(choice, NoticeOptions(...))     # may probe clouds (<= ~2 s)
+    with NoticePollers(sources, inbox.post):                # one daemon thread per source
+        ...                                                 # notices arrive in the inbox
+
+Every notice is a :class:`spotrun.supervisor.notices.Notice`; :func:`is_stop` tells a stop
+notice from a rebalance recommendation (kind :data:`REBALANCE`: an ordinary checkpoint).
+"""
+
+from spotrun.notices.base import (
+    REBALANCE,
+    Finding,
+    NoticePoller,
+    NoticePollers,
+    NoticeSource,
+    PollProblem,
+    is_stop,
+)
+from spotrun.notices.detect import (
+    SOURCE_NAMES,
+    NoticeChoice,
+    NoticeOptions,
+    build_sources,
+    detect_cloud,
+    parse_notice_option,
+)
+
+__all__ = [
+    "REBALANCE",
+    "SOURCE_NAMES",
+    "Finding",
+    "NoticeChoice",
+    "NoticeOptions",
+    "NoticePoller",
+    "NoticePollers",
+    "NoticeSource",
+    "PollProblem",
+    "build_sources",
+    "detect_cloud",
+    "is_stop",
+    "parse_notice_option",
+]

@@ -1,0 +1,237 @@
+"""The one interface of every preemption notice source, and the threads that poll them.
+
+A source (:class:`NoticeSource`) knows one protocol: AWS instance metadata, GCP metadata,
+Azure Scheduled Events, a drill file. :meth:`NoticeSource.poll_once` asks once and returns
+what it found as :class:`Finding` objects; it never posts anything itself. A
+:class:`NoticePoller` turns findings into :class:`~spotrun.supervisor.notices.Notice`
+objects, drops repeats (a metadata server answers every poll with the same notice: the
+poller remembers a hash of each finding's body, as aws-node-termination-handler does with
+its event ids) and posts each new notice through a callback, usually
+:meth:`spotrun.supervisor.notices.Inbox.post`. :class:`NoticePollers` runs one poller per
+source in a daemon thread.
+
+Nothing raised while polling leaves the poll loop: expected failures arrive as
+:class:`PollProblem` (key + message), anything else is caught too, and each distinct problem
+is logged once as a warning per source (repeats go to debug), never once per poll.
+
+Notice kinds: :data:`REBALANCE` means "a good moment for an ordinary checkpoint, not a
+stop" (AWS rebalance recommendation); every other kind is a stop notice.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported lazily: spotrun.supervisor may import this package
+    from spotrun.supervisor.notices import Notice
+
+log = logging.getLogger(__name__)
+
+#: Kind of a notice that asks for an ordinary checkpoint, not for a stop.
+REBALANCE = "rebalance"
+#: At most this many distinct notice bodies are remembered per source for de-duplication.
+_MAX_REMEMBERED = 1024
+
+
+def is_stop(notice: Notice) -> bool:
+    """True unless ``notice`` only recommends an ordinary checkpoint (kind :data:`REBALANCE`)."""
+    return notice.kind != REBALANCE
+
+
+class PollProblem(Exception):
+    """One poll could not be completed; the poller logs it once per ``key`` and retries.
+
+    Attributes:
+        key: short name of the kind of problem (``"timeout"``, ``"HTTP 500"``, ``"bad JSON"``);
+            problems with the same key are logged once per source.
+        message: one line for the log.
+    """
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A notice as a source sees it, before de-duplication.
+
+    Attributes:
+        kind: what it says (``"spot instance-action terminate"``, :data:`REBALANCE`, ...).
+        body: bytes that identify this notice (usually the response body); a finding whose
+            ``kind`` and ``body`` were already seen is a repeat and is dropped.
+        deadline_unix_s: when the machine goes away, in seconds since the epoch; ``None``
+            means the supervisor's configured grace period.
+        acknowledge: called once after the emergency checkpoint committed, or ``None``.
+    """
+
+    kind: str
+    body: bytes
+    deadline_unix_s: float | None = None
+    acknowledge: Callable[[], None] | None = None
+
+
+class ProblemLog:
+    """Logs each distinct problem key of one source once as a warning, repeats at debug."""
+
+    def __init__(self, source_name: str):
+        self.source_name = source_name
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def report(self, key: str, message: str) -> None:
+        """Log ``message`` as a warning the first time ``key`` is reported, at debug after."""
+        with self._lock:
+            first = key not in self._seen
+            self._seen.add(key)
+        level = logging.WARNING if first else logging.DEBUG
+        log.log(level, "%s notices: %s%s", self.source_name, message,
+                " (logged once; retrying quietly)" if first else "")
+
+
+class NoticeSource(abc.ABC):
+    """One way to learn of a preemption.
+
+    Attributes:
+        name: the source's name in ``--notice`` and in :attr:`Notice.source`
+            (``"aws"``, ``"gcp"``, ``"azure"``, ``"file"``).
+        poll_period_s: seconds between the end of one poll and the start of the next.
+        retry_after_error_s: seconds to wait instead after a poll that failed.
+        problems: where :meth:`poll_once` reports problems that do not end the poll.
+    """
+
+    name: str = "source"
+
+    def __init__(self, *, poll_period_s: float, retry_after_error_s: float | None = None):
+        self.poll_period_s = poll_period_s
+        self.retry_after_error_s = poll_period_s if retry_after_error_s is None else retry_after_error_s
+        self.problems = ProblemLog(self.name)
+
+    @abc.abstractmethod
+    def poll_once(self) -> list[Finding]:
+        """Ask once; return the notices now announced (possibly repeats), ``[]`` for none.
+
+        May block for a bounded time (a request timeout, a long poll).
+
+        Raises:
+            PollProblem: the poll failed; the poller waits ``retry_after_error_s`` and retries.
+        """
+
+    def describe(self) -> str:
+        """One line saying where this source looks, for the start-up log."""
+        return self.name
+
+
+class NoticePoller:
+    """Polls one source, de-duplicates its findings and posts new ones as notices."""
+
+    def __init__(self, source: NoticeSource, post: Callable[[Notice], None], *,
+                 clock: Callable[[], float] = time.time):
+        self.source = source
+        self._post = post
+        self._clock = clock
+        self._seen: dict[str, None] = {}  # insertion-ordered set of body hashes
+
+    def poll(self, stop_event: threading.Event | None = None) -> tuple[list[Notice], bool]:
+        """Poll once and post the new notices (not after ``stop_event`` is set).
+
+        Returns:
+            The notices posted, and whether the poll succeeded. Never raises.
+        """
+        from spotrun.supervisor.notices import Notice
+
+        try:
+            findings = self.source.poll_once()
+        except PollProblem as problem:
+            self.source.problems.report(problem.key, problem.message)
+            return [], False
+        except Exception as exc:  # a bug or an unforeseen answer must not stop the polling
+            self.source.problems.report(f"unexpected {type(exc).__name__}", f"unexpected error: {exc!r}")
+            log.debug("%s notices: unexpected error", self.source.name, exc_info=True)
+            return [], False
+        received_unix_s = self._clock()
+        posted = []
+        for finding in findings:
+            if stop_event is not None and stop_event.is_set():
+                break
+            if not self._is_new(finding):
+                continue
+            notice = Notice(
+                source=self.source.name, kind=finding.kind, received_unix_s=received_unix_s,
+                deadline_unix_s=finding.deadline_unix_s, acknowledge=finding.acknowledge,
+            )
+            try:
+                self._post(notice)
+            except Exception as exc:
+                self.source.problems.report("post failed", f"could not deliver a notice: {exc!r}")
+                continue
+            posted.append(notice)
+        return posted, True
+
+    def run(self, stop_event: threading.Event) -> None:
+        """Poll until ``stop_event`` is set, waiting the source's period between polls."""
+        while not stop_event.is_set():
+            _, ok = self.poll(stop_event)
+            stop_event.wait(self.source.poll_period_s if ok else self.source.retry_after_error_s)
+
+    def _is_new(self, finding: Finding) -> bool:
+        digest = hashlib.sha256(finding.kind.encode("utf-8", "replace") + b"\0" + finding.body).hexdigest()
+        if digest in self._seen:
+            return False
+        self._seen[digest] = None
+        if len(self._seen) > _MAX_REMEMBERED:
+            del self._seen[next(iter(self._seen))]
+        return True
+
+
+class NoticePollers:
+    """One daemon thread per source, posting notices through ``post``.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`. A thread blocked in a
+    request when :meth:`stop` is called is left to finish on its own (it is a daemon and
+    posts nothing after the stop).
+    """
+
+    def __init__(self, sources: Sequence[NoticeSource], post: Callable[[Notice], None]):
+        self.pollers = [NoticePoller(source, post) for source in sources]
+        self._stop_event = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start polling; a second call does nothing."""
+        if self._threads:
+            return
+        for poller in self.pollers:
+            log.info("watching for preemption notices: %s", poller.source.describe())
+            thread = threading.Thread(
+                target=poller.run, args=(self._stop_event,), name=f"spotrun-notice-{poller.source.name}",
+                daemon=True,
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Stop polling; wait up to ``timeout_s`` seconds in total for the threads to end."""
+        self._stop_event.set()
+        end = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, end - time.monotonic()))
+
+    def alive(self) -> bool:
+        """Whether any polling thread is still running."""
+        return any(thread.is_alive() for thread in self._threads)
+
+    def __enter__(self) -> "NoticePollers":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
