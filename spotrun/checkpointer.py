@@ -46,6 +46,8 @@ from spotrun.storage import Storage, open_storage
 log = logging.getLogger(__name__)
 
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: Default bound of one save's storage operations, in seconds.
+DEFAULT_SAVE_TIMEOUT_S = 300.0
 
 
 class Checkpointer:
@@ -68,6 +70,10 @@ class Checkpointer:
         max_failed_periodic_saves: consecutive failed periodic saves tolerated (logged)
             before :meth:`end_of_step` raises.
         storage: a ready storage backend (overrides ``uri``; for tests and embedding).
+        save_timeout_s: most seconds the storage operations of one save may take, retries
+            included; when storage keeps failing the save fails after at most this long.
+            An emergency save requested by the supervisor gets the smaller of this and the
+            time left until the request's ``deadline_unix_s``.
 
     Raises:
         ConfigError: bad arguments or environment.
@@ -84,6 +90,7 @@ class Checkpointer:
         handle_signals: bool = True,
         max_failed_periodic_saves: int = 3,
         storage: Storage | None = None,
+        save_timeout_s: float = DEFAULT_SAVE_TIMEOUT_S,
     ) -> None:
         if not isinstance(state, dict) or not state:
             raise ConfigError("Checkpointer(state=...) needs a non-empty dict of name -> object")
@@ -91,6 +98,8 @@ class Checkpointer:
             raise ConfigError("rank_state name 'rng' is reserved for the RNG states spotrun saves")
         if interval_steps < 0 or check_interval_steps < 1:
             raise ConfigError("interval_steps must be >= 0 and check_interval_steps >= 1")
+        if not save_timeout_s > 0:
+            raise ConfigError(f"save_timeout_s must be > 0, got {save_timeout_s}")
         self._state = dict(state)
         self._rank_state = {**(rank_state or {}), "rng": RNGState()}
         self._env = WorkerEnv.from_environ()
@@ -98,12 +107,16 @@ class Checkpointer:
         self.interval_steps = interval_steps
         self.check_interval_steps = check_interval_steps
         self.max_failed_periodic_saves = max_failed_periodic_saves
+        self.save_timeout_s = save_timeout_s
         self._run_id = self._env.run_id or uuid.uuid4().hex
         self._last_saved_step: int | None = None
         self._failed_periodic_saves = 0
         self._signal_name: str | None = None
         self._previous_handlers: dict[int, Any] = {}
         self._owner_pid = os.getpid()
+        self._checkpoint_requests = (
+            control.CheckpointRequestWatcher(self._env.control_dir) if self._env.control_dir else None
+        )
         self.preempted = False
         if handle_signals:
             self._install_signal_handlers()
@@ -204,23 +217,41 @@ class Checkpointer:
         Agrees across ranks whether a save was requested (a supervisor's request file or
         a signal on any rank); if so, every rank saves this same step as an emergency
         checkpoint, and this returns True: the loop must stop and the process exit 0.
-        Otherwise saves a periodic checkpoint every ``interval_steps``.
+        Otherwise saves a periodic checkpoint every ``interval_steps``, and an ordinary
+        checkpoint when the supervisor asked for one (e.g. on an AWS rebalance
+        recommendation) - training then goes on. One all-reduce decides both.
 
         Raises:
             CheckpointSaveError: the emergency save failed, or too many periodic saves
                 failed in a row.
         """
-        if step % self.check_interval_steps == 0 and dist.any_rank(self._save_requested()):
-            self._emergency_save(step)
-            return True
-        if self.interval_steps and step % self.interval_steps == 0:
+        checkpoint_requested = False
+        if step % self.check_interval_steps == 0:
+            stop, checkpoint_requested = dist.any_rank_each(
+                [self._save_requested(), self._checkpoint_requests is not None and self._checkpoint_requests.pending()]
+            )
+            if stop:
+                self._emergency_save(step)
+                return True
+        if checkpoint_requested:
+            if self._checkpoint_requests is not None:
+                self._checkpoint_requests.handled()
+            self._periodic_save(step, reason="requested")
+        elif self.interval_steps and step % self.interval_steps == 0:
             self._periodic_save(step)
         return False
 
-    def save(self, step: int, reason: str = "manual") -> None:
+    def save(self, step: int, reason: str = "manual", *, timeout_s: float | None = None) -> None:
         """Save and commit ``step`` now, on every rank (a collective).
 
         Does nothing if this step is already saved (e.g. a periodic save at the last step).
+
+        Args:
+            step: the training step being saved.
+            reason: recorded in the manifest (``periodic``, ``emergency``, ``final``...).
+            timeout_s: bound of this save's storage operations in seconds; default
+                ``save_timeout_s``. A rank whose writes run past it fails the save, and
+                with it every rank.
 
         Raises:
             StateSerializationError: a state value is neither a tensor nor JSON (names its key).
@@ -232,7 +263,8 @@ class Checkpointer:
         replicated = {name: _state_of(obj) for name, obj in self._state.items()}
         rank_local = {name: _state_of(obj) for name, obj in self._rank_state.items()}
         context = SaveContext(reason=reason, run_id=self._run_id, incarnation=self._env.incarnation)
-        manifest = save_step(self._storage, step, replicated, rank_local, context)
+        with self._storage.deadline(self.save_timeout_s if timeout_s is None else timeout_s):
+            manifest = save_step(self._storage, step, replicated, rank_local, context)
         self._last_saved_step = step
         if manifest is not None:
             log.info(
@@ -241,9 +273,9 @@ class Checkpointer:
                 time.monotonic() - started_s,
             )
 
-    def _periodic_save(self, step: int) -> None:
+    def _periodic_save(self, step: int, reason: str = "periodic") -> None:
         try:
-            self.save(step, reason="periodic")
+            self.save(step, reason=reason)
             self._failed_periodic_saves = 0
         except CheckpointSaveError as exc:
             self._failed_periodic_saves += 1
@@ -261,10 +293,17 @@ class Checkpointer:
         if threading.current_thread() is threading.main_thread():
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         if self._last_saved_step != step:
-            self.save(step, reason="emergency")
+            self.save(step, reason="emergency", timeout_s=self._emergency_timeout_s())
         self.preempted = True
         if self._env.control_dir and dist.local_rank() == 0:
             control.write_commit_report(self._env.control_dir, step)
+
+    def _emergency_timeout_s(self) -> float:
+        """``save_timeout_s``, or less when the supervisor's request names an earlier deadline."""
+        request = control.read_save_request(self._env.control_dir) if self._env.control_dir else None
+        if request is None or request.deadline_unix_s is None:
+            return self.save_timeout_s
+        return min(self.save_timeout_s, request.deadline_unix_s - time.time())
 
     def _save_requested(self) -> bool:
         if self._signal_name is not None:

@@ -3,6 +3,11 @@
     spotrun run [options] -- LAUNCH_COMMAND...   supervise a training command (see
                                                  :mod:`spotrun.supervisor.run` for exit codes)
     spotrun ls URI [--json]                      list the checkpoints under URI
+    spotrun preflight URI                        check that URI can be written, read,
+                                                 listed and deleted (``run`` does it first)
+
+``run``, ``ls`` and ``preflight`` take ``--s3-endpoint-url URL`` for an S3-compatible
+store (MinIO, R2, ...); without it boto3's standard AWS settings apply.
 
 Errors of spotrun itself (:class:`~spotrun.errors.SpotrunError`: a bad option, URI or
 storage failure) print one line ``spotrun: error: ...`` and exit 2. Logging is configured
@@ -25,7 +30,7 @@ EXIT_USAGE = 2
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--log-level", choices=_LOG_LEVELS, default=None,
@@ -40,12 +45,14 @@ def _build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run", parents=[common], help="supervise a launch command (usually torchrun)",
         description="Run LAUNCH_COMMAND, resume it from the newest complete checkpoint, turn "
-        "preemption notices into emergency checkpoints. Exit codes: 0 finished, 143 preempted "
+        "preemption notices into emergency checkpoints. The checkpoint storage is checked "
+        "first (as spotrun preflight). Exit codes: 0 finished, 143 preempted "
         "and saved, 142 preempted without a new checkpoint, 2 spotrun error, else the "
         "command's own code.",
     )
     run.add_argument("--checkpoint-uri", default=DEFAULT_CHECKPOINT_URI, metavar="URI",
                      help="checkpoint root: local dir, file:// or s3://bucket/prefix (default %(default)s)")
+    _add_storage_options(run)
     run.add_argument("--grace-period-s", type=float, default=30.0, metavar="S",
                      help="seconds from a notice to the hard kill (default %(default)s, as Kubernetes)")
     run.add_argument("--safety-margin-s", type=float, default=5.0, metavar="S",
@@ -56,15 +63,57 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="restarts after a crash without a notice (default %(default)s)")
     run.add_argument("--restart-backoff-s", type=float, default=10.0, metavar="S",
                      help="wait before the first restart, doubled each time, at most 300 s (default %(default)s)")
+    _add_notice_options(run)
+    run.add_argument("--config", metavar="FILE",
+                     help="YAML file of defaults for the options above, keys in snake_case "
+                     "(grace_period_s: 110); options given here override it (see configs/)")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- LAUNCH_COMMAND...",
                      help="the command to supervise, e.g. torchrun --nproc-per-node 8 train.py")
     run.set_defaults(handler=_cmd_run, default_log_level="info")
+    if run_defaults:
+        run.set_defaults(**run_defaults)
 
     ls = sub.add_parser("ls", parents=[common], help="list checkpoints and whether they are complete")
     ls.add_argument("uri", metavar="URI", help="checkpoint root: local dir, file:// or s3://bucket/prefix")
+    _add_storage_options(ls)
     ls.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     ls.set_defaults(handler=_cmd_ls, default_log_level="warning")
+
+    check = sub.add_parser(
+        "preflight", parents=[common],
+        help="check that the checkpoint storage can be written, read, listed and deleted",
+    )
+    check.add_argument("uri", metavar="URI", help="checkpoint root: local dir, file:// or s3://bucket/prefix")
+    _add_storage_options(check)
+    check.set_defaults(handler=_cmd_preflight, default_log_level="warning")
     return parser
+
+
+def _add_storage_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--s3-endpoint-url", default=None, metavar="URL",
+        help="S3 endpoint for s3:// URIs, e.g. http://minio:9000 (default: the standard AWS "
+        "settings such as AWS_ENDPOINT_URL); run passes it on to the workers",
+    )
+
+
+def _add_notice_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--notice", default="auto", metavar="auto|none|LIST",
+        help="preemption notice sources besides SIGTERM/SIGINT/SIGHUP (always on): auto "
+        "(detect AWS, GCP or Azure, default), none, or a comma-separated list of aws, gcp, "
+        "azure, file",
+    )
+    parser.add_argument("--notice-file", default=None, metavar="PATH",
+                        help="drill: a notice when this file appears (its JSON may set deadline_unix_s)")
+    parser.add_argument("--aws-metadata-endpoint", default=None, metavar="URL",
+                        help="AWS IMDS base URL (default $AWS_EC2_METADATA_SERVICE_ENDPOINT, else http://169.254.169.254)")
+    parser.add_argument("--gcp-metadata-host", default=None, metavar="HOST[:PORT]",
+                        help="GCP metadata server (default $GCE_METADATA_HOST, else metadata.google.internal)")
+    parser.add_argument("--azure-metadata-endpoint", default=None, metavar="URL",
+                        help="Azure IMDS base URL (default http://169.254.169.254)")
+    parser.add_argument("--azure-vm-name", default=None, metavar="NAME",
+                        help="this VM's name in Azure Scheduled Events (default: asked from IMDS)")
 
 
 def _configure_logging(level_name: str) -> None:
@@ -81,6 +130,7 @@ def _configure_logging(level_name: str) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from spotrun.notices import NoticeOptions
     from spotrun.supervisor import SupervisorConfig, supervise
 
     command = list(args.command)
@@ -94,6 +144,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         stop_timeout_s=args.stop_timeout_s,
         max_restarts=args.max_restarts,
         restart_backoff_s=args.restart_backoff_s,
+        s3_endpoint_url=args.s3_endpoint_url,
+        notice=args.notice,
+        notice_options=NoticeOptions(
+            aws_endpoint=args.aws_metadata_endpoint,
+            gcp_host=args.gcp_metadata_host,
+            azure_endpoint=args.azure_metadata_endpoint,
+            azure_vm_name=args.azure_vm_name,
+            notice_file=args.notice_file,
+        ),
     )
     return supervise(config)
 
@@ -101,8 +160,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_ls(args: argparse.Namespace) -> int:
     from spotrun.checkpoint.catalog import list_steps
     from spotrun.storage import open_storage
+    from spotrun.supervisor.config import storage_options
 
-    storage = open_storage(args.uri)
+    storage = open_storage(args.uri, **storage_options(args.uri, s3_endpoint_url=args.s3_endpoint_url))
     steps = list_steps(storage)
     if args.json:
         print(json.dumps([s.to_json() for s in steps], indent=1))
@@ -119,6 +179,14 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    return 0
+
+
+def _cmd_preflight(args: argparse.Namespace) -> int:
+    from spotrun.supervisor.preflight import check_storage
+
+    result = check_storage(args.uri, s3_endpoint_url=args.s3_endpoint_url)
+    print(f"ok: {result.uri} can be written, read, listed and deleted ({result.elapsed_s:.2f} s)")
     return 0
 
 
@@ -148,6 +216,15 @@ def _error_text(exc: SpotrunError) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``spotrun`` console script; returns the exit code."""
     args = _build_parser().parse_args(argv)
+    if getattr(args, "config", None) is not None:
+        from spotrun.config_file import load_run_config
+
+        try:
+            file_defaults = load_run_config(args.config)
+        except SpotrunError as exc:
+            print(f"spotrun: error: {_error_text(exc)}", file=sys.stderr)
+            return EXIT_USAGE
+        args = _build_parser(run_defaults=file_defaults).parse_args(argv)
     _configure_logging(args.log_level or args.default_log_level)
     try:
         return args.handler(args)

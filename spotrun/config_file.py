@@ -70,11 +70,18 @@ RUN_KEYS: dict[str, str] = {
     "s3_endpoint_url": _STR,
     "notice": _STR,
     "notice_file": _STR,
+    "aws_metadata_endpoint": _STR,
+    "gcp_metadata_host": _STR,
+    "azure_metadata_endpoint": _STR,
+    "azure_vm_name": _STR,
     "log_level": _STR,
 }
 _CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS}
 #: Keys whose "not set" (``null`` or an empty string) means "use the built-in behaviour".
-_NULLABLE = frozenset({"s3_endpoint_url", "notice_file", "log_level"})
+_NULLABLE = frozenset({
+    "s3_endpoint_url", "notice_file", "aws_metadata_endpoint", "gcp_metadata_host",
+    "azure_metadata_endpoint", "azure_vm_name", "log_level",
+})
 
 _EXPANSION = re.compile(r"\$\$|\$\{([^}]*)\}|\$\{")
 _REFERENCE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?", re.DOTALL)

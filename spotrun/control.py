@@ -10,6 +10,9 @@ Files (all written atomically by rename):
     ``save-request.json``      supervisor -> workers: {"reason", "requested_unix_s", "deadline_unix_s"}
     ``emergency-commit.json``  workers -> supervisor: {"step", "committed_unix_s"}, written by
                                local rank 0 of each node after the emergency step committed.
+    ``checkpoint-request.json`` supervisor -> workers: {"seq", "reason", "requested_unix_s"}:
+                               take an ordinary checkpoint soon and keep training (e.g. an AWS
+                               rebalance recommendation); each new ``seq`` asks once.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from spotrun.errors import ConfigError
 
 SAVE_REQUEST_FILE = "save-request.json"
 EMERGENCY_COMMIT_FILE = "emergency-commit.json"
+CHECKPOINT_REQUEST_FILE = "checkpoint-request.json"
 
 
 @dataclass(frozen=True)
@@ -109,3 +113,45 @@ def read_commit_report(control_dir: str) -> CommitReport | None:
     if doc is None or type(doc.get("step")) is not int:
         return None
     return CommitReport(step=doc["step"], committed_unix_s=float(doc.get("committed_unix_s", 0.0)))
+
+
+def write_checkpoint_request(control_dir: str, reason: str) -> int:
+    """Supervisor side: ask for an ordinary checkpoint (training goes on); returns its ``seq``."""
+    path = os.path.join(control_dir, CHECKPOINT_REQUEST_FILE)
+    previous = _read_json(path) or {}
+    seq = int(previous.get("seq", 0)) + 1 if isinstance(previous.get("seq"), int) else 1
+    _write_json_atomically(path, {"seq": seq, "reason": reason, "requested_unix_s": time.time()})
+    return seq
+
+
+class CheckpointRequestWatcher:
+    """Worker side: notices each new ordinary-checkpoint request once.
+
+    ``pending()`` costs one ``stat`` per call; the file is read only when it changed.
+    """
+
+    def __init__(self, control_dir: str) -> None:
+        self._path = os.path.join(control_dir, CHECKPOINT_REQUEST_FILE)
+        self._seen_stat: tuple[int, int] | None = None
+        self._handled_seq = 0
+        self._pending_seq = 0
+
+    def pending(self) -> bool:
+        """Whether a request newer than the last :meth:`handled` one exists."""
+        try:
+            st = os.stat(self._path)
+        except FileNotFoundError:
+            return self._pending_seq > self._handled_seq
+        if (st.st_mtime_ns, st.st_size) != self._seen_stat:
+            self._seen_stat = (st.st_mtime_ns, st.st_size)
+            try:
+                doc = _read_json(self._path) or {}
+            except ConfigError:
+                doc = {}
+            if type(doc.get("seq")) is int:
+                self._pending_seq = max(self._pending_seq, doc["seq"])
+        return self._pending_seq > self._handled_seq
+
+    def handled(self) -> None:
+        """Mark every request seen so far as served."""
+        self._handled_seq = self._pending_seq

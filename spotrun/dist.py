@@ -51,6 +51,15 @@ def any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
+def any_rank_each(flags: list[bool]) -> list[bool]:
+    """Element-wise :func:`any_rank` of several flags in one all-reduce."""
+    if not is_distributed():
+        return list(flags)
+    value = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in value.tolist()]
+
+
 def all_gather_json(value: Any) -> list[Any]:
     """Every rank's JSON-serialisable ``value``, indexed by rank.
 

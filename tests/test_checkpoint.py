@@ -222,3 +222,21 @@ def test_rng_states_are_restored(tmp_path):
     assert spotrun.Checkpointer({"x": {}}, storage=LocalStorage(str(tmp_path)), handle_signals=False).restore() == 1
     got = (random.random(), float(np.random.rand()), torch.rand(3))
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_checkpoint_request_saves_once_and_training_goes_on(tmp_path, monkeypatch):
+    from spotrun import control
+
+    control_dir = tmp_path / "control"
+    control_dir.mkdir()
+    monkeypatch.setenv("SPOTRUN_CONTROL_DIR", str(control_dir))
+    model, opt, sched = build()
+    ckpt = checkpointer(tmp_path / "ck", model, opt, sched, interval_steps=100)
+    assert ckpt.end_of_step(1) is False
+    control.write_checkpoint_request(str(control_dir), "aws: rebalance")
+    assert ckpt.end_of_step(2) is False  # saved, and keeps training
+    assert ckpt.end_of_step(3) is False  # the same request is served once
+    control.write_checkpoint_request(str(control_dir), "aws: rebalance")
+    assert ckpt.end_of_step(4) is False
+    steps = catalog.list_steps(LocalStorage(str(tmp_path / "ck")))
+    assert [(s.step, s.reason) for s in steps] == [(2, "requested"), (4, "requested")]

@@ -34,14 +34,19 @@ def torchrun_command(steps: int, save_interval: int, log_file: pathlib.Path, *ex
 def start_supervised(
     checkpoint_uri: str, command: list[str], *, grace_period_s: float = 60, env: dict | None = None,
     extra_options: list[str] | None = None, log_path: pathlib.Path | None = None,
+    drop_env: tuple[str, ...] = (),
 ) -> subprocess.Popen:
-    """Start `spotrun run` in its own session; its output goes to ``log_path`` (or is inherited)."""
+    """Start `spotrun run` in its own session; its output goes to ``log_path`` (or is inherited).
+
+    ``env`` adds to this process's environment; ``drop_env`` names variables to leave out.
+    """
     out = open(log_path, "ab") if log_path else None
+    child_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in drop_env}
     return subprocess.Popen(
         [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", checkpoint_uri,
          "--grace-period-s", str(grace_period_s), *(extra_options or []), "--", *command],
         stdout=out, stderr=subprocess.STDOUT if out else None,
-        env={**os.environ, **(env or {})}, start_new_session=True,
+        env=child_env, start_new_session=True,
     )
 
 

@@ -203,6 +203,7 @@ def save_step(
             "state passed to Checkpointer(state=...) must be identical on every rank (as in DDP)"
         )
     report: dict[str, Any] = {"ok": True}
+    write_error: Exception | None = None
     try:
         staged = stage(encoded, step, rank, world_size)
         record = write_shard(storage, staged)
@@ -211,8 +212,8 @@ def save_step(
             rank_state=encoded.rank_skeleton,
             rank_tensors={n: tensor_record(t, record.path).__dict__ for n, t in encoded.rank_tensors.items()},
         )
-    except (SpotrunError, OSError) as exc:
-        report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # any failure is reported, so that no rank waits alone at the gather
+        write_error, report = exc, {"ok": False, "error": _describe(exc)}
         log.error("rank %d failed to write its shard of step %d: %s", rank, step, report["error"])
     reports = dist.all_gather_json(report)
     failed = {r: rep["error"] for r, rep in enumerate(reports) if not rep["ok"]}
@@ -221,19 +222,25 @@ def save_step(
             f"save of step {step} failed on rank(s) {sorted(failed)}: "
             + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
             + " - nothing was committed"
-        )
+        ) from write_error
     outcome: dict[str, Any] = {"ok": True}
     manifest = None
     if rank == 0:
         try:
             manifest = _build_manifest(step, encoded, staged.owner, reports, context, world_size)
             storage.put_if_absent(manifest_key(step), manifest.to_json())
-        except (SpotrunError, OSError) as exc:
-            outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        except Exception as exc:  # reported through the broadcast, so no rank waits for it
+            outcome = {"ok": False, "error": _describe(exc)}
     outcome = dist.broadcast_json(outcome)
     if not outcome["ok"]:
         raise CheckpointSaveError(f"commit of step {step} failed on rank 0: {outcome['error']}")
     return manifest
+
+
+def _describe(exc: Exception) -> str:
+    """``"StorageError: put s3://...: S3 error SlowDown (HTTP 503)"`` (no ``[Errno N]``)."""
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"{type(exc).__name__}: {text}"
 
 
 def _build_manifest(

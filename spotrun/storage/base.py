@@ -9,6 +9,8 @@ the double slash of ``s3://``. Public methods validate the key and then call a s
 from __future__ import annotations
 
 import abc
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from spotrun.errors import ConfigError
@@ -61,6 +63,16 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def uri(self) -> str:
         """The root URI (``/abs/path`` or ``s3://bucket/prefix``)."""
+
+    @contextlib.contextmanager
+    def deadline(self, timeout_s: float) -> Iterator[None]:
+        """Bound the operations this thread starts inside the block to ``timeout_s`` seconds.
+
+        A backend that retries (S3) stops retrying before the deadline and raises
+        :class:`~spotrun.errors.StorageError`; the default does nothing, for backends
+        whose operations do not retry (local files). Callers use it whatever the backend.
+        """
+        yield
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Store ``data`` under ``key``, replacing any old object, atomically.

@@ -3,6 +3,7 @@
 * :mod:`spotrun.supervisor.run`     the main loop and the exit codes;
 * :mod:`spotrun.supervisor.config`  :class:`SupervisorConfig`, the options;
 * :mod:`spotrun.supervisor.launch`  resume point and environment of each launch;
+* :mod:`spotrun.supervisor.preflight` the storage check before the first launch;
 * :mod:`spotrun.supervisor.notices` :class:`Notice` and the :class:`Inbox` every notice
   source (signals now, cloud metadata pollers later) delivers through;
 * :mod:`spotrun.supervisor.process` descendants, stopping the process tree, reaping.

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Any
 
 from spotrun.env import DEFAULT_CHECKPOINT_URI
 from spotrun.errors import ConfigError
+from spotrun.notices import NoticeOptions, parse_notice_option
 
 #: Upper bound of the wait before a crash restart, in seconds.
 MAX_RESTART_BACKOFF_S = 300.0
@@ -27,6 +30,12 @@ class SupervisorConfig:
         max_restarts: crash restarts allowed (a failure without a notice).
         restart_backoff_s: wait before the first restart in seconds; doubles every restart,
             capped at :data:`MAX_RESTART_BACKOFF_S`.
+        s3_endpoint_url: S3 endpoint (``http://minio:9000``) for an ``s3://`` checkpoint URI,
+            used by the supervisor and passed to the workers as ``AWS_ENDPOINT_URL_S3``;
+            ``None`` keeps the standard AWS settings of the environment.
+        notice: polling notice sources besides signals: ``auto`` (detect the cloud),
+            ``none``, or a comma-separated list of ``aws``, ``gcp``, ``azure``, ``file``.
+        notice_options: endpoints, Azure VM name, drill file and timings of those sources.
 
     Raises:
         ConfigError: an empty command or an out-of-range value.
@@ -39,6 +48,9 @@ class SupervisorConfig:
     stop_timeout_s: float = 5.0
     max_restarts: int = 0
     restart_backoff_s: float = 10.0
+    s3_endpoint_url: str | None = None
+    notice: str = "auto"
+    notice_options: NoticeOptions = field(default_factory=NoticeOptions)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
@@ -57,3 +69,26 @@ class SupervisorConfig:
             raise ConfigError(f"max restarts must be >= 0, got {self.max_restarts}")
         if not self.restart_backoff_s >= 0:
             raise ConfigError(f"restart backoff must be >= 0 s, got {self.restart_backoff_s}")
+        storage_options(self.checkpoint_uri, s3_endpoint_url=self.s3_endpoint_url)
+        parse_notice_option(self.notice)
+
+    def storage_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``open_storage`` for :attr:`checkpoint_uri`."""
+        return storage_options(self.checkpoint_uri, s3_endpoint_url=self.s3_endpoint_url)
+
+
+def storage_options(uri: str, *, s3_endpoint_url: str | None) -> dict[str, Any]:
+    """Keyword arguments of ``open_storage(uri, ...)`` for the command-line storage options.
+
+    The endpoint only applies to ``s3://`` URIs and is ignored for local ones; ``None`` or
+    ``""`` means the standard AWS settings.
+
+    Raises:
+        ConfigError: the endpoint is not an ``http://`` or ``https://`` URL.
+    """
+    if not s3_endpoint_url:
+        return {}
+    parts = urllib.parse.urlsplit(s3_endpoint_url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"--s3-endpoint-url must be an http:// or https:// URL, got {s3_endpoint_url!r}")
+    return {"endpoint_url": s3_endpoint_url} if uri.strip().startswith("s3://") else {}

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 #: torchrun's variable for its --shutdown-timeout (seconds between its SIGTERM and SIGKILL).
 TORCH_SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+#: boto3's variable for the S3 endpoint; it wins over ``AWS_ENDPOINT_URL`` and touches
+#: no other AWS service the training script may use.
+S3_ENDPOINT_URL = "AWS_ENDPOINT_URL_S3"
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ def plan_launch(
     grace_period_s: float,
     previous: LaunchPlan | None = None,
     base_env: dict[str, str] | None = None,
+    s3_endpoint_url: str | None = None,
 ) -> LaunchPlan:
     """Choose the resume point and build the launch command's environment.
 
@@ -88,6 +92,8 @@ def plan_launch(
         previous: the plan of the previous launch by this supervisor (after a crash):
             keeps the run id and makes the incarnation grow even without a new checkpoint.
         base_env: environment to extend; default ``os.environ``.
+        s3_endpoint_url: the ``--s3-endpoint-url`` option; for an ``s3://`` URI the workers
+            get it as ``AWS_ENDPOINT_URL_S3``, so their storage uses the same endpoint.
 
     Raises:
         StorageError: listing the checkpoints failed.
@@ -102,7 +108,10 @@ def plan_launch(
     )
 
     env = dict(os.environ if base_env is None else base_env)
-    env[spotrun_env.CHECKPOINT_URI] = storage.uri if isinstance(storage, LocalStorage) else uri
+    local = isinstance(storage, LocalStorage)
+    env[spotrun_env.CHECKPOINT_URI] = storage.uri if local else uri
+    if s3_endpoint_url and not local:
+        env[S3_ENDPOINT_URL] = s3_endpoint_url
     env[spotrun_env.CONTROL_DIR] = control_dir
     env[spotrun_env.RUN_ID] = run_id
     env[spotrun_env.INCARNATION] = str(incarnation)

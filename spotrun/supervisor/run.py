@@ -47,6 +47,8 @@ from spotrun.storage import Storage, open_storage
 from spotrun.supervisor import preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.launch import LaunchPlan, plan_launch
+from spotrun.notices import is_stop
+from spotrun.supervisor.cloud_notices import CloudNotices
 from spotrun.supervisor.notices import CHILD_EVENT, Inbox, Notice, signal_notices
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,9 @@ def supervise(config: SupervisorConfig) -> int:
     with contextlib.ExitStack() as stack:
         inbox = stack.enter_context(Inbox())
         stack.enter_context(signal_notices(inbox))
+        cloud = CloudNotices(config.notice, config.notice_options, inbox.post)
+        stack.callback(cloud.stop)
+        cloud.start()
         storage = open_storage(config.checkpoint_uri, **config.storage_options())
         control_root = tempfile.mkdtemp(prefix="spotrun-control-")
         stack.callback(shutil.rmtree, control_root, ignore_errors=True)
@@ -104,6 +109,7 @@ class _Supervisor:
         self.child: subprocess.Popen | None = None
         self.child_returncode: int | None = None
         self.control_dir: str | None = None  # of the command now running, if any
+        self.acknowledgements: list[tuple[Notice, object]] = []  # called once the save committed
 
     # --- the launch / restart loop ---------------------------------------------
 
@@ -209,6 +215,13 @@ class _Supervisor:
 
     def _on_notice(self, notice: Notice) -> None:
         """The one place where a notice turns into a save request (signals and clouds alike)."""
+        if not is_stop(notice):  # e.g. an AWS rebalance recommendation: checkpoint, keep going
+            log.warning("%s from %s: asking the workers for an ordinary checkpoint", notice.kind, notice.source)
+            if self.control_dir is not None:
+                control.write_checkpoint_request(self.control_dir, f"{notice.source}: {notice.kind}")
+            return
+        if notice.acknowledge is not None:
+            self.acknowledgements.append((notice, notice.acknowledge))
         end_s = notice.deadline_unix_s if notice.deadline_unix_s is not None else (
             notice.received_unix_s + self.config.grace_period_s
         )
@@ -301,9 +314,10 @@ class _Supervisor:
         return infos[0].status, infos[0].problem
 
     def _acknowledge(self) -> None:
-        if self.notice is None or self.notice.acknowledge is None:
-            return
-        try:
-            self.notice.acknowledge()
-        except Exception as exc:  # an acknowledgement failure must not lose the exit code
-            log.warning("acknowledging the %s notice failed: %s", self.notice.source, exc)
+        """Acknowledge every notice that wants it (Azure StartRequests), only after the commit."""
+        for notice, acknowledge in self.acknowledgements:
+            try:
+                acknowledge()
+                log.info("acknowledged the %s notice (%s)", notice.source, notice.kind)
+            except Exception as exc:  # an acknowledgement failure must not lose the exit code
+                log.warning("acknowledging the %s notice failed: %s", notice.source, exc)

@@ -1,0 +1,143 @@
+"""Preflight of the checkpoint storage: can this job write, read, list and delete there?
+
+The supervisor runs it once before it launches the training command, so that a wrong
+bucket, missing or wrong credentials, or an endpoint that does not answer fails within
+seconds with a message naming the cause -- not hours later at the first checkpoint.
+``spotrun preflight URI`` runs the same check on its own.
+
+The check writes a small probe object under ``.spotrun-preflight/`` below the checkpoint
+root, reads it back, lists it and deletes it, all under one short deadline. Requests get
+short connect/read timeouts, and retries (of throttling or refused connections) stop at
+the deadline. The probe never appears in ``spotrun ls``: it is not under a step directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from spotrun.errors import StorageError
+from spotrun.storage import Storage, open_storage
+from spotrun.supervisor.config import storage_options
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Default bound of the whole check, in seconds.
+PREFLIGHT_TIMEOUT_S = 10.0
+#: Connect timeout of one S3 request during the check, in seconds.
+CONNECT_TIMEOUT_S = 3.0
+#: Prefix of the probe objects, relative to the checkpoint root.
+PROBE_PREFIX = ".spotrun-preflight/"
+
+
+@dataclass(frozen=True)
+class PreflightResult:
+    """A passed check.
+
+    Attributes:
+        uri: the storage root that was checked.
+        elapsed_s: seconds the check took.
+    """
+
+    uri: str
+    elapsed_s: float
+
+
+def check_storage(
+    uri: str, *, s3_endpoint_url: str | None = None, timeout_s: float = PREFLIGHT_TIMEOUT_S
+) -> PreflightResult:
+    """Open the storage at ``uri`` with short request timeouts and :func:`check` it.
+
+    Args:
+        uri: checkpoint root (local path, ``file://`` or ``s3://bucket/prefix``).
+        s3_endpoint_url: S3 endpoint overriding the environment's (``--s3-endpoint-url``).
+        timeout_s: bound of the whole check, in seconds (> 0).
+
+    Raises:
+        ConfigError: a bad URI, endpoint or timeout.
+        StorageError: the check failed (subclasses as in :func:`check`).
+    """
+    options: dict[str, Any] = storage_options(uri, s3_endpoint_url=s3_endpoint_url)
+    if uri.strip().startswith("s3://"):
+        options.update(
+            connect_timeout_s=min(CONNECT_TIMEOUT_S, timeout_s),
+            read_timeout_s=timeout_s,
+            retry_deadline_s=timeout_s,
+        )
+    return check(open_storage(uri, **options), timeout_s=timeout_s)
+
+
+def check(storage: Storage, *, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> PreflightResult:
+    """Write, read back, list and delete a probe object under ``storage``'s root.
+
+    Args:
+        storage: the checkpoint storage.
+        timeout_s: bound of the whole check (retries included), in seconds.
+
+    Returns:
+        What was checked and how long it took.
+
+    Raises:
+        StorageError: one of the four operations failed; the message names the storage,
+            the operation and the cause (e.g. "bucket 'x' does not exist", "no AWS
+            credentials found", "access denied", "cannot connect to endpoint ...",
+            "Not a directory"). The subclass is the cause's: ``ObjectNotFoundError`` for
+            a missing bucket, ``StoragePermissionError`` for denied access or missing
+            credentials.
+    """
+    started_s = time.monotonic()
+    key = f"{PROBE_PREFIX}probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    data = f"spotrun preflight probe {key}\n".encode()
+    with storage.deadline(timeout_s):
+        _attempt(storage, "write a probe object", lambda: storage.put(key, data))
+        try:
+            _attempt(storage, "read the probe object back", lambda: _read_back(storage, key, data))
+            _attempt(storage, "list the probe object", lambda: _find_in_listing(storage, key))
+        except StorageError:
+            _delete_quietly(storage, key)
+            raise
+        _attempt(storage, "delete the probe object", lambda: storage.delete(key))
+    result = PreflightResult(uri=storage.uri, elapsed_s=time.monotonic() - started_s)
+    log.info("storage preflight of %s passed in %.2f s (write, read, list, delete)",
+             result.uri, result.elapsed_s)
+    return result
+
+
+def _attempt(storage: Storage, what: str, operation: Callable[[], T]) -> T:
+    """Run ``operation``; re-raise a storage error as the same type, naming ``what``."""
+    try:
+        return operation()
+    except StorageError as exc:
+        cause = exc.strerror or str(exc)
+        raise type(exc)(
+            exc.errno or errno.EIO,
+            f"checkpoint storage {storage.uri} failed the preflight check: cannot {what}: {cause}",
+        ) from exc
+
+
+def _read_back(storage: Storage, key: str, data: bytes) -> None:
+    if storage.get(key) != data:
+        raise StorageError(errno.EIO, f"{key} read back with different bytes than were written")
+
+
+def _find_in_listing(storage: Storage, key: str) -> None:
+    if key not in [info.key for info in storage.list(PROBE_PREFIX)]:
+        raise StorageError(
+            errno.EIO, f"listing {PROBE_PREFIX} does not show {key}, which was just written"
+        )
+
+
+def _delete_quietly(storage: Storage, key: str) -> None:
+    try:
+        storage.delete(key)
+    except StorageError as exc:  # the first failure is the one to report
+        log.warning("could not delete the preflight probe %s: %s", key, exc.strerror or exc)

@@ -1,0 +1,285 @@
+"""A fault-injecting HTTP proxy between an S3 client and the moto server, for tests.
+
+    with FaultProxy(moto_url, seed=7) as proxy:
+        proxy.set_rule(FaultRule(fraction=0.1))                 # 10 % of requests fail
+        proxy.set_rule(FaultRule(count=6, kinds=(SLOW_DOWN,),   # the first 6 uploads of
+                                 match=upload_of("rank-00001.safetensors")))  # rank 1's shard
+        env = {"AWS_ENDPOINT_URL": proxy.url}                   # point clients at the proxy
+
+It listens on 127.0.0.1 (one thread per client connection, HTTP/1.1 keep-alive), reads
+each request whole, and either forwards it to the upstream server and relays the answer,
+or -- when the rule picks it -- injects a fault instead of forwarding:
+
+* ``SLOW_DOWN``: ``503`` with S3's ``SlowDown`` error document (throttling);
+* ``INTERNAL``: ``500`` with ``InternalError``;
+* ``DROP``: closes the connection without answering;
+* ``LOST_RESPONSE``: forwards the request, then closes the connection instead of relaying
+  the answer: the server did the work, the client cannot know (not in :data:`ALL_KINDS`).
+
+A ``fraction`` is kept exactly, spread evenly with a seeded phase: of the matching
+requests, in the order they arrive, request ``n`` fails when ``floor((n + phase) *
+fraction)`` steps up, ``phase`` drawn from ``random.Random(seed)``. So every run with the
+same seed and the same requests injects the same number of faults at the same arrival
+positions (which request is at a position may differ when clients race). Injected faults
+take the rule's kinds in turn.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import math
+import random
+import socket
+import threading
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+SLOW_DOWN = "slowdown"
+INTERNAL = "internal"
+DROP = "drop"
+LOST_RESPONSE = "lost-response"
+#: The kinds a rule mixes by default: failures that happen before the server acts.
+ALL_KINDS = (SLOW_DOWN, INTERNAL, DROP)
+_KNOWN_KINDS = (*ALL_KINDS, LOST_RESPONSE)
+
+_ERRORS = {
+    SLOW_DOWN: (503, "SlowDown", "Please reduce your request rate."),
+    INTERNAL: (500, "InternalError", "We encountered an internal error. Please try again."),
+}
+#: Headers that belong to one connection and are never relayed.
+_HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
+    "te", "trailers", "transfer-encoding", "upgrade", "expect",
+})
+#: Seconds the proxy waits for the upstream server's answer to one request.
+UPSTREAM_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a rule's predicate sees of one request.
+
+    Attributes:
+        method: ``GET``, ``PUT``, ...
+        path: the request target, query string included (``/bucket/key?uploadId=...``).
+    """
+
+    method: str
+    path: str
+
+
+def everything(request: Request) -> bool:
+    """Predicate that matches every request."""
+    return True
+
+
+def upload_of(name: str) -> Callable[[Request], bool]:
+    """Predicate: a ``PUT``/``POST`` (single put, multipart part or completion) whose
+    object path contains ``name`` (e.g. ``"rank-00001.safetensors"``)."""
+
+    def match(request: Request) -> bool:
+        return request.method in ("PUT", "POST") and name in urllib.parse.urlsplit(request.path).path
+
+    return match
+
+
+@dataclass(frozen=True)
+class FaultRule:
+    """Which requests fail, and how.
+
+    Attributes:
+        fraction: share of the matching requests that fail (0..1), spread evenly.
+        count: when set, the first ``count`` matching requests fail (after which they
+            pass), whatever ``fraction`` says.
+        kinds: fault kinds, used in turn.
+        match: predicate on :class:`Request`; requests it rejects always pass.
+    """
+
+    fraction: float = 0.0
+    count: int | None = None
+    kinds: tuple[str, ...] = ALL_KINDS
+    match: Callable[[Request], bool] = field(default=everything)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"fraction must be within [0, 1], got {self.fraction}")
+        if not self.kinds or any(k not in _KNOWN_KINDS for k in self.kinds):
+            raise ValueError(f"kinds must be a non-empty subset of {_KNOWN_KINDS}, got {self.kinds}")
+
+
+@dataclass(frozen=True)
+class Injected:
+    """One injected fault: its kind and the request it replaced."""
+
+    kind: str
+    method: str
+    path: str
+
+
+class FaultProxy:
+    """The proxy; a context manager that serves in a background thread.
+
+    Args:
+        upstream_url: the real server, ``http://127.0.0.1:PORT``.
+        seed: seed of the fault decisions.
+
+    Attributes:
+        url: where clients connect (``http://127.0.0.1:PORT``).
+    """
+
+    def __init__(self, upstream_url: str, *, seed: int = 0) -> None:
+        parts = urllib.parse.urlsplit(upstream_url)
+        self._upstream = (parts.hostname, parts.port or 80)
+        self._seed = seed
+        self._lock = threading.Lock()
+        self._rule = FaultRule()
+        self._phase = 0.0
+        self._matched = 0
+        self._injected: list[Injected] = []
+        self.forwarded = 0
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler_class(self))
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FaultProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    def set_rule(self, rule: FaultRule) -> None:
+        """Use ``rule`` from the next request on; resets the counts of the previous rule."""
+        with self._lock:
+            self._rule = rule
+            self._phase = random.Random(self._seed).random() / rule.fraction if rule.fraction else 0.0
+            self._matched = 0
+
+    @property
+    def injected(self) -> list[Injected]:
+        """Every fault injected so far, in order."""
+        with self._lock:
+            return list(self._injected)
+
+    def decide(self, request: Request) -> str | None:
+        """The fault kind to inject for ``request``, or ``None`` to forward it."""
+        with self._lock:
+            rule = self._rule
+            if not rule.match(request):
+                return None
+            self._matched += 1
+            n = self._matched
+            if rule.count is not None:
+                fail = n <= rule.count
+            else:
+                fail = math.floor((n + self._phase) * rule.fraction) > math.floor(
+                    (n - 1 + self._phase) * rule.fraction
+                )
+            if not fail:
+                return None
+            kind = rule.kinds[len(self._injected) % len(rule.kinds)]
+            self._injected.append(Injected(kind, request.method, request.path))
+            return kind
+
+    def upstream(self) -> http.client.HTTPConnection:
+        """A new connection to the upstream server."""
+        host, port = self._upstream
+        return http.client.HTTPConnection(host, port, timeout=UPSTREAM_TIMEOUT_S)
+
+
+def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive; answers "Expect: 100-continue"
+        _conn: http.client.HTTPConnection | None = None
+
+        def _handle(self) -> None:
+            body = self._read_body()
+            kind = proxy.decide(Request(self.command, self.path))
+            if kind in (DROP, LOST_RESPONSE):
+                if kind == LOST_RESPONSE:
+                    self._relay(body)
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+            elif kind is not None:
+                self._send_error(*_ERRORS[kind])
+            else:
+                self._forward(body)
+
+        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        def _read_body(self) -> bytes:
+            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                chunks = []
+                while True:
+                    size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                    if size == 0:
+                        while self.rfile.readline().strip():  # trailers, up to the empty line
+                            pass
+                        return b"".join(chunks)
+                    chunks.append(self.rfile.read(size))
+                    self.rfile.readline()  # CRLF after each chunk
+            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+        def _send_error(self, status: int, code: str, message: str) -> None:
+            body = (
+                '<?xml version="1.0" encoding="UTF-8"?>\n'
+                f"<Error><Code>{code}</Code><Message>{message}</Message>"
+                "<RequestId>fault-proxy</RequestId></Error>"
+            ).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def _forward(self, body: bytes) -> None:
+            response, payload = self._relay(body)
+            self.send_response_only(response.status, response.reason)
+            for name, value in response.getheaders():
+                if name.lower() in _HOP_BY_HOP or name.lower() == "content-length":
+                    continue
+                self.send_header(name, value)
+            length = response.getheader("Content-Length") if self.command == "HEAD" else None
+            self.send_header("Content-Length", length or str(len(payload)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(payload)
+
+        def _relay(self, body: bytes) -> tuple[http.client.HTTPResponse, bytes]:
+            """Send the request upstream; its response and body."""
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+            headers["Content-Length"] = str(len(body))
+            for attempt in (1, 2):  # a kept-alive upstream connection may have been closed
+                if self._conn is None:
+                    self._conn = proxy.upstream()
+                try:
+                    self._conn.request(self.command, self.path, body=body, headers=headers)
+                    response = self._conn.getresponse()
+                    payload = response.read()
+                    break
+                except (http.client.HTTPException, OSError):
+                    self._conn.close()
+                    self._conn = None
+                    if attempt == 2:
+                        raise
+            with proxy._lock:
+                proxy.forwarded += 1
+            return response, payload
+
+        def finish(self) -> None:
+            try:
+                super().finish()
+            finally:
+                if self._conn is not None:
+                    self._conn.close()
+
+        def log_message(self, *args: object) -> None:  # keep test output clean
+            pass
+
+    return Handler
