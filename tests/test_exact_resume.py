@@ -198,6 +198,8 @@ def test_c09_loader_workers_die_first(reference, tmp_path):
     emergency = [row for row in ls_json(ck) if row["reason"] == "emergency"]
     assert len(emergency) == 1 and emergency[0]["status"] == "complete" and emergency[0]["step"] >= 12
 
+    logged_before_restart = len(read_log(log_file))
     proc = start_supervised(ck, torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--num-workers", "4"))
     assert proc.wait(timeout=600) == 0
+    assert read_log(log_file)[logged_before_restart]["step"] == emergency[0]["step"] + 1
     assert_same_as_reference(reference, ck, log_file)  # the reference ran with num_workers=0

@@ -4,6 +4,7 @@ tests/test_s3_faults.py."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -19,6 +20,15 @@ from tests.s3_server import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
 
 #: Without a save deadline, S3 retries of one request go on for 120 s.
 BOUND_S = 60.0
+
+
+@pytest.fixture(autouse=True)
+def restore_signal_mask():
+    """An emergency save blocks SIGCHLD in the main thread (its process exits right after);
+    this test process goes on, and its later children would inherit the blocked signal."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 @pytest.fixture

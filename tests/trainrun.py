@@ -102,3 +102,24 @@ def final_tensors(checkpoint_uri: str, step: int, world_size: int = 2) -> dict[s
 
 def sigterm(proc: subprocess.Popen) -> None:
     os.kill(proc.pid, signal.SIGTERM)
+
+
+def ls_json(checkpoint_uri: str) -> list[dict]:
+    """What `spotrun ls URI --json` prints, parsed."""
+    out = subprocess.run([sys.executable, "-m", "spotrun", "ls", checkpoint_uri, "--json"],
+                         check=True, capture_output=True, text=True, timeout=120)
+    return json.loads(out.stdout)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and every process below it if it still runs (test clean-up)."""
+    if proc.poll() is not None:
+        return
+    from spotrun.supervisor.process import descendants
+
+    for pid in [proc.pid] + [p.pid for p in descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=60)

@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics = open(args.log_file, "a", encoding="utf-8")
     try:
         train(args, rt, metrics)
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears gloo down while a peer still receives the last collective
     finally:
         if metrics is not None:
             metrics.close()

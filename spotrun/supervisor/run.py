@@ -301,7 +301,7 @@ class _Supervisor:
             return True  # let _preempted_exit_code log the unreadable report
         if report is not None:
             log.warning("the workers took an emergency checkpoint of step %d without a notice here "
-                        "(a signal reached them directly)", report.step)
+                        "(another node got the notice, or a signal reached them directly)", report.step)
         return report is not None
 
     def _step_status(self, step: int) -> tuple[str, str | None]:

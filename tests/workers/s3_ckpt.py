@@ -140,6 +140,7 @@ def main() -> int:
     with open(os.path.join(args.out_dir, f"rank-{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)
     ckpt.close()
+    dist.barrier()  # no rank tears gloo down while a peer still receives
     dist.destroy_process_group()
     return 0
 

@@ -52,5 +52,6 @@ while True:
 report = {"step": step, "save_s": time.monotonic() - started, "exit": 0}
 with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
     json.dump(report, f)
+dist.barrier()  # no rank tears gloo down while a peer still receives
 dist.destroy_process_group()
 sys.exit(0)

@@ -47,4 +47,5 @@ elif mode == "fail-rank1":
         report({"rank": rank, "error": None})
     except CheckpointSaveError as exc:
         report({"rank": rank, "error": str(exc)})
+dist.barrier()  # no rank tears gloo down while a peer still receives
 dist.destroy_process_group()

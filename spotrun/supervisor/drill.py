@@ -1,0 +1,412 @@
+"""``spotrun drill``: rehearse a preemption on the user's own job, restart it, report.
+
+    spotrun drill --cloud aws --after-steps 200 -- torchrun --nproc-per-node 8 train.py
+
+Phase 1 runs the job under ``spotrun run`` (a child process) with the notice source of the
+chosen cloud pointed at a fake metadata server on 127.0.0.1 (:mod:`spotrun.drill_fakes`).
+Once the trigger is reached (``after_s`` seconds after the launch, or a complete checkpoint
+of step >= ``after_steps``: the catalog is the only view of the trainer's progress spotrun
+has) the fake serves a real-looking notice: an AWS spot instance-action, GCP
+``instance/preempted`` TRUE or an Azure Preempt event (``signal``: SIGTERM to the
+supervisor instead). The supervisor must save and exit 143.
+
+Phase 2 restarts the same command (no cloud notice: a new VM) and asks it to stop as soon
+as it runs (SIGTERM once the supervisor has launched it). The workers save at their first
+step boundary, so the restart ends with one more emergency checkpoint: if the restart
+resumed from the emergency step E, that checkpoint is of step E + 1 (with
+``check_interval_steps=1``; in general of a step after E). The job is left resumable.
+
+The report says whether the emergency checkpoint committed before the deadline, whether
+the restart resumed from it and went on from it (its first saved step comes after E),
+whether Azure's event was acknowledged only after the commit, and how long each phase took
+(notice -> commit, commit -> exit, restart -> first step saved). It does not compare the
+resumed run with an uninterrupted one bit for bit (the test suite does, for the example).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from spotrun.checkpoint import catalog
+from spotrun.checkpoint.catalog import StepInfo
+from spotrun.drill_fakes import FakeAws, FakeAzure, FakeGcp, FakeServer
+from spotrun.env import DEFAULT_CHECKPOINT_URI
+from spotrun.errors import ConfigError, SpotrunError
+from spotrun.storage import Storage, open_storage
+from spotrun.supervisor import process
+from spotrun.supervisor.config import storage_options
+from spotrun.supervisor.launch import find_resume_point
+from spotrun.supervisor.run import EXIT_PREEMPTED_SAVED
+
+log = logging.getLogger(__name__)
+
+CLOUDS = ("aws", "gcp", "azure", "signal")
+#: The lead each cloud gives, in seconds: AWS about 2 minutes, Azure at least 30 s, GCP and a
+#: Kubernetes/systemd SIGTERM about 30 s. The drill's notice gives the same.
+CLOUD_LEAD_S = {"aws": 120.0, "azure": 30.0, "gcp": 30.0, "signal": 30.0}
+#: This VM's name in the fake Azure events.
+DRILL_VM_NAME = "spotrun-drill"
+#: Trigger used when neither ``after_steps`` nor ``after_s`` is given, in seconds.
+DEFAULT_AFTER_S = 60.0
+#: How often the catalog and the processes are looked at, in seconds.
+_POLL_S = 0.5
+#: Extra time allowed past a phase's deadline before the drill stops the job itself, in seconds.
+_SLACK_S = 60.0
+
+
+@dataclass(frozen=True)
+class DrillConfig:
+    """Options of ``spotrun drill``.
+
+    Attributes:
+        command: the launch command (``["torchrun", ...]``).
+        cloud: whose notice to rehearse: ``aws``, ``gcp``, ``azure`` or ``signal``.
+        after_steps: serve the notice once a checkpoint of a step >= this is complete.
+        after_s: serve the notice this many seconds after the launch (default 60 when
+            ``after_steps`` is not given either).
+        checkpoint_uri: checkpoint root of the job.
+        s3_endpoint_url: S3 endpoint for an ``s3://`` URI (as ``spotrun run``).
+        grace_period_s: seconds from the notice to the (pretend) end of the machine;
+            ``None``: the cloud's own lead (:data:`CLOUD_LEAD_S`). A GCP notice carries no
+            time: the supervisor gives it its 30 s window whatever this says.
+        restart_timeout_s: seconds the restarted job may take to start, restore, run one
+            step and save it.
+
+    Raises:
+        ConfigError: no command, an unknown cloud, both or bad triggers, bad durations.
+    """
+
+    command: tuple[str, ...]
+    cloud: str = "aws"
+    after_steps: int | None = None
+    after_s: float | None = None
+    checkpoint_uri: str = DEFAULT_CHECKPOINT_URI
+    s3_endpoint_url: str | None = None
+    grace_period_s: float | None = None
+    restart_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "command", tuple(self.command))
+        if not self.command or not self.command[0]:
+            raise ConfigError("no launch command given: use spotrun drill [options] -- COMMAND...")
+        if self.cloud not in CLOUDS:
+            raise ConfigError(f"--cloud must be one of {', '.join(CLOUDS)}, got {self.cloud!r}")
+        if self.after_steps is not None and self.after_s is not None:
+            raise ConfigError("give --after-steps or --after-s, not both")
+        if self.after_steps is not None and self.after_steps < 1:
+            raise ConfigError(f"--after-steps must be >= 1, got {self.after_steps}")
+        for name in ("after_s", "grace_period_s", "restart_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"drill option {name} must be > 0, got {value}")
+        if self.lead_s <= 5.0:
+            raise ConfigError(f"--grace-period-s must be > 5 s (the supervisor's safety margin), got {self.lead_s}")
+        storage_options(self.checkpoint_uri, s3_endpoint_url=self.s3_endpoint_url)
+
+    @property
+    def lead_s(self) -> float:
+        """Seconds between the drill's notice and its deadline."""
+        return self.grace_period_s if self.grace_period_s is not None else CLOUD_LEAD_S[self.cloud]
+
+
+@dataclass
+class DrillReport:
+    """What a drill found. Times are seconds since the epoch; ``None`` where a phase never got there.
+
+    Attributes:
+        cloud: the rehearsed notice.
+        problems: why the drill failed, one line each; empty when it passed.
+        notice_unix_s: when the fake served the notice (or the SIGTERM was sent).
+        newest_step_at_notice: the newest complete step when the notice was served.
+        first_exit_code: exit code of ``spotrun run`` after the notice (143 expected).
+        emergency_step: the newest complete step after phase 1: what the notice saved.
+        emergency_reason: its manifest's reason (``emergency``; ``periodic`` if the notice
+            came at a step that a periodic save had just taken).
+        commit_unix_s: its manifest's creation time (the commit follows within the write).
+        exit_unix_s: when ``spotrun run`` exited after the notice.
+        acknowledged_unix_s: Azure only: when the StartRequests POST arrived.
+        resume_step: the step the restart resumed from (the supervisor's choice).
+        restart_unix_s: when the restart was launched.
+        restart_exit_code: exit code of the restart (143: it saved at its first step).
+        first_step_after_restart: the step the restart saved first.
+        first_save_unix_s: that checkpoint's creation time.
+    """
+
+    cloud: str
+    problems: list[str] = field(default_factory=list)
+    notice_unix_s: float | None = None
+    newest_step_at_notice: int | None = None
+    first_exit_code: int | None = None
+    emergency_step: int | None = None
+    emergency_reason: str | None = None
+    commit_unix_s: float | None = None
+    exit_unix_s: float | None = None
+    acknowledged_unix_s: float | None = None
+    resume_step: int | None = None
+    restart_unix_s: float | None = None
+    restart_exit_code: int | None = None
+    first_step_after_restart: int | None = None
+    first_save_unix_s: float | None = None
+
+    @property
+    def passed(self) -> bool:
+        """True when every check held."""
+        return not self.problems
+
+    def phases_s(self) -> dict[str, float | None]:
+        """Durations in seconds: notice -> commit (0 if the step was saved already),
+        commit -> exit of ``spotrun run``, restart -> first step saved."""
+        def span(start: float | None, end: float | None) -> float | None:
+            return None if start is None or end is None else round(max(0.0, end - start), 3)
+
+        return {
+            "notice_to_commit_s": span(self.notice_unix_s, self.commit_unix_s),
+            "commit_to_exit_s": span(self.commit_unix_s, self.exit_unix_s),
+            "restart_to_first_step_saved_s": span(self.restart_unix_s, self.first_save_unix_s),
+        }
+
+    def to_json(self) -> dict:
+        """The report as JSON values (what ``spotrun drill --json`` prints)."""
+        return {**asdict(self), "passed": self.passed, "phases_s": self.phases_s()}
+
+    def summary(self) -> str:
+        """A few lines for people."""
+        phases = self.phases_s()
+
+        def seconds(name: str) -> str:
+            return "-" if phases[name] is None else f"{phases[name]:.2f} s"
+
+        lines = [
+            f"drill ({self.cloud} notice): {'PASSED' if self.passed else 'FAILED'}",
+            f"  emergency checkpoint: step {self.emergency_step} ({self.emergency_reason}), "
+            f"spotrun run exited {self.first_exit_code}",
+            f"  restart: resumed from step {self.resume_step}, first step saved {self.first_step_after_restart}, "
+            f"exited {self.restart_exit_code}",
+            f"  notice -> commit {seconds('notice_to_commit_s')}, commit -> exit {seconds('commit_to_exit_s')}, "
+            f"restart -> first step saved {seconds('restart_to_first_step_saved_s')}",
+        ]
+        if self.acknowledged_unix_s is not None and self.commit_unix_s is not None:
+            lines.append(f"  azure event acknowledged {self.acknowledged_unix_s - self.commit_unix_s:.2f} s after the commit")
+        lines.extend(f"  problem: {p}" for p in self.problems)
+        return "\n".join(lines)
+
+
+def run_drill(config: DrillConfig) -> DrillReport:
+    """Rehearse one preemption and one restart of ``config.command``; see the module docstring.
+
+    Returns:
+        The report (``report.passed`` says whether every check held).
+
+    Raises:
+        ConfigError: a bad URI.
+        StorageError: the checkpoints cannot be listed.
+    """
+    storage = open_storage(config.checkpoint_uri, **storage_options(config.checkpoint_uri,
+                                                                    s3_endpoint_url=config.s3_endpoint_url))
+    report = DrillReport(cloud=config.cloud)
+    fake = _start_fake(config.cloud)
+    try:
+        _phase_notice(config, storage, fake, report)
+    finally:
+        if fake is not None:
+            fake.close()
+    if report.first_exit_code == EXIT_PREEMPTED_SAVED:
+        _phase_restart(config, storage, report)
+    return report
+
+
+# --- phase 1: notice ---------------------------------------------------------------
+
+
+def _start_fake(cloud: str) -> FakeServer | None:
+    if cloud == "aws":
+        return FakeAws()
+    if cloud == "gcp":
+        return FakeGcp()
+    if cloud == "azure":
+        return FakeAzure(vm_name=DRILL_VM_NAME)
+    return None
+
+
+def _notice_options(cloud: str, fake: FakeServer | None) -> list[str]:
+    if cloud == "aws":
+        return ["--notice", "aws", "--aws-metadata-endpoint", fake.url]
+    if cloud == "gcp":
+        return ["--notice", "gcp", "--gcp-metadata-host", fake.host_port]
+    if cloud == "azure":
+        return ["--notice", "azure", "--azure-metadata-endpoint", fake.url, "--azure-vm-name", DRILL_VM_NAME]
+    return ["--notice", "none"]  # signals are always notices
+
+
+def _phase_notice(config: DrillConfig, storage: Storage, fake: FakeServer | None, report: DrillReport) -> None:
+    launched_s = time.monotonic()
+    proc = _start_supervisor(config, _notice_options(config.cloud, fake), config.lead_s)
+    event_id = None
+    try:
+        while not _trigger_reached(config, storage, launched_s):
+            code = _wait_exit(proc, _POLL_S)
+            if code is not None:
+                report.first_exit_code = code
+                report.problems.append(f"the job exited with code {code} before the notice; "
+                                       "use a smaller --after-steps or --after-s")
+                return
+        report.newest_step_at_notice = _newest_complete_step(storage)
+        report.notice_unix_s = time.time()
+        event_id = _serve_notice(config, fake, proc)
+        log.warning("drill: %s notice served (deadline in %.0f s)", config.cloud, config.lead_s)
+        code = _wait_exit(proc, config.lead_s + _SLACK_S)
+        report.exit_unix_s = time.time()
+        if code is None:
+            report.problems.append(f"spotrun run did not exit within {config.lead_s + _SLACK_S:.0f} s of the notice")
+            return
+        report.first_exit_code = code
+    finally:
+        _stop(proc)
+    if code != EXIT_PREEMPTED_SAVED:
+        report.problems.append(f"spotrun run exited {code} after the notice, not {EXIT_PREEMPTED_SAVED} "
+                               "(preempted and saved)")
+        return
+    newest = _newest_complete(storage)
+    if newest is None or (report.newest_step_at_notice is not None and newest.step < report.newest_step_at_notice):
+        report.problems.append("no emergency checkpoint is complete on storage")
+        return
+    report.emergency_step, report.emergency_reason = newest.step, newest.reason
+    report.commit_unix_s = newest.created_unix_s
+    if report.commit_unix_s > report.notice_unix_s + config.lead_s:
+        report.problems.append(f"the emergency checkpoint committed after the deadline "
+                               f"({report.commit_unix_s - report.notice_unix_s:.1f} s after the notice)")
+    if config.cloud == "azure":
+        _check_acknowledgement(fake, event_id, report)
+
+
+def _trigger_reached(config: DrillConfig, storage: Storage, launched_s: float) -> bool:
+    if config.after_steps is not None:
+        newest = _newest_complete_step(storage)
+        return newest is not None and newest >= config.after_steps
+    after_s = DEFAULT_AFTER_S if config.after_s is None else config.after_s
+    return time.monotonic() - launched_s >= after_s
+
+
+def _serve_notice(config: DrillConfig, fake: FakeServer | None, proc: subprocess.Popen) -> str | None:
+    """Announce the preemption; returns Azure's event id."""
+    deadline_unix_s = time.time() + config.lead_s
+    if isinstance(fake, FakeAws):
+        fake.set_instance_action("terminate", deadline_unix_s)
+    elif isinstance(fake, FakeGcp):
+        fake.set_preempted()
+    elif isinstance(fake, FakeAzure):
+        return fake.add_event("Preempt", not_before_unix_s=deadline_unix_s)["EventId"]
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+    return None
+
+
+def _check_acknowledgement(fake: FakeAzure, event_id: str | None, report: DrillReport) -> None:
+    posts = fake.requests_to(FakeAzure.EVENTS_PATH, "POST")
+    if not posts:
+        report.problems.append("the azure event was never acknowledged")
+        return
+    expected = [{"StartRequests": [{"EventId": event_id}]}]
+    if fake.start_requests != expected:
+        report.problems.append(f"the azure acknowledgements are {fake.start_requests}, expected {expected}")
+    report.acknowledged_unix_s = posts[0].received_unix_s
+    if report.acknowledged_unix_s < report.commit_unix_s:
+        report.problems.append("the azure event was acknowledged before the emergency checkpoint committed")
+
+
+# --- phase 2: restart ----------------------------------------------------------------
+
+
+def _phase_restart(config: DrillConfig, storage: Storage, report: DrillReport) -> None:
+    resume = find_resume_point(storage)
+    report.resume_step = None if resume is None else resume.step
+    if report.resume_step != report.emergency_step:
+        report.problems.append(f"the restart resumes from step {report.resume_step}, "
+                               f"not from the emergency step {report.emergency_step}")
+    report.restart_unix_s = time.time()
+    proc = _start_supervisor(config, ["--notice", "none"], config.restart_timeout_s)
+    try:
+        if not _wait_for_launch(proc, config.restart_timeout_s):
+            report.restart_exit_code = proc.returncode
+            report.problems.append(f"the restart did not launch the command (exit code {proc.returncode})")
+            return
+        os.kill(proc.pid, signal.SIGTERM)  # save at the first step boundary and stop
+        code = _wait_exit(proc, config.restart_timeout_s + _SLACK_S)
+        report.restart_exit_code = code
+    finally:
+        _stop(proc)
+    if code != EXIT_PREEMPTED_SAVED:
+        report.problems.append(f"the restart exited {code}, not {EXIT_PREEMPTED_SAVED}: it did not save its first step")
+        return
+    newest = _newest_complete(storage)
+    if newest is None or newest.step <= (report.emergency_step or 0):
+        report.problems.append(f"the restart's first checkpoint (step {newest and newest.step}) does not come "
+                               f"after the emergency step {report.emergency_step}: it did not go on from it")
+        return
+    report.first_step_after_restart, report.first_save_unix_s = newest.step, newest.created_unix_s
+
+
+def _wait_for_launch(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait until the supervisor has started the command (it has a child); False if it exited."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if process.descendants(proc.pid):
+            return True
+        if _wait_exit(proc, 0.05) is not None:
+            return False
+    return False
+
+
+# --- helpers -----------------------------------------------------------------------
+
+
+def _start_supervisor(config: DrillConfig, notice_options: list[str], grace_period_s: float) -> subprocess.Popen:
+    command = [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", config.checkpoint_uri,
+               "--grace-period-s", str(grace_period_s), *notice_options]
+    if config.s3_endpoint_url:
+        command += ["--s3-endpoint-url", config.s3_endpoint_url]
+    log.info("drill: starting %s", " ".join(command[2:6] + ["..."]))
+    try:
+        return subprocess.Popen([*command, "--", *config.command], start_new_session=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot start spotrun run: {exc.strerror or exc}") from exc
+
+
+def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> int | None:
+    try:
+        return proc.wait(timeout=max(0.0, timeout_s))
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Leave nothing running: a supervisor still alive (drill interrupted, timed out) is asked to
+    save and stop (SIGTERM), then killed with its process tree."""
+    if proc.poll() is not None:
+        return
+    log.warning("drill: stopping spotrun run (pid %d)", proc.pid)
+    os.kill(proc.pid, signal.SIGTERM)
+    if _wait_exit(proc, _SLACK_S) is None:
+        process.kill_tree(proc.pid, proc.pid)
+        proc.kill()
+        proc.wait()
+
+
+def _newest_complete(storage: Storage) -> StepInfo | None:
+    try:
+        complete = [s for s in catalog.list_steps(storage) if s.status == catalog.COMPLETE]
+    except SpotrunError as exc:
+        log.warning("drill: cannot list the checkpoints: %s", exc)
+        return None
+    return complete[-1] if complete else None
+
+
+def _newest_complete_step(storage: Storage) -> int | None:
+    newest = _newest_complete(storage)
+    return None if newest is None else newest.step
