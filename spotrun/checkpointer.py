@@ -29,7 +29,7 @@ from typing import Any
 from spotrun import control, dist
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.restore import LoadedStep, load_step, reject_step
-from spotrun.checkpoint.save import SaveContext, save_step
+from spotrun.checkpoint.save import SaveContext, encode_state, save_step
 from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv
 from spotrun.errors import (
     CheckpointSaveError,
@@ -148,9 +148,24 @@ class Checkpointer:
 
         Raises:
             StateMismatchError: the checkpoint does not fit these objects (other world size,
-                missing keys, ...). Nothing is silently skipped.
+                a missing top-level name, keys a module or optimizer does not accept).
+            StateSerializationError: a state value could never be saved (checked here, before
+                training starts, so the first save does not fail hours later).
             NoCheckpointError: complete steps exist but none of them loads.
         """
+        step = self._restore()
+        self._check_serialisable()
+        return step
+
+    def _check_serialisable(self) -> None:
+        """Fail before training starts, not at the first save hours later."""
+        encode_state(
+            {name: _state_of(obj) for name, obj in self._state.items()},
+            {name: _state_of(obj) for name, obj in self._rank_state.items()},
+            dist.rank(),
+        )
+
+    def _restore(self) -> int:
         candidates = dist.broadcast_json(self._candidate_steps() if dist.rank() == 0 else None)
         for index, step in enumerate(candidates):
             loaded, problem = self._try_load(step)
@@ -197,6 +212,10 @@ class Checkpointer:
             return None, {"corrupt": False, "message": f"{type(exc).__name__}: {exc}"}
 
     def _apply(self, loaded: LoadedStep) -> None:
+        extra = sorted(set(loaded.replicated) - set(self._state))
+        if extra and dist.rank() == 0:
+            log.warning("checkpoint step %d also holds state %s, which this job does not restore",
+                        loaded.manifest.step, extra)
         for name, obj in self._state.items():
             if name not in loaded.replicated:
                 raise StateMismatchError(

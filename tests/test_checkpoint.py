@@ -240,3 +240,48 @@ def test_checkpoint_request_saves_once_and_training_goes_on(tmp_path, monkeypatc
     assert ckpt.end_of_step(4) is False
     steps = catalog.list_steps(LocalStorage(str(tmp_path / "ck")))
     assert [(s.step, s.reason) for s in steps] == [(2, "requested"), (4, "requested")]
+
+
+def test_unserialisable_state_fails_at_restore_before_training(tmp_path):
+    model, opt, sched = build()
+    ckpt = spotrun.Checkpointer({"model": model, "cfg": {"f": lambda x: x}},
+                                storage=LocalStorage(str(tmp_path)), handle_signals=False)
+    with pytest.raises(StateSerializationError, match="cfg/f"):
+        ckpt.restore()
+
+
+def test_a_committed_step_is_never_overwritten(tmp_path):
+    model, opt, sched = build()
+    checkpointer(tmp_path, model, opt, sched).save(5)
+    shard = tmp_path / file_key(5, shard_name(0))
+    before = shard.read_bytes()
+    train(model, opt, sched, 1)  # different state, same step number
+    from spotrun.errors import CheckpointSaveError
+
+    with pytest.raises(CheckpointSaveError, match="already committed"):
+        checkpointer(tmp_path, model, opt, sched).save(5)
+    assert shard.read_bytes() == before
+    assert checkpointer(tmp_path, *build(seed=3)).restore() == 5
+
+
+@pytest.mark.parametrize("damage", ["bad-manifest", "short-shard"])
+def test_training_gets_through_a_step_that_was_corrupt(tmp_path, damage):
+    """After falling back past a corrupt step, saving that step again must work."""
+    model, opt, sched = build()
+    ckpt = checkpointer(tmp_path, model, opt, sched)
+    ckpt.save(2)
+    train(model, opt, sched, 2)
+    ckpt.save(4)
+    if damage == "bad-manifest":
+        (tmp_path / manifest_key(4)).write_text('{"format": "spotrun-checkpoint", "trunc')
+    else:
+        shard = tmp_path / file_key(4, shard_name(0))
+        shard.write_bytes(shard.read_bytes()[:-10])
+    model2, opt2, sched2 = build(seed=1)
+    ckpt2 = checkpointer(tmp_path, model2, opt2, sched2)
+    assert ckpt2.restore() == 2
+    train(model2, opt2, sched2, 2)
+    ckpt2.save(4)
+    steps = {s.step: s.status for s in catalog.list_steps(LocalStorage(str(tmp_path)))}
+    assert steps == {2: "complete", 4: "complete"}
+    assert checkpointer(tmp_path, *build(seed=2)).restore() == 4

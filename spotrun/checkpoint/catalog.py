@@ -93,6 +93,12 @@ def newest_complete(storage: Storage, *, below: int | None = None) -> StepInfo |
     return complete[-1] if complete else None
 
 
+def inspect_step(storage: Storage, step: int) -> StepInfo | None:
+    """What one step directory holds (``None`` when it is empty or absent)."""
+    objects = storage.list(f"{step_dir(step)}/")
+    return _inspect(storage, step, objects) if objects else None
+
+
 def _inspect(storage: Storage, step: int, objects: list[ObjectInfo]) -> StepInfo:
     size_bytes = sum(o.size_bytes for o in objects)
     newest_mtime = max(o.mtime_s for o in objects)

@@ -9,14 +9,13 @@ is parsed; tensors are checked against the recorded dtype and shape.
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-import json
-import logging
-import time
 
 from spotrun.checkpoint.layout import REJECTED_MANIFEST_NAME, file_key, manifest_key, step_dir
 from spotrun.checkpoint.shard import decode_shard, dtype_name

@@ -29,7 +29,9 @@ import torch
 
 from spotrun import __version__, dist
 from spotrun.checkpoint.layout import file_key, manifest_key, shard_name
+from spotrun.checkpoint import catalog
 from spotrun.checkpoint.plan import assign_by_bytes
+from spotrun.checkpoint.restore import reject_step
 from spotrun.checkpoint.shard import encode_shard, sha256_hex, tensor_record
 from spotrun.errors import CheckpointSaveError, SpotrunError, StateMismatchError
 from spotrun.manifest import FileRecord, Manifest, TensorRecord
@@ -185,11 +187,18 @@ def save_step(
     try:
         encoded = encode_state(replicated, rank_local, rank)
         first: dict[str, Any] = {"digest": _structure_digest(encoded)}
+        if rank == 0:
+            first["committed"] = _clear_the_way(storage, step)
     except SpotrunError as exc:  # reported to the other ranks so none waits alone
         local_error, first = exc, {"error": f"{type(exc).__name__}: {exc}"}
     firsts = dist.all_gather_json(first)
     if local_error is not None:
         raise local_error
+    if firsts[0].get("committed"):
+        raise CheckpointSaveError(
+            f"step {step} is already committed under {storage.uri} ({firsts[0]['committed']}); "
+            "not overwriting it - nothing was written"
+        )
     errors = {r: f["error"] for r, f in enumerate(firsts) if "error" in f}
     if errors:
         raise CheckpointSaveError(
@@ -235,6 +244,26 @@ def save_step(
     if not outcome["ok"]:
         raise CheckpointSaveError(f"commit of step {step} failed on rank 0: {outcome['error']}")
     return manifest
+
+
+def _clear_the_way(storage: Storage, step: int) -> str | None:
+    """Rank 0, before anything is written: never write into a committed step.
+
+    A complete step is left alone (returns a description: the save is refused). A step
+    whose manifest is broken or whose files are missing or of the wrong size is
+    un-committed first (its manifest moved aside), so that it can be saved again - this is
+    how a job that fell back past a corrupt step gets through that step again.
+    """
+    if not storage.exists(manifest_key(step)):
+        return None
+    info = catalog.inspect_step(storage, step)
+    if info is None:
+        return None
+    if info.status == catalog.COMPLETE:
+        manifest = info.manifest
+        return f"run {manifest.run_id}, incarnation {manifest.incarnation}, {manifest.reason}"
+    reject_step(storage, step, f"re-saving over a {info.status} step: {info.problem}")
+    return None
 
 
 def _describe(exc: Exception) -> str:
