@@ -37,6 +37,7 @@ from spotrun.errors import (
     CorruptShardError,
     ManifestError,
     NoCheckpointError,
+    SpotrunError,
     StateMismatchError,
     StorageError,
 )
@@ -166,7 +167,16 @@ class Checkpointer:
         )
 
     def _restore(self) -> int:
-        candidates = dist.broadcast_json(self._candidate_steps() if dist.rank() == 0 else None)
+        listing: dict = {}
+        if dist.rank() == 0:
+            try:
+                listing = {"steps": self._candidate_steps()}
+            except (SpotrunError, OSError) as exc:  # told to every rank, so none waits alone
+                listing = {"error": f"{type(exc).__name__}: {exc}"}
+        listing = dist.broadcast_json(listing)
+        if "error" in listing:
+            raise StorageError(5, f"cannot list checkpoints under {self._storage.uri}: {listing['error']}")
+        candidates = listing["steps"]
         for index, step in enumerate(candidates):
             loaded, problem = self._try_load(step)
             problems = dist.all_gather_json(problem)
@@ -309,10 +319,16 @@ class Checkpointer:
                         self._describe_request(), step)
         # A dying DataLoader worker sends SIGCHLD, whose torch handler raises in this
         # thread; keep it from aborting the save. The process exits right after.
+        previous_mask = None
         if threading.current_thread() is threading.main_thread():
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-        if self._last_saved_step != step:
-            self.save(step, reason="emergency", timeout_s=self._emergency_timeout_s())
+            previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        try:
+            if self._last_saved_step != step:
+                self.save(step, reason="emergency", timeout_s=self._emergency_timeout_s())
+        except BaseException:
+            if previous_mask is not None:  # the process goes on (or unwinds): give SIGCHLD back
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+            raise
         self.preempted = True
         if self._env.control_dir and dist.local_rank() == 0:
             control.write_commit_report(self._env.control_dir, step)

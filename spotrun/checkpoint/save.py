@@ -188,7 +188,12 @@ def save_step(
         encoded = encode_state(replicated, rank_local, rank)
         first: dict[str, Any] = {"digest": _structure_digest(encoded)}
         if rank == 0:
-            first["committed"] = _clear_the_way(storage, step)
+            try:
+                first["committed"] = _clear_the_way(storage, step)
+            except (SpotrunError, OSError) as exc:
+                raise CheckpointSaveError(
+                    f"save of step {step} failed on rank 0: {_describe(exc)} - nothing was committed"
+                ) from exc
     except SpotrunError as exc:  # reported to the other ranks so none waits alone
         local_error, first = exc, {"error": f"{type(exc).__name__}: {exc}"}
     firsts = dist.all_gather_json(first)
