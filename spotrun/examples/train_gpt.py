@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="steps of LR warm-up; for onecycle, the rising phase (default: 10%% of --steps)")
     p.add_argument("--weight-decay", type=float, default=0.1,
                    help="AdamW weight decay on matrices (default: %(default)s)")
-    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default: %(default)s)")
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout probability (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model init and data order (default: %(default)s)")
     p.add_argument("--save-interval", type=int, default=100,
                    help="save every this many steps; 0 = only on request and at the end (default: %(default)s)")
