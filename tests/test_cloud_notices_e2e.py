@@ -21,9 +21,9 @@ import re
 import time
 
 import pytest
-import torch
 
 from tests.fake_metadata import FakeAws, FakeAzure, FakeGcp
+from tests import trainrun
 from tests.trainrun import (
     final_tensors,
     kill_tree,
@@ -48,15 +48,6 @@ _COMMITTED = re.compile(r"emergency checkpoint of step (\d+) is complete")
 _PROBLEM = re.compile(r" WARNING (\w+ notices: .*)$")
 
 
-@pytest.fixture
-def processes():
-    """Supervisors started by a test; any still running at the end are killed with their trees."""
-    started = []
-    yield started
-    for proc in started:
-        kill_tree(proc)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One uninterrupted run: per-step losses and final tensors."""
@@ -74,12 +65,7 @@ def reference(tmp_path_factory):
 
 
 def assert_same_as_reference(reference, ck: str, log_file) -> None:
-    ref_losses, ref_tensors = reference
-    assert last_loss_per_step(log_file) == ref_losses
-    got = final_tensors(ck, STEPS)
-    assert sorted(got) == sorted(ref_tensors)
-    for name, tensor in ref_tensors.items():
-        assert torch.equal(got[name], tensor), f"{name} differs"
+    trainrun.assert_same_as_reference(*reference, ck, log_file, STEPS)
 
 
 def where_to_look(cloud: str, fake) -> tuple[dict[str, str], list[str]]:

@@ -8,16 +8,15 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-import torch
 
+from tests import trainrun
 from tests.trainrun import (
     final_tensors,
     last_loss_per_step,
+    ls_json,
     read_log,
     sigterm,
     start_supervised,
@@ -79,11 +78,7 @@ def run_until_done(
 
 def assert_same_as_reference(reference, ck: str, log_file) -> None:
     ref_losses, ref_tensors, _ = reference
-    assert last_loss_per_step(log_file) == ref_losses
-    got = final_tensors(ck, STEPS)
-    assert sorted(got) == sorted(ref_tensors)
-    for name, tensor in ref_tensors.items():
-        assert torch.equal(got[name], tensor), f"{name} differs"
+    trainrun.assert_same_as_reference(ref_losses, ref_tensors, ck, log_file, STEPS)
 
 
 def test_sigterm_once_resumes_exactly(reference, tmp_path):
@@ -108,12 +103,6 @@ def test_two_sigterms_resume_exactly(reference, tmp_path):
     assert codes == [PREEMPTED, PREEMPTED, 0]
     assert len([row for row in ls_json(ck) if row["reason"] == "emergency"]) == 2
     assert_same_as_reference(reference, ck, log_file)
-
-
-def ls_json(ck: str) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "spotrun", "ls", ck, "--json"],
-                         check=True, capture_output=True, text=True, timeout=120)
-    return json.loads(out.stdout)
 
 
 def test_sigkill_resumes_from_last_periodic_checkpoint(reference, tmp_path):

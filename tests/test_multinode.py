@@ -74,14 +74,6 @@ def node_logs(log_prefix) -> list[str]:
     return [open(f"{log_prefix}-node{node}.log", errors="replace").read() for node in range(NODES)]
 
 
-@pytest.fixture
-def processes():
-    started = []
-    yield started
-    for proc in started:
-        kill_tree(proc)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One uninterrupted 2-node run: per-step losses and final tensors."""

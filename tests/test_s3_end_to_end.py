@@ -28,6 +28,7 @@ from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import file_key, shard_name, step_dir
 from spotrun.storage import open_storage
 from tests.s3_server import make_client, moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
+from tests import trainrun
 from tests.trainrun import (
     final_tensors,
     last_loss_per_step,
@@ -81,12 +82,7 @@ def reference(tmp_path_factory):
 
 
 def assert_same_as_reference(reference, uri: str, log_file: pathlib.Path) -> None:
-    ref_losses, ref_tensors = reference
-    assert last_loss_per_step(log_file) == ref_losses
-    got = final_tensors(uri, STEPS)
-    assert sorted(got) == sorted(ref_tensors)
-    for name, tensor in ref_tensors.items():
-        assert torch.equal(got[name], tensor), f"{name} differs"
+    trainrun.assert_same_as_reference(*reference, uri, log_file, STEPS)
 
 
 @pytest.mark.slow

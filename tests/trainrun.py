@@ -123,3 +123,14 @@ def kill_tree(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     proc.wait(timeout=60)
+
+
+def assert_same_as_reference(ref_losses: dict[int, float], ref_tensors: dict[str, torch.Tensor],
+                             checkpoint_uri: str, log_file: pathlib.Path, step: int) -> None:
+    """Per-step losses (last run of each step) and every model/optimizer tensor of ``step``
+    are bit-identical to the uninterrupted reference run's."""
+    assert last_loss_per_step(log_file) == ref_losses
+    got = final_tensors(checkpoint_uri, step)
+    assert sorted(got) == sorted(ref_tensors)
+    for name, tensor in ref_tensors.items():
+        assert torch.equal(got[name], tensor), f"{name} differs"
