@@ -9,8 +9,8 @@ Typical use inside a ``torchrun`` worker (see the README for the whole loop)::
     step = ckpt.restore()              # 0 on a fresh start
     ...
         step += 1
-        if ckpt.end_of_step(step):     # True: an emergency checkpoint committed, stop now
-            return
+        if ckpt.end_of_step(step):     # True: stop now (an emergency checkpoint committed,
+            return                     # unless the supervisor found no time for one)
 
 "When to save" (:meth:`Checkpointer.end_of_step`) is kept apart from "how to save"
 (:mod:`spotrun.checkpoint.save`).
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import collections
 import threading
 import time
 import uuid
@@ -47,6 +48,8 @@ from spotrun.storage import Storage, open_storage
 log = logging.getLogger(__name__)
 
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: How many recent step durations the step-time estimate looks at.
+_STEP_TIMES_KEPT = 16
 #: Default bound of one save's storage operations, in seconds.
 DEFAULT_SAVE_TIMEOUT_S = 300.0
 
@@ -118,6 +121,9 @@ class Checkpointer:
         self._checkpoint_requests = (
             control.CheckpointRequestWatcher(self._env.control_dir) if self._env.control_dir else None
         )
+        self._step_times_s: collections.deque[float] = collections.deque(maxlen=_STEP_TIMES_KEPT)
+        self._last_boundary_s: float | None = None
+        self._recent_saves: list[control.SaveRecord] = []
         self.preempted = False
         if handle_signals:
             self._install_signal_handlers()
@@ -246,6 +252,14 @@ class Checkpointer:
         Agrees across ranks whether a save was requested (a supervisor's request file or
         a signal on any rank); if so, every rank saves this same step as an emergency
         checkpoint, and this returns True: the loop must stop and the process exit 0.
+        When a supervisor asked to stop *without* saving (it estimated that a save cannot
+        commit before the deadline), every rank stops at this step without saving and this
+        returns True as well (:attr:`preempted` is set either way); the newest complete
+        checkpoint stays the resume point.
+        When ``$SPOTRUN_STOP_AT_STEP`` is set and ``step`` is at or past it, every rank
+        behaves as on an agreed save request: it takes the emergency checkpoint of this
+        step (under a supervisor, which then exits 143) and this returns True; every rank
+        reads the same variable at the same step, so this needs no collective.
         Otherwise saves a periodic checkpoint every ``interval_steps``, and an ordinary
         checkpoint when the supervisor asked for one (e.g. on an AWS rebalance
         recommendation) - training then goes on. One all-reduce decides both.
@@ -254,14 +268,23 @@ class Checkpointer:
             CheckpointSaveError: the emergency save failed, or too many periodic saves
                 failed in a row.
         """
+        self._note_step_boundary()
         checkpoint_requested = False
         if step % self.check_interval_steps == 0:
-            stop, checkpoint_requested = dist.any_rank_each(
-                [self._save_requested(), self._checkpoint_requests is not None and self._checkpoint_requests.pending()]
+            save_requested, stop_requested = self._stop_requests()
+            stop, no_save, checkpoint_requested = dist.any_rank_each(
+                [save_requested, stop_requested,
+                 self._checkpoint_requests is not None and self._checkpoint_requests.pending()]
             )
+            if no_save:  # one node's supervisor found no time to save: nobody saves
+                self._stop_without_save(step)
+                return True
             if stop:
                 self._emergency_save(step)
                 return True
+        if self._stop_step_reached(step):  # $SPOTRUN_STOP_AT_STEP: the same on every rank
+            self._emergency_save(step, why=f"SPOTRUN_STOP_AT_STEP={self._env.stop_at_step}")
+            return True
         if checkpoint_requested:
             if self._checkpoint_requests is not None:
                 self._checkpoint_requests.handled()
@@ -269,6 +292,17 @@ class Checkpointer:
         elif self.interval_steps and step % self.interval_steps == 0:
             self._periodic_save(step)
         return False
+
+    def _stop_step_reached(self, step: int) -> bool:
+        """Whether ``$SPOTRUN_STOP_AT_STEP`` asks to stop at ``step`` (``step >=`` it).
+
+        Every rank reads the same variable and is at the same step, so the ranks agree
+        without a collective.
+        """
+        stop_at_step = self._env.stop_at_step
+        if stop_at_step is None or step < stop_at_step:
+            return False
+        return True
 
     def save(self, step: int, reason: str = "manual", *, timeout_s: float | None = None) -> None:
         """Save and commit ``step`` now, on every rank (a collective).
@@ -289,18 +323,46 @@ class Checkpointer:
         if self._last_saved_step == step:
             return
         started_s = time.monotonic()
-        replicated = {name: _state_of(obj) for name, obj in self._state.items()}
-        rank_local = {name: _state_of(obj) for name, obj in self._rank_state.items()}
-        context = SaveContext(reason=reason, run_id=self._run_id, incarnation=self._env.incarnation)
-        with self._storage.deadline(self.save_timeout_s if timeout_s is None else timeout_s):
-            manifest = save_step(self._storage, step, replicated, rank_local, context)
+        self._publish_saves(control.SaveInProgress(step=step, reason=reason, started_unix_s=time.time()))
+        try:
+            replicated = {name: _state_of(obj) for name, obj in self._state.items()}
+            rank_local = {name: _state_of(obj) for name, obj in self._rank_state.items()}
+            context = SaveContext(reason=reason, run_id=self._run_id, incarnation=self._env.incarnation,
+                                  step_time_s=self.step_time_s)
+            with self._storage.deadline(self.save_timeout_s if timeout_s is None else timeout_s):
+                manifest = save_step(self._storage, step, replicated, rank_local, context)
+        except BaseException:
+            self._publish_saves(None)
+            raise
+        finally:
+            # The next step's duration starts now: time in the save is not step time.
+            if self._last_boundary_s is not None:
+                self._last_boundary_s = time.monotonic()
+        duration_s = time.monotonic() - started_s
         self._last_saved_step = step
+        size_bytes = dist.broadcast_json({"size_bytes": manifest.size_bytes if manifest else 0})["size_bytes"]
+        self._recent_saves = [*self._recent_saves, control.SaveRecord(
+            step=step, reason=reason, size_bytes=size_bytes, duration_s=round(duration_s, 6),
+            committed_unix_s=time.time(),
+        )][-control.RECENT_SAVES:]
+        self._publish_saves(None)
         if manifest is not None:
             log.info(
                 "committed step %d (%s): %d files, %.1f MiB in %.2f s",
-                step, reason, len(manifest.files), manifest.size_bytes / 2**20,
-                time.monotonic() - started_s,
+                step, reason, len(manifest.files), manifest.size_bytes / 2**20, duration_s,
             )
+
+    def _publish_saves(self, in_progress: control.SaveInProgress | None) -> None:
+        """Tell this node's supervisor about saves (local rank 0; best effort)."""
+        if not self._env.control_dir or dist.local_rank() != 0:
+            return
+        try:
+            control.write_save_stats(self._env.control_dir, control.SaveStats(
+                in_progress=in_progress, recent=tuple(self._recent_saves), step_time_s=self.step_time_s,
+                check_interval_steps=self.check_interval_steps,
+            ))
+        except OSError as exc:  # the supervisor then estimates from less; training goes on
+            log.warning("cannot write the save measurements for the supervisor: %s", exc)
 
     def _periodic_save(self, step: int, reason: str = "periodic") -> None:
         try:
@@ -313,10 +375,10 @@ class Checkpointer:
             if self._failed_periodic_saves > self.max_failed_periodic_saves:
                 raise
 
-    def _emergency_save(self, step: int) -> None:
+    def _emergency_save(self, step: int, why: str | None = None) -> None:
         if dist.rank() == 0:
             log.warning("save requested (%s): emergency checkpoint of step %d",
-                        self._describe_request(), step)
+                        why or self._describe_request(), step)
         # A dying DataLoader worker sends SIGCHLD, whose torch handler raises in this
         # thread; keep it from aborting the save. The process exits right after.
         previous_mask = None
@@ -340,10 +402,43 @@ class Checkpointer:
             return self.save_timeout_s
         return min(self.save_timeout_s, request.deadline_unix_s - time.time())
 
-    def _save_requested(self) -> bool:
-        if self._signal_name is not None:
-            return True
-        return bool(self._env.control_dir) and control.save_requested(self._env.control_dir)
+    def _stop_requests(self) -> tuple[bool, bool]:
+        """(save and stop, stop without saving) as asked of this rank: a signal or the
+        supervisor's request file (one ``stat`` per call while there is none)."""
+        if self._env.control_dir and control.save_requested(self._env.control_dir):
+            try:
+                request = control.read_save_request(self._env.control_dir)
+            except ConfigError as exc:  # half-visible or damaged: saving is the safe reading
+                log.warning("%s; taking it as a save request", exc)
+                request = None
+            if request is not None and not request.save:
+                return False, True
+            return True, False
+        return self._signal_name is not None, False
+
+    def _stop_without_save(self, step: int) -> None:
+        if dist.rank() == 0:
+            log.warning(
+                "stop requested without a save (%s): stopping after step %d; the newest complete "
+                "checkpoint (step %s here) stays the resume point",
+                self._describe_request(), step, self._last_saved_step,
+            )
+        self.preempted = True
+        if self._env.control_dir and dist.local_rank() == 0:
+            control.write_stop_report(self._env.control_dir, step)
+
+    def _note_step_boundary(self) -> None:
+        """Measure how long training steps take (time in saves excluded)."""
+        now_s = time.monotonic()
+        if self._last_boundary_s is not None:
+            self._step_times_s.append(now_s - self._last_boundary_s)
+        self._last_boundary_s = now_s
+
+    @property
+    def step_time_s(self) -> float | None:
+        """Seconds one training step takes: the slowest of the last 16 steps (the time spent
+        in saves excluded); ``None`` before two steps were seen."""
+        return max(self._step_times_s) if self._step_times_s else None
 
     def _describe_request(self) -> str:
         if self._signal_name:

@@ -3,7 +3,8 @@
     spotrun run [options] -- LAUNCH_COMMAND...   supervise a training command (see
                                                  :mod:`spotrun.supervisor.run` for exit codes)
     spotrun drill [options] -- LAUNCH_COMMAND... rehearse a preemption (fake cloud notice) and a
-                                                 restart on your own job; report the phases
+                                                 restart on your own job, compare with an
+                                                 uninterrupted run; report the phases
     spotrun ls URI [--json]                      list the checkpoints under URI
     spotrun preflight URI                        check that URI can be written, read,
                                                  listed and deleted (``run`` does it first)
@@ -85,9 +86,11 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
         "drill", parents=[common], help="rehearse a preemption on your own job and restart it",
         description="Run LAUNCH_COMMAND under spotrun run, serve a fake preemption notice of the "
         "chosen cloud from a metadata server on 127.0.0.1 (signal: SIGTERM), check that it saves "
-        "and exits 143, restart it until its first step is saved, and report whether it went on "
-        "from the emergency checkpoint and how long each phase took. Exit code 0 if every check "
-        "held, 1 if not, 2 on a spotrun error. The job is left resumable.",
+        "and exits 143, restart it until its first step is saved, run it once more uninterrupted "
+        "to the same step into a scratch checkpoint root, and report whether it went on from the "
+        "emergency checkpoint, whether that step is bit-identical to the uninterrupted run's on "
+        "every rank, and how long each phase took. Exit code 0 if every check held, 1 if not, 2 on "
+        "a spotrun error. The job is left resumable.",
     )
     drill.add_argument("--cloud", choices=("aws", "gcp", "azure", "signal"), default="aws",
                        help="whose notice to rehearse (default %(default)s)")
@@ -105,6 +108,14 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
     drill.add_argument("--restart-timeout-s", type=float, default=600.0, metavar="S",
                        help="seconds the restart may take to start, restore and save its first step "
                        "(default %(default)s)")
+    drill.add_argument("--no-exact-check", dest="exact_check", action="store_false",
+                       help="skip the uninterrupted reference run and the bit-for-bit comparison")
+    drill.add_argument("--reference-uri", default=None, metavar="URI",
+                       help="checkpoint root of the reference run; must hold no objects (default: a "
+                       "temporary directory for a local root, s3://bucket/prefix-drill-reference/<random> "
+                       "for s3://bucket/prefix)")
+    drill.add_argument("--keep-reference", action="store_true",
+                       help="keep the reference run's checkpoints instead of deleting them")
     drill.add_argument("--json", action="store_true", help="print the report as JSON")
     drill.add_argument("command", nargs=argparse.REMAINDER, metavar="-- LAUNCH_COMMAND...",
                        help="the job's launch command, as given to spotrun run")
@@ -198,6 +209,7 @@ def _cmd_drill(args: argparse.Namespace) -> int:
         command=tuple(command), cloud=args.cloud, after_steps=args.after_steps, after_s=args.after_s,
         checkpoint_uri=args.checkpoint_uri, s3_endpoint_url=args.s3_endpoint_url,
         grace_period_s=args.grace_period_s, restart_timeout_s=args.restart_timeout_s,
+        exact_check=args.exact_check, reference_uri=args.reference_uri, keep_reference=args.keep_reference,
     ))
     print(json.dumps(report.to_json(), indent=1) if args.json else report.summary())
     return 0 if report.passed else 1

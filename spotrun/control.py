@@ -7,12 +7,22 @@ directory (``$SPOTRUN_CONTROL_DIR``) that every worker checks at each step bound
 one ``stat`` call, no signal, nothing torchrun notices.
 
 Files (all written atomically by rename):
-    ``save-request.json``      supervisor -> workers: {"reason", "requested_unix_s", "deadline_unix_s"}
+    ``save-request.json``      supervisor -> workers: {"reason", "requested_unix_s", "deadline_unix_s",
+                               "save"}: stop at the next step boundary; with ``"save": true`` (the
+                               default) take an emergency checkpoint of that step first, with
+                               ``false`` stop without one (the supervisor found no time for it).
     ``emergency-commit.json``  workers -> supervisor: {"step", "committed_unix_s"}, written by
                                local rank 0 of each node after the emergency step committed.
+    ``stopped-without-save.json`` workers -> supervisor: {"step", "stopped_unix_s"}, written by local
+                               rank 0 of each node when the workers stopped without saving because
+                               a supervisor (maybe another node's) found no time for a save.
     ``checkpoint-request.json`` supervisor -> workers: {"seq", "reason", "requested_unix_s"}:
                                take an ordinary checkpoint soon and keep training (e.g. an AWS
                                rebalance recommendation); each new ``seq`` asks once.
+    ``saves.json``             workers -> supervisor: the save now in progress and the last few
+                               committed saves (bytes, seconds), and the step time: what the
+                               supervisor estimates an emergency save from. Written by local
+                               rank 0 of each node when a save starts and when it commits.
 """
 
 from __future__ import annotations
@@ -27,6 +37,10 @@ from spotrun.errors import ConfigError
 SAVE_REQUEST_FILE = "save-request.json"
 EMERGENCY_COMMIT_FILE = "emergency-commit.json"
 CHECKPOINT_REQUEST_FILE = "checkpoint-request.json"
+SAVES_FILE = "saves.json"
+STOP_REPORT_FILE = "stopped-without-save.json"
+#: How many committed saves ``saves.json`` remembers.
+RECENT_SAVES = 5
 
 
 @dataclass(frozen=True)
@@ -37,11 +51,15 @@ class SaveRequest:
         reason: what triggered it (``"SIGTERM"``, ``"aws spot instance-action"``, ...).
         requested_unix_s: when the supervisor wrote it (seconds since the epoch).
         deadline_unix_s: when the checkpoint must be committed; ``None`` = no known deadline.
+        save: True: save the step at the next boundary, then stop. False: stop there
+            without saving (no time for a save; the newest complete checkpoint stays the
+            resume point).
     """
 
     reason: str
     requested_unix_s: float
     deadline_unix_s: float | None
+    save: bool = True
 
 
 @dataclass(frozen=True)
@@ -96,6 +114,7 @@ def read_save_request(control_dir: str) -> SaveRequest | None:
         reason=str(doc.get("reason", "")),
         requested_unix_s=float(doc.get("requested_unix_s", 0.0)),
         deadline_unix_s=None if doc.get("deadline_unix_s") is None else float(doc["deadline_unix_s"]),
+        save=doc.get("save", True) is not False,
     )
 
 
@@ -113,6 +132,24 @@ def read_commit_report(control_dir: str) -> CommitReport | None:
     if doc is None or type(doc.get("step")) is not int:
         return None
     return CommitReport(step=doc["step"], committed_unix_s=float(doc.get("committed_unix_s", 0.0)))
+
+
+def write_stop_report(control_dir: str, step: int) -> None:
+    """Worker side: report that the workers stopped after ``step`` without saving."""
+    _write_json_atomically(os.path.join(control_dir, STOP_REPORT_FILE),
+                           {"step": step, "stopped_unix_s": time.time()})
+
+
+def read_stop_report(control_dir: str) -> int | None:
+    """Supervisor side: the step after which the workers stopped without saving, or ``None``.
+
+    Raises:
+        ConfigError: the file exists but is not JSON.
+    """
+    doc = _read_json(os.path.join(control_dir, STOP_REPORT_FILE))
+    if doc is None or type(doc.get("step")) is not int:
+        return None
+    return doc["step"]
 
 
 def write_checkpoint_request(control_dir: str, reason: str) -> int:
@@ -155,3 +192,117 @@ class CheckpointRequestWatcher:
     def handled(self) -> None:
         """Mark every request seen so far as served."""
         self._handled_seq = self._pending_seq
+
+
+# --- save measurements (workers -> supervisor) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """One committed save, as measured by local rank 0 of a node.
+
+    Attributes:
+        step: the saved step.
+        reason: ``periodic``, ``requested``, ``emergency``, ``final``, ...
+        size_bytes: bytes of all shard files of the step (every rank's; manifest excluded).
+        duration_s: seconds from the start of the save to its commit on this node (staging,
+            every collective, the slowest rank's write and the manifest write).
+        committed_unix_s: when the commit returned (seconds since the epoch).
+    """
+
+    step: int
+    reason: str
+    size_bytes: int
+    duration_s: float
+    committed_unix_s: float
+
+
+@dataclass(frozen=True)
+class SaveInProgress:
+    """A save that started and has not committed (or failed) yet.
+
+    Attributes:
+        step: the step being saved.
+        reason: why (``periodic``, ...).
+        started_unix_s: when it started (seconds since the epoch).
+    """
+
+    step: int
+    reason: str
+    started_unix_s: float
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """Contents of ``saves.json``.
+
+    Attributes:
+        in_progress: the save running now, if any.
+        recent: the last committed saves of this launch, oldest first (at most
+            :data:`RECENT_SAVES`).
+        step_time_s: seconds one training step takes (the slowest of the recent steps,
+            saves excluded); ``None`` before two steps ran.
+        check_interval_steps: steps between two looks at the save request.
+    """
+
+    in_progress: SaveInProgress | None
+    recent: tuple[SaveRecord, ...]
+    step_time_s: float | None
+    check_interval_steps: int = 1
+
+
+def write_save_stats(control_dir: str, stats: SaveStats) -> None:
+    """Worker side (local rank 0): publish the save measurements of this node."""
+    doc = {
+        "in_progress": None if stats.in_progress is None else asdict(stats.in_progress),
+        "recent": [asdict(r) for r in stats.recent],
+        "step_time_s": stats.step_time_s,
+        "check_interval_steps": stats.check_interval_steps,
+    }
+    _write_json_atomically(os.path.join(control_dir, SAVES_FILE), doc)
+
+
+def read_save_stats(control_dir: str) -> SaveStats | None:
+    """Supervisor side: this node's save measurements; ``None`` when there are none yet.
+
+    Raises:
+        ConfigError: the file exists but is not JSON or has fields of the wrong type.
+    """
+    path = os.path.join(control_dir, SAVES_FILE)
+    doc = _read_json(path)
+    if doc is None:
+        return None
+    try:
+        raw = doc.get("in_progress")
+        in_progress = None if raw is None else SaveInProgress(
+            step=_number(raw["step"], int), reason=str(raw["reason"]),
+            started_unix_s=_number(raw["started_unix_s"], float),
+        )
+        recent = tuple(
+            SaveRecord(
+                step=_number(r["step"], int), reason=str(r["reason"]),
+                size_bytes=_number(r["size_bytes"], int), duration_s=_number(r["duration_s"], float),
+                committed_unix_s=_number(r["committed_unix_s"], float),
+            )
+            for r in doc.get("recent", [])
+        )
+        step_time_s = doc.get("step_time_s")
+        return SaveStats(
+            in_progress=in_progress,
+            recent=recent,
+            step_time_s=None if step_time_s is None else _number(step_time_s, float),
+            check_interval_steps=_number(doc.get("check_interval_steps", 1), int),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"control file {path} is malformed: {exc!r}") from exc
+
+
+def _number(value: object, kind: type) -> int | float:
+    """A non-negative int (``kind=int``) or finite float; ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {value!r}")
+    if kind is int and type(value) is not int:
+        raise ValueError(f"expected an integer, got {value!r}")
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"expected a finite number >= 0, got {value!r}")
+    return kind(value)

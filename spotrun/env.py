@@ -20,6 +20,11 @@ CONTROL_DIR = "SPOTRUN_CONTROL_DIR"
 RUN_ID = "SPOTRUN_RUN_ID"
 #: 0 for the first start of a job, +1 for every later start that resumes it.
 INCARNATION = "SPOTRUN_INCARNATION"
+#: Step at which :meth:`spotrun.Checkpointer.end_of_step` takes an emergency checkpoint and
+#: tells the loop to stop, as if a save request had arrived; unset: no such stop. Not set by
+#: ``spotrun run`` itself (it passes it on when its own environment has it); ``spotrun drill``
+#: sets it to end its restart and its reference run at an exact step.
+STOP_AT_STEP = "SPOTRUN_STOP_AT_STEP"
 
 DEFAULT_CHECKPOINT_URI = "./checkpoints"
 
@@ -34,6 +39,8 @@ class WorkerEnv:
         control_dir: local control-channel directory; ``None`` when no supervisor runs.
         run_id: job identifier; ``None`` if unset.
         incarnation: start count of this job (0 = first start).
+        stop_at_step: stop with an emergency checkpoint at the first step boundary whose
+            step is >= this; ``None``: no such stop.
     """
 
     checkpoint_uri: str | None
@@ -41,6 +48,7 @@ class WorkerEnv:
     control_dir: str | None
     run_id: str | None
     incarnation: int
+    stop_at_step: int | None = None
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> "WorkerEnv":
@@ -64,4 +72,5 @@ class WorkerEnv:
             control_dir=env.get(CONTROL_DIR) or None,
             run_id=env.get(RUN_ID) or None,
             incarnation=_int(INCARNATION) or 0,
+            stop_at_step=_int(STOP_AT_STEP),
         )

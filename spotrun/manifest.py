@@ -12,11 +12,15 @@ Format version 1 (``manifest.json`` inside ``step-NNNNNNNNN/``)::
                               "shape": [4, 4], "offsets": null}},
       "aliases": {"model/head.weight": "model/emb.weight"},
       "state": {...skeleton of the replicated state...},
-      "rank_state": [{...skeleton of rank 0's own state...}, ...]
+      "rank_state": [{...skeleton of rank 0's own state...}, ...],
+      "timing": {"write_s": 1.9, "step_time_s": 0.41}
     }
 
 ``offsets`` is ``null`` for whole tensors (the only kind format 1 writes); it is reserved
-for shards of one global tensor. Readers refuse a newer ``format_version`` with a clear
+for shards of one global tensor. ``timing`` (optional, may be ``null``; added in spotrun
+0.1 without a format change, older manifests lack it) records how long the slowest rank
+took to stage and write its shard and how long a training step took: the supervisor of a
+restarted job estimates an emergency save from it before the job has saved again. Readers refuse a newer ``format_version`` with a clear
 error instead of guessing.
 """
 
@@ -68,6 +72,20 @@ class TensorRecord:
     offsets: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class SaveTiming:
+    """How long a save took, recorded for estimating the next ones.
+
+    Attributes:
+        write_s: seconds the slowest rank took to stage and write its shard.
+        step_time_s: seconds one training step took before the save (the slowest of the
+            recent steps); ``None`` when unknown.
+    """
+
+    write_s: float
+    step_time_s: float | None = None
+
+
 @dataclass
 class Manifest:
     """A parsed, validated manifest (see the module docstring for the JSON form)."""
@@ -86,6 +104,7 @@ class Manifest:
     spotrun_version: str = ""
     torch_version: str = ""
     format_version: int = FORMAT_VERSION
+    timing: SaveTiming | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -193,4 +212,23 @@ def _parse_v1(doc: dict[str, Any]) -> Manifest:
         spotrun_version=_str(doc.get("spotrun_version", ""), "spotrun_version"),
         torch_version=_str(doc.get("torch_version", ""), "torch_version"),
         format_version=doc["format_version"],
+        timing=_timing(doc.get("timing")),
+    )
+
+
+def _seconds(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def _timing(raw: Any) -> SaveTiming | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"timing must be an object or null, got {raw!r}")
+    step_time_s = raw.get("step_time_s")
+    return SaveTiming(
+        write_s=_seconds(raw["write_s"], "timing.write_s"),
+        step_time_s=None if step_time_s is None else _seconds(step_time_s, "timing.step_time_s"),
     )

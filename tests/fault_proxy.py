@@ -5,6 +5,8 @@
         proxy.set_rule(FaultRule(count=6, kinds=(SLOW_DOWN,),   # the first 6 uploads of
                                  match=upload_of("rank-00001.safetensors")))  # rank 1's shard
         env = {"AWS_ENDPOINT_URL": proxy.url}                   # point clients at the proxy
+        proxy.set_latency(5.0, upload_of("rank-"))              # a slow link for shard uploads
+        proxy.seen(upload_of("step-000000020/"))                # requests that arrived so far
 
 It listens on 127.0.0.1 (one thread per client connection, HTTP/1.1 keep-alive), reads
 each request whole, and either forwards it to the upstream server and relays the answer,
@@ -22,6 +24,9 @@ fraction)`` steps up, ``phase`` drawn from ``random.Random(seed)``. So every run
 same seed and the same requests injects the same number of faults at the same arrival
 positions (which request is at a position may differ when clients race). Injected faults
 take the rule's kinds in turn.
+
+A latency (``set_latency``) holds each matching request that is forwarded for that many
+seconds before it goes upstream: a slow or congested link to the store.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import math
 import random
 import socket
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -138,6 +144,8 @@ class FaultProxy:
         self._phase = 0.0
         self._matched = 0
         self._injected: list[Injected] = []
+        self._latency: tuple[float, Callable[[Request], bool]] = (0.0, everything)
+        self._seen: list[Request] = []
         self.forwarded = 0
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler_class(self))
         self._server.daemon_threads = True
@@ -160,6 +168,22 @@ class FaultProxy:
             self._phase = random.Random(self._seed).random() / rule.fraction if rule.fraction else 0.0
             self._matched = 0
 
+    def set_latency(self, delay_s: float, match: Callable[[Request], bool] = everything) -> None:
+        """Hold each forwarded request that ``match`` accepts for ``delay_s`` seconds first."""
+        with self._lock:
+            self._latency = (delay_s, match)
+
+    def latency_for(self, request: Request) -> float:
+        """Seconds to hold ``request`` before forwarding it."""
+        with self._lock:
+            delay_s, match = self._latency
+        return delay_s if delay_s > 0 and match(request) else 0.0
+
+    def seen(self, match: Callable[[Request], bool] = everything) -> list[Request]:
+        """Every request that arrived so far (faulted or not) that ``match`` accepts, in order."""
+        with self._lock:
+            return [r for r in self._seen if match(r)]
+
     @property
     def injected(self) -> list[Injected]:
         """Every fault injected so far, in order."""
@@ -169,6 +193,7 @@ class FaultProxy:
     def decide(self, request: Request) -> str | None:
         """The fault kind to inject for ``request``, or ``None`` to forward it."""
         with self._lock:
+            self._seen.append(request)
             rule = self._rule
             if not rule.match(request):
                 return None
@@ -208,6 +233,7 @@ def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler
             elif kind is not None:
                 self._send_error(*_ERRORS[kind])
             else:
+                time.sleep(proxy.latency_for(Request(self.command, self.path)))
                 self._forward(body)
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle

@@ -285,3 +285,32 @@ def test_training_gets_through_a_step_that_was_corrupt(tmp_path, damage):
     steps = {s.step: s.status for s in catalog.list_steps(LocalStorage(str(tmp_path)))}
     assert steps == {2: "complete", 4: "complete"}
     assert checkpointer(tmp_path, *build(seed=2)).restore() == 4
+
+
+def test_stop_at_step_takes_the_emergency_checkpoint_of_exactly_that_step(tmp_path, monkeypatch):
+    """$SPOTRUN_STOP_AT_STEP acts like an agreed save request at that step, whatever the check
+    interval: the emergency checkpoint of that step, the commit report, and True."""
+    from spotrun import control
+
+    control_dir = tmp_path / "control"
+    control_dir.mkdir()
+    monkeypatch.setenv("SPOTRUN_CONTROL_DIR", str(control_dir))
+    monkeypatch.setenv("SPOTRUN_STOP_AT_STEP", "5")
+    model, opt, sched = build()
+    ckpt = checkpointer(tmp_path / "ck", model, opt, sched, interval_steps=2, check_interval_steps=4)
+    stopped_at = next(step for step in range(1, 20) if ckpt.end_of_step(step))
+    assert stopped_at == 5 and ckpt.preempted
+    steps = catalog.list_steps(LocalStorage(str(tmp_path / "ck")))
+    assert [(s.step, s.reason, s.status) for s in steps] == [(2, "periodic", "complete"), (4, "periodic", "complete"),
+                                                            (5, "emergency", "complete")]
+    assert control.read_commit_report(str(control_dir)).step == 5  # so the supervisor exits 143
+
+
+def test_stop_at_step_is_read_like_the_resume_step():
+    from spotrun.env import WorkerEnv
+    from spotrun.errors import ConfigError
+
+    assert WorkerEnv.from_environ({}).stop_at_step is None
+    assert WorkerEnv.from_environ({"SPOTRUN_STOP_AT_STEP": " 12 "}).stop_at_step == 12
+    with pytest.raises(ConfigError, match="SPOTRUN_STOP_AT_STEP"):
+        WorkerEnv.from_environ({"SPOTRUN_STOP_AT_STEP": "twelve"})

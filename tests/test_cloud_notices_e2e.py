@@ -25,9 +25,6 @@ import pytest
 from tests.fake_metadata import FakeAws, FakeAzure, FakeGcp
 from tests import trainrun
 from tests.trainrun import (
-    final_tensors,
-    kill_tree,
-    last_loss_per_step,
     ls_json,
     read_log,
     start_supervised,
@@ -37,8 +34,8 @@ from tests.trainrun import (
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30
-SAVE_INTERVAL = 10
+STEPS = trainrun.REFERENCE_STEPS  # the shared reference run (conftest.py)
+SAVE_INTERVAL = trainrun.REFERENCE_SAVE_INTERVAL
 #: Pause after each step: 30 steps then last about 6 s, several AWS polls.
 STEP_SLEEP_S = "0.2"
 #: The notice is announced once the training log reaches this step.
@@ -48,24 +45,8 @@ _COMMITTED = re.compile(r"emergency checkpoint of step (\d+) is complete")
 _PROBLEM = re.compile(r" WARNING (\w+ notices: .*)$")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One uninterrupted run: per-step losses and final tensors."""
-    root = tmp_path_factory.mktemp("reference")
-    log_file = root / "train.jsonl"
-    proc = start_supervised(str(root / "ck"), torchrun_command(STEPS, SAVE_INTERVAL, log_file),
-                            extra_options=["--notice", "none"], log_path=root / "supervisor.log")
-    try:
-        assert proc.wait(timeout=600) == 0
-    finally:
-        kill_tree(proc)
-    losses = last_loss_per_step(log_file)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    return losses, final_tensors(str(root / "ck"), STEPS)
-
-
 def assert_same_as_reference(reference, ck: str, log_file) -> None:
-    trainrun.assert_same_as_reference(*reference, ck, log_file, STEPS)
+    trainrun.assert_same_as_reference(*reference[:2], ck, log_file, STEPS)
 
 
 def where_to_look(cloud: str, fake) -> tuple[dict[str, str], list[str]]:

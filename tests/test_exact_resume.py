@@ -14,8 +14,6 @@ import pytest
 
 from tests import trainrun
 from tests.trainrun import (
-    final_tensors,
-    last_loss_per_step,
     ls_json,
     read_log,
     sigterm,
@@ -26,21 +24,9 @@ from tests.trainrun import (
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30
-SAVE_INTERVAL = 10
+STEPS = trainrun.REFERENCE_STEPS  # the shared reference run (conftest.py)
+SAVE_INTERVAL = trainrun.REFERENCE_SAVE_INTERVAL
 PREEMPTED = 143
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One uninterrupted run: per-step losses and final tensors."""
-    root = tmp_path_factory.mktemp("reference")
-    log_file = root / "train.jsonl"
-    proc = start_supervised(str(root / "ck"), torchrun_command(STEPS, SAVE_INTERVAL, log_file))
-    assert proc.wait(timeout=600) == 0
-    losses = last_loss_per_step(log_file)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    return losses, final_tensors(str(root / "ck"), STEPS), root / "ck"
 
 
 def wait_for_text(path, text: str, proc, timeout_s: float = 120) -> None:

@@ -30,8 +30,6 @@ from spotrun.storage import open_storage
 from tests.s3_server import make_client, moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
 from tests import trainrun
 from tests.trainrun import (
-    final_tensors,
-    last_loss_per_step,
     read_log,
     sigterm,
     start_supervised,
@@ -39,8 +37,8 @@ from tests.trainrun import (
     wait_for_step,
 )
 
-STEPS = 30
-SAVE_INTERVAL = 10
+STEPS = trainrun.REFERENCE_STEPS  # the shared reference run (conftest.py)
+SAVE_INTERVAL = trainrun.REFERENCE_SAVE_INTERVAL
 PREEMPTED = 143
 WAIT_S = 600
 SHA256 = re.compile(r"\b[0-9a-f]{64}\b")
@@ -69,20 +67,8 @@ def flip_last_byte(client, bucket: str, key: str) -> None:
     client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One uninterrupted run (on a local directory): per-step losses and final tensors."""
-    root = tmp_path_factory.mktemp("reference")
-    log_file = root / "train.jsonl"
-    proc = start_supervised(str(root / "ck"), torchrun_command(STEPS, SAVE_INTERVAL, log_file))
-    assert proc.wait(timeout=WAIT_S) == 0
-    losses = last_loss_per_step(log_file)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    return losses, final_tensors(str(root / "ck"), STEPS)
-
-
 def assert_same_as_reference(reference, uri: str, log_file: pathlib.Path) -> None:
-    trainrun.assert_same_as_reference(*reference, uri, log_file, STEPS)
+    trainrun.assert_same_as_reference(*reference[:2], uri, log_file, STEPS)
 
 
 @pytest.mark.slow

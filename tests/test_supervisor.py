@@ -187,6 +187,50 @@ def test_notice_then_exit_0_without_a_save_means_training_finished(spotrun_run, 
     assert (state / "request.json").exists()
 
 
+def test_workers_stopped_without_a_save_by_another_node_exit_142(spotrun_run, tmp_path, state):
+    """No notice on this node, but its workers stopped without saving because another node's
+    supervisor found no time for a save: preempted, not finished; the resume point is named."""
+    ckpt = tmp_path / "ckpt"
+    write_step(str(ckpt), 7, commit=True)
+    run = spotrun_run(["--checkpoint-uri", str(ckpt), *FAST],
+                      [sys.executable, FAKE / "saver.py", state, "--stopped-without-save-at", "12"])
+    assert run.wait() == 142, run.log()
+    assert "the workers stopped after step 12 without saving" in run.log()
+    assert "the newest complete checkpoint is step 7" in run.log()
+
+
+def test_signals_blocked_by_the_parent_are_unblocked(tmp_path, state):
+    """A parent that blocked SIGCHLD and SIGTERM (the mask is inherited): the supervisor still
+    sees its command exit, and still takes SIGTERM as a notice."""
+    blocked = {signal.SIGCHLD, signal.SIGTERM}
+    ckpt = str(tmp_path / "ckpt")
+    finished = subprocess.run(
+        [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", ckpt, *FAST, "--",
+         sys.executable, FAKE / "saver.py", state, "--max-steps", "3"],
+        preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked), timeout=WAIT_S,
+        capture_output=True, text=True,
+    )
+    assert finished.returncode == 0, finished.stderr
+    state = tmp_path / "second"
+    state.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", ckpt, *FAST, "--",
+         sys.executable, FAKE / "saver.py", state],
+        preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked), stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not (state / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT_S) == 143, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_failing_command_passes_its_exit_code_through(spotrun_run, tmp_path, state):
     run = spotrun_run(["--checkpoint-uri", str(tmp_path / "ckpt"), *FAST], [sys.executable, FAKE / "flaky.py", state, 99, 3])
     assert run.wait() == 3, run.log()

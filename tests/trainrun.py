@@ -22,6 +22,10 @@ TRAIN_ARGS = [
     "--warmup-steps", "5", "--log-interval", "1000",
 ]
 
+#: Steps and checkpoint interval of the shared uninterrupted reference run (conftest.py).
+REFERENCE_STEPS = 30
+REFERENCE_SAVE_INTERVAL = 10
+
 
 def torchrun_command(steps: int, save_interval: int, log_file: pathlib.Path, *extra: str) -> list[str]:
     return [

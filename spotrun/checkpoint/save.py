@@ -34,7 +34,7 @@ from spotrun.checkpoint.plan import assign_by_bytes
 from spotrun.checkpoint.restore import reject_step
 from spotrun.checkpoint.shard import encode_shard, sha256_hex, tensor_record
 from spotrun.errors import CheckpointSaveError, SpotrunError, StateMismatchError
-from spotrun.manifest import FileRecord, Manifest, TensorRecord
+from spotrun.manifest import FileRecord, Manifest, SaveTiming, TensorRecord
 from spotrun.state import tree
 from spotrun.storage.base import Storage
 
@@ -158,11 +158,20 @@ def write_shard(storage: Storage, staged: StagedShard) -> FileRecord:
 
 @dataclass(frozen=True)
 class SaveContext:
-    """Facts recorded in the manifest besides the state itself."""
+    """Facts recorded in the manifest besides the state itself.
+
+    Attributes:
+        reason: why the step is saved (``periodic``, ``emergency``, ...).
+        run_id: the job's identifier.
+        incarnation: the job's start count.
+        step_time_s: seconds a training step takes (recorded in the manifest's ``timing``);
+            ``None`` when unknown.
+    """
 
     reason: str
     run_id: str
     incarnation: int
+    step_time_s: float | None = None
 
 
 def save_step(
@@ -219,9 +228,11 @@ def save_step(
     report: dict[str, Any] = {"ok": True}
     write_error: Exception | None = None
     try:
+        write_started_s = time.monotonic()
         staged = stage(encoded, step, rank, world_size)
         record = write_shard(storage, staged)
         report.update(
+            write_s=time.monotonic() - write_started_s,
             file=record.__dict__,
             rank_state=encoded.rank_skeleton,
             rank_tensors={n: tensor_record(t, record.path).__dict__ for n, t in encoded.rank_tensors.items()},
@@ -304,4 +315,8 @@ def _build_manifest(
         incarnation=context.incarnation,
         spotrun_version=__version__,
         torch_version=torch.__version__,
+        timing=SaveTiming(
+            write_s=round(max(rep["write_s"] for rep in reports), 6),
+            step_time_s=None if context.step_time_s is None else round(context.step_time_s, 6),
+        ),
     )

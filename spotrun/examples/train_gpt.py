@@ -8,7 +8,9 @@ Data parallel (DDP over ``gloo`` on CPU, ``nccl`` on GPU), under the supervisor:
 
     spotrun run -- torchrun --nproc-per-node 2 -m spotrun.examples.train_gpt --steps 600
 
-Every rank seeds torch before building the model, so replicas start identical; the
+Every rank seeds torch, Python's ``random`` and NumPy before building the model, so replicas
+start identical and a fresh start is reproducible (what ``spotrun drill``'s exact check
+compares against, when the drill starts without a checkpoint); the
 data loader gives each rank its own slice of every epoch. The checkpointed state is
 the raw model (tied weights included), AdamW, the LR scheduler and the data loader's
 position; RNG state is saved per rank by :class:`spotrun.Checkpointer`. A save request
@@ -25,11 +27,13 @@ import argparse
 import json
 import logging
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass
 from typing import TextIO
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -217,6 +221,8 @@ class Progress:
 def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None:
     """Run (or resume) training up to ``args.steps``; returns early after a requested save."""
     torch.manual_seed(args.seed)  # identical replicas: every rank draws the same init
+    random.seed(args.seed)  # unused here, but saved with every checkpoint: a fresh start is reproducible
+    np.random.seed(args.seed)
     config = GPTConfig(block_size=args.block_size, width=args.width, depth=args.depth,
                        heads=args.heads, dropout=args.dropout)
     model = GPT(config).to(rt.device)
@@ -253,7 +259,10 @@ def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None
                 if args.step_sleep_s:
                     time.sleep(args.step_sleep_s)
                 if ckpt.end_of_step(step):
-                    log.info("step %d saved on request; stopping", step)
+                    if ckpt.last_saved_step == step:
+                        log.info("step %d saved on request; stopping", step)
+                    else:
+                        log.info("stopping after step %d without a save, as asked", step)
                     return
                 if step >= args.steps:
                     break

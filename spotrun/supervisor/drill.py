@@ -10,17 +10,32 @@ has) the fake serves a real-looking notice: an AWS spot instance-action, GCP
 ``instance/preempted`` TRUE or an Azure Preempt event (``signal``: SIGTERM to the
 supervisor instead). The supervisor must save and exit 143.
 
-Phase 2 restarts the same command (no cloud notice: a new VM) and asks it to stop as soon
-as it runs (SIGTERM once the supervisor has launched it). The workers save at their first
-step boundary, so the restart ends with one more emergency checkpoint: if the restart
-resumed from the emergency step E, that checkpoint is of step E + 1 (with
-``check_interval_steps=1``; in general of a step after E). The job is left resumable.
+Phase 2 restarts the same command (no cloud notice: a new VM) with
+``SPOTRUN_STOP_AT_STEP=E+1`` in its environment (``spotrun run`` and torchrun pass it on to
+the workers), E being the emergency step: the workers resume from E, run step E + 1, take an
+emergency checkpoint of it and stop, and the supervisor exits 143. Should the restart not
+exit within ``restart_timeout_s``, the drill stops it with a SIGTERM (a save at the next step
+boundary) and says so. The job is left resumable, one step further.
+
+Phase 3 (the exact check; on unless ``exact_check`` is false) runs the same command once
+more, uninterrupted, from where phase 1 started (R0, the newest complete step before the
+drill, or a fresh start) to step E + 1, under ``spotrun run --notice none`` with
+``SPOTRUN_STOP_AT_STEP=E+1``, into a scratch checkpoint root: a temporary directory for a
+local root, ``s3://bucket/prefix-drill-reference/<random>`` for ``s3://bucket/prefix``, or
+``reference_uri``. Step R0 is first copied there through the storage interface (manifest
+last). Then step E + 1 of the real root and of the scratch root are compared bit for bit
+for every rank (:mod:`spotrun.supervisor.drill_reference`): the replicated state and each
+rank's own state, every RNG included. Any difference means the job does not resume exactly
+(state spotrun does not save, or nondeterminism) and fails the drill. The scratch root is
+deleted afterwards unless ``keep_reference``. The reference run may take ``restart_timeout_s``
+plus twice phase 1's duration. It is the same command, so whatever else the job writes (a
+metrics log, say) gets the reference run's steps as well.
 
 The report says whether the emergency checkpoint committed before the deadline, whether
-the restart resumed from it and went on from it (its first saved step comes after E),
-whether Azure's event was acknowledged only after the commit, and how long each phase took
-(notice -> commit, commit -> exit, restart -> first step saved). It does not compare the
-resumed run with an uninterrupted one bit for bit (the test suite does, for the example).
+the restart resumed from it and went on from it (its first saved step is E + 1), whether
+Azure's event was acknowledged only after the commit, whether step E + 1 is bit-identical to
+the uninterrupted run's (and if not, which values differ), and how long each phase took
+(notice -> commit, commit -> exit, restart -> first step saved, reference run).
 """
 
 from __future__ import annotations
@@ -36,13 +51,14 @@ from dataclasses import asdict, dataclass, field
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.catalog import StepInfo
 from spotrun.drill_fakes import FakeAws, FakeAzure, FakeGcp, FakeServer
-from spotrun.env import DEFAULT_CHECKPOINT_URI
+from spotrun.env import DEFAULT_CHECKPOINT_URI, STOP_AT_STEP
 from spotrun.errors import ConfigError, SpotrunError
 from spotrun.storage import Storage, open_storage
-from spotrun.supervisor import process
+from spotrun.supervisor import drill_reference, process
 from spotrun.supervisor.config import storage_options
+from spotrun.supervisor.drill_reference import ScratchRoot
 from spotrun.supervisor.launch import find_resume_point
-from spotrun.supervisor.run import EXIT_PREEMPTED_SAVED
+from spotrun.supervisor.run import EXIT_PREEMPTED_NOT_SAVED, EXIT_PREEMPTED_SAVED
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +74,8 @@ DEFAULT_AFTER_S = 60.0
 _POLL_S = 0.5
 #: Extra time allowed past a phase's deadline before the drill stops the job itself, in seconds.
 _SLACK_S = 60.0
+#: At most this many differences are listed in a report (``difference_count`` has them all).
+MAX_REPORTED_DIFFERENCES = 10
 
 
 @dataclass(frozen=True)
@@ -76,10 +94,17 @@ class DrillConfig:
             ``None``: the cloud's own lead (:data:`CLOUD_LEAD_S`). A GCP notice carries no
             time: the supervisor gives it its 30 s window whatever this says.
         restart_timeout_s: seconds the restarted job may take to start, restore, run one
-            step and save it.
+            step and save it. The reference run gets this plus twice phase 1's duration.
+        exact_check: run phase 3, the uninterrupted reference run, and compare.
+        reference_uri: the reference run's checkpoint root (must hold no objects);
+            ``None``: a temporary directory for a local ``checkpoint_uri``,
+            ``s3://bucket/prefix-drill-reference/<random>`` for ``s3://bucket/prefix``.
+        keep_reference: leave the reference run's checkpoints in place (the report names them).
 
     Raises:
-        ConfigError: no command, an unknown cloud, both or bad triggers, bad durations.
+        ConfigError: no command, an unknown cloud, both or bad triggers, bad durations, a
+            bad ``reference_uri`` (also: the same as ``checkpoint_uri``, or given without
+            the exact check).
     """
 
     command: tuple[str, ...]
@@ -90,6 +115,9 @@ class DrillConfig:
     s3_endpoint_url: str | None = None
     grace_period_s: float | None = None
     restart_timeout_s: float = 600.0
+    exact_check: bool = True
+    reference_uri: str | None = None
+    keep_reference: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
@@ -108,11 +136,27 @@ class DrillConfig:
         if self.lead_s <= 5.0:
             raise ConfigError(f"--grace-period-s must be > 5 s (the supervisor's safety margin), got {self.lead_s}")
         storage_options(self.checkpoint_uri, s3_endpoint_url=self.s3_endpoint_url)
+        if not self.exact_check and (self.reference_uri is not None or self.keep_reference):
+            raise ConfigError("--reference-uri and --keep-reference need the exact check (drop --no-exact-check)")
+        if self.reference_uri is not None:
+            if not self.reference_uri.strip():
+                raise ConfigError("--reference-uri is empty")
+            storage_options(self.reference_uri, s3_endpoint_url=self.s3_endpoint_url)
+            if _normalised(self.reference_uri) == _normalised(self.checkpoint_uri):
+                raise ConfigError(f"--reference-uri must differ from --checkpoint-uri, both are {self.reference_uri}")
 
     @property
     def lead_s(self) -> float:
         """Seconds between the drill's notice and its deadline."""
         return self.grace_period_s if self.grace_period_s is not None else CLOUD_LEAD_S[self.cloud]
+
+
+def _normalised(uri: str) -> str:
+    """A URI in one spelling per root: local paths absolute, no trailing ``/``."""
+    uri = uri.strip()
+    if uri.startswith("s3://"):
+        return uri.rstrip("/")
+    return os.path.abspath(os.path.expanduser(uri.removeprefix("file://")))
 
 
 @dataclass
@@ -122,6 +166,8 @@ class DrillReport:
     Attributes:
         cloud: the rehearsed notice.
         problems: why the drill failed, one line each; empty when it passed.
+        start_step: R0, the newest complete step before phase 1 (``None``: a fresh start).
+        launch_unix_s: when phase 1 launched the job.
         notice_unix_s: when the fake served the notice (or the SIGTERM was sent).
         newest_step_at_notice: the newest complete step when the notice was served.
         first_exit_code: exit code of ``spotrun run`` after the notice (143 expected).
@@ -133,13 +179,26 @@ class DrillReport:
         acknowledged_unix_s: Azure only: when the StartRequests POST arrived.
         resume_step: the step the restart resumed from (the supervisor's choice).
         restart_unix_s: when the restart was launched.
-        restart_exit_code: exit code of the restart (143: it saved at its first step).
-        first_step_after_restart: the step the restart saved first.
+        restart_exit_code: exit code of the restart (143: it saved step E + 1 and stopped).
+        first_step_after_restart: the step the restart saved first (E + 1 expected).
         first_save_unix_s: that checkpoint's creation time.
+        exact: whether step E + 1 of the resumed run is bit-identical, on every rank, to that
+            of the uninterrupted reference run; ``None`` when not checked (``--no-exact-check``,
+            an earlier phase failed, or the reference run saved no step E + 1).
+        differences: the first :data:`MAX_REPORTED_DIFFERENCES` differences, each
+            ``{"key", "what", "max_abs_diff"}`` (see :class:`~spotrun.supervisor.drill_reference.Difference`).
+        difference_count: how many values differ in all; ``None`` when not checked.
+        reference_uri: the reference run's checkpoint root (deleted afterwards unless kept).
+        reference_kept: whether that root was left in place.
+        reference_unix_s: when the reference run was launched (after step R0 was copied).
+        reference_exit_unix_s: when it exited.
+        reference_exit_code: its ``spotrun run`` exit code (143: it stopped at step E + 1).
     """
 
     cloud: str
     problems: list[str] = field(default_factory=list)
+    start_step: int | None = None
+    launch_unix_s: float | None = None
     notice_unix_s: float | None = None
     newest_step_at_notice: int | None = None
     first_exit_code: int | None = None
@@ -153,6 +212,14 @@ class DrillReport:
     restart_exit_code: int | None = None
     first_step_after_restart: int | None = None
     first_save_unix_s: float | None = None
+    exact: bool | None = None
+    differences: list[dict] = field(default_factory=list)
+    difference_count: int | None = None
+    reference_uri: str | None = None
+    reference_kept: bool = False
+    reference_unix_s: float | None = None
+    reference_exit_unix_s: float | None = None
+    reference_exit_code: int | None = None
 
     @property
     def passed(self) -> bool:
@@ -161,7 +228,8 @@ class DrillReport:
 
     def phases_s(self) -> dict[str, float | None]:
         """Durations in seconds: notice -> commit (0 if the step was saved already),
-        commit -> exit of ``spotrun run``, restart -> first step saved."""
+        commit -> exit of ``spotrun run``, restart -> first step saved, and the reference
+        run (launch -> exit)."""
         def span(start: float | None, end: float | None) -> float | None:
             return None if start is None or end is None else round(max(0.0, end - start), 3)
 
@@ -169,7 +237,17 @@ class DrillReport:
             "notice_to_commit_s": span(self.notice_unix_s, self.commit_unix_s),
             "commit_to_exit_s": span(self.commit_unix_s, self.exit_unix_s),
             "restart_to_first_step_saved_s": span(self.restart_unix_s, self.first_save_unix_s),
+            "reference_s": span(self.reference_unix_s, self.reference_exit_unix_s),
         }
+
+    def _exact_summary(self) -> str:
+        start = "a fresh start" if self.start_step is None else f"step {self.start_step}"
+        if self.exact is None:
+            return "not checked"
+        step = self.first_step_after_restart
+        if self.exact:
+            return f"step {step} is bit-identical on every rank to an uninterrupted run from {start}"
+        return f"NO: step {step} differs from an uninterrupted run from {start} in {self.difference_count} value(s)"
 
     def to_json(self) -> dict:
         """The report as JSON values (what ``spotrun drill --json`` prints)."""
@@ -193,23 +271,34 @@ class DrillReport:
         ]
         if self.acknowledged_unix_s is not None and self.commit_unix_s is not None:
             lines.append(f"  azure event acknowledged {self.acknowledged_unix_s - self.commit_unix_s:.2f} s after the commit")
+        lines.append(f"  exact resume: {self._exact_summary()}, reference run {seconds('reference_s')}")
+        lines.extend(f"    differs: {d['key']}: {d['what']}"
+                     + ("" if d["max_abs_diff"] is None else f", max abs difference {d['max_abs_diff']:.3g}")
+                     for d in self.differences)
+        if self.difference_count is not None and self.difference_count > len(self.differences):
+            lines.append(f"    ... and {self.difference_count - len(self.differences)} more")
+        if self.reference_kept:
+            lines.append(f"  reference checkpoints kept under {self.reference_uri}")
         lines.extend(f"  problem: {p}" for p in self.problems)
         return "\n".join(lines)
 
 
 def run_drill(config: DrillConfig) -> DrillReport:
-    """Rehearse one preemption and one restart of ``config.command``; see the module docstring.
+    """Rehearse one preemption and one restart of ``config.command``, then (unless
+    ``config.exact_check`` is false) compare with an uninterrupted run; see the module docstring.
 
     Returns:
         The report (``report.passed`` says whether every check held).
 
     Raises:
         ConfigError: a bad URI.
-        StorageError: the checkpoints cannot be listed.
+        StorageError: the checkpoints cannot be listed before phase 1.
     """
     storage = open_storage(config.checkpoint_uri, **storage_options(config.checkpoint_uri,
                                                                     s3_endpoint_url=config.s3_endpoint_url))
     report = DrillReport(cloud=config.cloud)
+    start = catalog.newest_complete(storage)
+    report.start_step = None if start is None else start.step
     fake = _start_fake(config.cloud)
     try:
         _phase_notice(config, storage, fake, report)
@@ -218,6 +307,9 @@ def run_drill(config: DrillConfig) -> DrillReport:
             fake.close()
     if report.first_exit_code == EXIT_PREEMPTED_SAVED:
         _phase_restart(config, storage, report)
+    if (config.exact_check and report.emergency_step is not None
+            and report.first_step_after_restart == report.emergency_step + 1):
+        _phase_reference(config, storage, report)
     return report
 
 
@@ -246,6 +338,7 @@ def _notice_options(cloud: str, fake: FakeServer | None) -> list[str]:
 
 def _phase_notice(config: DrillConfig, storage: Storage, fake: FakeServer | None, report: DrillReport) -> None:
     launched_s = time.monotonic()
+    report.launch_unix_s = time.time()
     proc = _start_supervisor(config, _notice_options(config.cloud, fake), config.lead_s)
     event_id = None
     try:
@@ -269,8 +362,13 @@ def _phase_notice(config: DrillConfig, storage: Storage, fake: FakeServer | None
     finally:
         _stop(proc)
     if code != EXIT_PREEMPTED_SAVED:
+        hint = ""
+        if code == EXIT_PREEMPTED_NOT_SAVED:
+            hint = ("; no emergency checkpoint committed before the deadline (the supervisor's log above says "
+                    "whether it estimated the save would not fit and why): give it more time "
+                    "(--grace-period-s) or make saves faster")
         report.problems.append(f"spotrun run exited {code} after the notice, not {EXIT_PREEMPTED_SAVED} "
-                               "(preempted and saved)")
+                               f"(preempted and saved){hint}")
         return
     newest = _newest_complete(storage)
     if newest is None or (report.newest_step_at_notice is not None and newest.step < report.newest_step_at_notice):
@@ -329,15 +427,17 @@ def _phase_restart(config: DrillConfig, storage: Storage, report: DrillReport) -
     if report.resume_step != report.emergency_step:
         report.problems.append(f"the restart resumes from step {report.resume_step}, "
                                f"not from the emergency step {report.emergency_step}")
+    stop_at_step = (report.emergency_step or 0) + 1
     report.restart_unix_s = time.time()
-    proc = _start_supervisor(config, ["--notice", "none"], config.restart_timeout_s)
+    proc = _start_supervisor(config, ["--notice", "none"], config.restart_timeout_s, stop_at_step=stop_at_step)
     try:
-        if not _wait_for_launch(proc, config.restart_timeout_s):
-            report.restart_exit_code = proc.returncode
-            report.problems.append(f"the restart did not launch the command (exit code {proc.returncode})")
-            return
-        os.kill(proc.pid, signal.SIGTERM)  # save at the first step boundary and stop
-        code = _wait_exit(proc, config.restart_timeout_s + _SLACK_S)
+        code = _wait_exit(proc, config.restart_timeout_s)
+        if code is None:
+            report.problems.append(f"the restart did not stop at step {stop_at_step} ({STOP_AT_STEP}) within "
+                                   f"{config.restart_timeout_s:.0f} s; does the job call Checkpointer.end_of_step "
+                                   "after every step?")
+            _stop(proc)  # SIGTERM: the workers save at their next step boundary
+            code = proc.returncode
         report.restart_exit_code = code
     finally:
         _stop(proc)
@@ -350,30 +450,116 @@ def _phase_restart(config: DrillConfig, storage: Storage, report: DrillReport) -
                                f"after the emergency step {report.emergency_step}: it did not go on from it")
         return
     report.first_step_after_restart, report.first_save_unix_s = newest.step, newest.created_unix_s
+    if newest.step != stop_at_step:
+        report.problems.append(f"the restart saved step {newest.step}, not step {stop_at_step} where "
+                               f"{STOP_AT_STEP} asked it to stop")
 
 
-def _wait_for_launch(proc: subprocess.Popen, timeout_s: float) -> bool:
-    """Wait until the supervisor has started the command (it has a child); False if it exited."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if process.descendants(proc.pid):
-            return True
-        if _wait_exit(proc, 0.05) is not None:
-            return False
-    return False
+# --- phase 3: reference --------------------------------------------------------------
+
+
+def _phase_reference(config: DrillConfig, storage: Storage, report: DrillReport) -> None:
+    try:
+        scratch = drill_reference.open_scratch_root(storage, config.reference_uri,
+                                                    s3_endpoint_url=config.s3_endpoint_url)
+    except SpotrunError as exc:
+        report.problems.append(f"no reference run: {exc}")
+        return
+    report.reference_uri = scratch.uri
+    try:
+        _run_reference(config, storage, scratch, report)
+    finally:
+        if config.keep_reference:
+            report.reference_kept = True
+            log.warning("drill: the reference run's checkpoints are kept under %s", scratch.uri)
+        else:
+            try:
+                count = scratch.delete()
+                log.info("drill: deleted the reference run's %d object(s) under %s", count, scratch.uri)
+            except (SpotrunError, OSError) as exc:
+                log.warning("drill: could not delete the reference run's checkpoints under %s: %s", scratch.uri, exc)
+
+
+def _run_reference(config: DrillConfig, storage: Storage, scratch: ScratchRoot, report: DrillReport) -> None:
+    """Run from step R0 (or a fresh start) to step E + 1 into ``scratch`` and compare step E + 1."""
+    target = report.emergency_step + 1
+    if report.start_step is not None:
+        try:
+            copied = drill_reference.copy_step(storage, scratch.storage, report.start_step)
+        except SpotrunError as exc:
+            report.problems.append(f"no reference run: cannot copy step {report.start_step} to {scratch.uri}: {exc}")
+            return
+        log.info("drill: copied step %d (%d objects) to %s", report.start_step, copied, scratch.uri)
+    timeout_s = config.restart_timeout_s + 2 * max(0.0, (report.exit_unix_s or 0.0) - (report.launch_unix_s or 0.0))
+    log.warning("drill: reference run from %s to step %d under %s",
+                "a fresh start" if report.start_step is None else f"step {report.start_step}", target, scratch.uri)
+    report.reference_unix_s = time.time()
+    proc = _start_supervisor(config, ["--notice", "none"], config.lead_s, uri=scratch.uri, stop_at_step=target)
+    try:
+        code = _wait_exit(proc, timeout_s)
+        if code is None:
+            report.problems.append(f"the reference run did not stop at step {target} ({STOP_AT_STEP}) "
+                                   f"within {timeout_s:.0f} s")
+            _stop(proc)
+            code = proc.returncode
+    finally:
+        _stop(proc)
+    report.reference_exit_unix_s = time.time()
+    report.reference_exit_code = code
+    try:
+        saved = catalog.inspect_step(scratch.storage, target)
+    except SpotrunError as exc:
+        report.problems.append(f"cannot list the reference run's checkpoints under {scratch.uri}: {exc}")
+        return
+    if saved is None or saved.status != catalog.COMPLETE:
+        report.problems.append(f"the reference run (exit code {code}) saved no complete step {target} under "
+                               f"{scratch.uri}: does the job write its checkpoints to $SPOTRUN_CHECKPOINT_URI?")
+        return
+    newest = _newest_complete_step(storage)
+    if newest != target:
+        report.problems.append(f"the reference run changed {config.checkpoint_uri} (newest complete step {newest}, "
+                               f"not {target}): does the job write its checkpoints to $SPOTRUN_CHECKPOINT_URI?")
+    try:
+        differences = drill_reference.compare_steps(storage, scratch.storage, target)
+    except SpotrunError as exc:
+        report.problems.append(f"cannot compare step {target} with the reference run: {exc}")
+        return
+    report.exact = not differences
+    report.difference_count = len(differences)
+    report.differences = [d.to_json() for d in differences[:MAX_REPORTED_DIFFERENCES]]
+    if differences:
+        report.problems.append(
+            f"step {target} after the resume is not bit-identical to an uninterrupted run: {len(differences)} "
+            f"value(s) differ, first {differences[0]}; " + _likely_cause(differences, report.start_step)
+        )
+
+
+def _likely_cause(differences: list[drill_reference.Difference], start_step: int | None) -> str:
+    only_rngs = all(d.key.startswith("rank ") and "/rng/" in d.key for d in differences)
+    if only_rngs and start_step is None:
+        return ("only RNG states differ and both runs started fresh: the job likely does not seed every "
+                "generator at start (Python random, NumPy, torch); seed them, or drill from an existing checkpoint")
+    return "the job has state spotrun does not save and restore, or is not deterministic"
 
 
 # --- helpers -----------------------------------------------------------------------
 
 
-def _start_supervisor(config: DrillConfig, notice_options: list[str], grace_period_s: float) -> subprocess.Popen:
-    command = [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", config.checkpoint_uri,
+def _start_supervisor(config: DrillConfig, notice_options: list[str], grace_period_s: float, *,
+                      uri: str | None = None, stop_at_step: int | None = None) -> subprocess.Popen:
+    """Start ``spotrun run`` on ``uri`` (default: the job's root); ``stop_at_step`` goes to
+    the workers as ``$SPOTRUN_STOP_AT_STEP`` (never inherited from the drill's own environment)."""
+    command = [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", uri or config.checkpoint_uri,
                "--grace-period-s", str(grace_period_s), *notice_options]
     if config.s3_endpoint_url:
         command += ["--s3-endpoint-url", config.s3_endpoint_url]
-    log.info("drill: starting %s", " ".join(command[2:6] + ["..."]))
+    env = {k: v for k, v in os.environ.items() if k != STOP_AT_STEP}
+    if stop_at_step is not None:
+        env[STOP_AT_STEP] = str(stop_at_step)
+    log.info("drill: starting %s%s", " ".join(command[2:6] + ["..."]),
+             "" if stop_at_step is None else f" with {STOP_AT_STEP}={stop_at_step}")
     try:
-        return subprocess.Popen([*command, "--", *config.command], start_new_session=True)
+        return subprocess.Popen([*command, "--", *config.command], start_new_session=True, env=env)
     except OSError as exc:
         raise ConfigError(f"cannot start spotrun run: {exc.strerror or exc}") from exc
 

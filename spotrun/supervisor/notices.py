@@ -139,8 +139,10 @@ def _ignore(signum: int, frame: object) -> None:
 def signal_notices(inbox: Inbox) -> Iterator[None]:
     """Route SIGTERM, SIGINT, SIGHUP (as notices) and SIGCHLD into ``inbox`` while active.
 
-    Must be entered in the main thread. The previous handlers and wakeup fd are restored
-    on exit.
+    Must be entered in the main thread. These signals are also unblocked in this thread:
+    a parent may have blocked them and the mask is inherited (a blocked SIGCHLD would leave
+    exited children unnoticed, a blocked SIGTERM would swallow the notice). The previous
+    handlers, wakeup fd and signal mask are restored on exit.
 
     Raises:
         ValueError: not called from the main thread.
@@ -148,11 +150,15 @@ def signal_notices(inbox: Inbox) -> Iterator[None]:
     watched = (*NOTICE_SIGNALS, signal.SIGCHLD)
     previous = {signum: signal.getsignal(signum) for signum in watched}
     old_fd = signal.set_wakeup_fd(inbox.wakeup_fd, warn_on_full_buffer=False)
+    old_mask = None
     try:
         for signum in watched:
             signal.signal(signum, _ignore)
+        old_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, watched)
         yield
     finally:
+        if old_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         signal.set_wakeup_fd(old_fd)

@@ -13,14 +13,23 @@ node-local control directory (:mod:`spotrun.control`) with the deadline
 deadline passes first it stops the whole process tree (SIGTERM, then SIGKILL after the
 stop timeout; workers in other sessions included) and leaves no process behind.
 
+Before asking for the save it estimates how long it would take
+(:mod:`spotrun.supervisor.estimate`: the save in progress, the next step boundary, and the
+bytes of the last save at the slowest measured throughput). When that does not fit in the
+time left, it asks the workers to stop at their next step boundary *without* saving
+instead (a save in progress finishes first, since the workers only look at the request
+between steps), then confirms which complete checkpoint the job will resume from. The log
+says which choice it made and the figures behind it.
+
 Exit codes:
     0    the command exited 0 and no emergency checkpoint was taken: training finished
          (also when a notice arrived but the command finished without saving).
     143  a notice arrived and the emergency checkpoint the workers reported is complete on
          storage: preempted and saved; restart the job to continue (retryable: >= 128).
     142  a notice arrived but no emergency checkpoint committed before the command exited
-         or the deadline passed; the job resumes from the last periodic checkpoint
-         (retryable: >= 128, as Kubernetes ``restartPolicy: ExitCode`` expects).
+         or the deadline passed, or the supervisor found no time for one (see below); the
+         job resumes from the newest complete checkpoint (retryable: >= 128, as Kubernetes
+         ``restartPolicy: ExitCode`` expects).
     2    spotrun's own error (bad option or URI, unreadable storage, command not found).
     N    otherwise the command's own exit code once ``--max-restarts`` are used up; a
          command killed by signal S gives ``128 + S``.
@@ -43,9 +52,11 @@ import time
 from spotrun import control
 from spotrun.checkpoint import catalog
 from spotrun.errors import ConfigError, SpotrunError
+from spotrun.manifest import Manifest
 from spotrun.storage import Storage, open_storage
 from spotrun.supervisor import preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
+from spotrun.supervisor.estimate import estimate_emergency_save
 from spotrun.supervisor.launch import LaunchPlan, plan_launch
 from spotrun.notices import is_stop
 from spotrun.supervisor.cloud_notices import CloudNotices
@@ -110,6 +121,8 @@ class _Supervisor:
         self.child_returncode: int | None = None
         self.control_dir: str | None = None  # of the command now running, if any
         self.acknowledgements: list[tuple[Notice, object]] = []  # called once the save committed
+        self.resumed_manifest: Manifest | None = None  # of the checkpoint the running command resumed
+        self.save_declined = False  # a save could not commit in time: the workers stop without one
 
     # --- the launch / restart loop ---------------------------------------------
 
@@ -136,8 +149,10 @@ class _Supervisor:
                 grace_period_s=self.config.grace_period_s, previous=plan,
                 s3_endpoint_url=self.config.s3_endpoint_url,
             )
+            self.resumed_manifest = plan.resume.manifest if plan.resume is not None else None
             code = self._run_once(plan, control_dir)
-            if self.notice is not None or self._workers_saved_on_their_own(control_dir):
+            if (self.notice is not None or self._workers_saved_on_their_own(control_dir)
+                    or self._workers_stopped_without_save(control_dir)):
                 return self._preempted_exit_code(code, control_dir)
             if code == 0:
                 log.info("the command exited 0: training finished")
@@ -234,23 +249,51 @@ class _Supervisor:
             return
         if self.notice is None:
             self.notice = notice
-            log.warning(
-                "preemption notice: %s from %s; emergency checkpoint requested, %.1f s to the deadline",
-                notice.kind, notice.source, deadline_unix_s - time.time(),
-            )
+            log.warning("preemption notice: %s from %s, %.1f s to the deadline",
+                        notice.kind, notice.source, deadline_unix_s - time.time())
         else:
             log.warning("notice %s from %s moves the deadline earlier by %.1f s",
                         notice.kind, notice.source, self.deadline_unix_s - deadline_unix_s)
         self.deadline_unix_s = deadline_unix_s
         if self.control_dir is not None:
+            save = self._save_fits(deadline_unix_s)
+            self.save_declined = not save
             control.write_save_request(
                 self.control_dir,
                 control.SaveRequest(
                     reason=f"{notice.source}: {notice.kind}" if notice.source != "signal" else notice.kind,
                     requested_unix_s=time.time(),
                     deadline_unix_s=deadline_unix_s,
+                    save=save,
                 ),
             )
+
+    def _save_fits(self, deadline_unix_s: float) -> bool:
+        """Decide whether to ask for an emergency save, from the measured saves; log why."""
+        try:
+            stats = control.read_save_stats(self.control_dir)
+        except SpotrunError as exc:
+            log.warning("%s: estimating without this launch's measurements", exc)
+            stats = None
+        now_s = time.time()
+        left_s = deadline_unix_s - now_s
+        estimate = estimate_emergency_save(stats, self.resumed_manifest, now_s)
+        if estimate is None:
+            log.warning("emergency checkpoint requested: no save measured yet to estimate it from; "
+                        "the save is bounded by the deadline (%.1f s left)", left_s)
+            return True
+        if estimate.total_s <= left_s:
+            log.warning("emergency checkpoint requested: estimated %s fits in the %.1f s left before the deadline",
+                        estimate.describe(), left_s)
+            return True
+        in_flight = (f"after the save of step {estimate.in_flight_step} in progress commits, "
+                     if estimate.in_flight_step is not None else "")
+        log.warning(
+            "NOT saving: an emergency checkpoint would take %s, more than the %.1f s left before the "
+            "deadline; the workers stop %sat their next step boundary without saving, and the newest "
+            "complete checkpoint stays the resume point", estimate.describe(), left_s, in_flight,
+        )
+        return False
 
     def _deadline_passed(self) -> bool:
         return self.deadline_unix_s is not None and time.time() >= self.deadline_unix_s
@@ -271,6 +314,9 @@ class _Supervisor:
         except SpotrunError as exc:
             log.error("%s", exc)
             report = None
+        if report is None and (self.save_declined or self._workers_stopped_without_save(control_dir, quiet=True)):
+            self._check_resume_point()
+            return EXIT_PREEMPTED_NOT_SAVED
         if report is None:
             if code == 0:
                 log.info("the command exited 0 without an emergency checkpoint: training finished")
@@ -291,6 +337,21 @@ class _Supervisor:
         self._acknowledge()
         return EXIT_PREEMPTED_SAVED
 
+    def _check_resume_point(self) -> None:
+        """After a declined save: make sure (and say) which complete checkpoint the job resumes from."""
+        try:
+            newest = catalog.newest_complete(self.storage)
+        except SpotrunError as exc:
+            log.error("cannot list the checkpoints to confirm the resume point: %s", exc)
+            return
+        if newest is None:
+            log.warning("no emergency checkpoint (no time for one) and no complete checkpoint on storage: "
+                        "the job restarts from step 0")
+        else:
+            log.warning("no emergency checkpoint (no time for one): the newest complete checkpoint is step %d "
+                        "(%s; manifest and every file present with its recorded size): the job resumes from it",
+                        newest.step, newest.reason)
+
     @staticmethod
     def _workers_saved_on_their_own(control_dir: str) -> bool:
         """Workers can be told to stop without the supervisor (a SIGTERM to their process
@@ -303,6 +364,20 @@ class _Supervisor:
             log.warning("the workers took an emergency checkpoint of step %d without a notice here "
                         "(another node got the notice, or a signal reached them directly)", report.step)
         return report is not None
+
+    @staticmethod
+    def _workers_stopped_without_save(control_dir: str, *, quiet: bool = False) -> bool:
+        """The workers stopped without saving: this node's or another node's supervisor found no
+        time for an emergency checkpoint."""
+        try:
+            step = control.read_stop_report(control_dir)
+        except SpotrunError as exc:
+            log.error("%s", exc)
+            return False
+        if step is not None and not quiet:
+            log.warning("the workers stopped after step %d without saving (no time for an emergency checkpoint)",
+                        step)
+        return step is not None
 
     def _step_status(self, step: int) -> tuple[str, str | None]:
         try:

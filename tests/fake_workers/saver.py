@@ -5,6 +5,7 @@ records the request, writes an emergency checkpoint of the current step (shards,
 manifest with put_if_absent), writes the commit report and exits 0.
 
 usage: saver.py STATE_DIR [--max-steps N] [--no-manifest] [--exit-without-saving]
+                 [--stopped-without-save-at N]
     STATE_DIR/ready           written once the loop runs
     STATE_DIR/request.json    the save request it saw
     STATE_DIR/got-signal      written if any SIGTERM/SIGINT/SIGHUP reached this worker
@@ -30,6 +31,9 @@ def main() -> int:
     parser.add_argument("--max-steps", type=int, default=0, help="0 = run until asked to save")
     parser.add_argument("--no-manifest", action="store_true", help="report a commit but never write the manifest")
     parser.add_argument("--exit-without-saving", action="store_true", help="on a request, just exit 0")
+    parser.add_argument("--stopped-without-save-at", type=int, default=0,
+                        help="at this step, report a stop without a save (as when another node's "
+                             "supervisor found no time for one) and exit 0")
     args = parser.parse_args()
 
     def record_signal(signum, frame):
@@ -45,6 +49,9 @@ def main() -> int:
     while args.max_steps == 0 or step < args.max_steps:
         time.sleep(0.02)  # one "training step"
         step += 1
+        if step == args.stopped_without_save_at:
+            control.write_stop_report(control_dir, step)
+            return 0
         if not control.save_requested(control_dir):
             continue
         request = control.read_save_request(control_dir)

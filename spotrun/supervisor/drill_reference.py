@@ -1,0 +1,264 @@
+"""Phase 3 of ``spotrun drill``: the scratch root of the uninterrupted reference run, and
+the bit-for-bit comparison of one step of two checkpoint roots.
+
+The drill runs the job once more, uninterrupted, from the step phase 1 started from, into a
+scratch checkpoint root (:func:`open_scratch_root`, seeded with that step by
+:func:`copy_step`), and then compares the step the resumed run saved with the same step of
+the reference run (:func:`compare_steps`): the replicated state once and every rank's
+rank-local state (its RNGs included). Tensors must agree in dtype, shape and bytes (so a NaN
+equals the same NaN and ``-0.0`` differs from ``0.0``), JSON values in type and value
+(floats bit for bit).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import struct
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spotrun.checkpoint.layout import manifest_key, step_dir
+from spotrun.checkpoint.restore import load_step, read_manifest
+from spotrun.errors import ConfigError, ObjectNotFoundError
+from spotrun.storage import LocalStorage, Storage, open_storage
+from spotrun.supervisor.config import storage_options
+
+log = logging.getLogger(__name__)
+
+#: Appended to an ``s3://bucket/prefix`` checkpoint root to name the reference run's prefix
+#: (``s3://bucket/prefix-drill-reference/<random>``).
+S3_REFERENCE_SUFFIX = "-drill-reference"
+#: The reference run's prefix under a bucket-wide root ``s3://bucket``.
+S3_BUCKET_REFERENCE_PREFIX = "spotrun-drill-reference"
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One value that differs between the resumed run's step and the reference run's.
+
+    Attributes:
+        key: key path of the value: ``model/layer.weight`` for the replicated state,
+            ``rank 1/rng/torch_cpu`` for rank 1's own state.
+        what: how it differs (``3 of 64 element(s) differ``, ``dtype float32 vs float64``,
+            ``1 vs 2``, ``only in the reference run``, ...); the resumed run's value first.
+        max_abs_diff: for floating-point tensors and floats, the largest absolute
+            difference over the elements that are not NaN in either (0.0 when only the bits
+            differ, e.g. ``-0.0`` vs ``0.0``); ``None`` for other values or when no
+            finite difference exists.
+    """
+
+    key: str
+    what: str
+    max_abs_diff: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The difference as JSON values."""
+        return {"key": self.key, "what": self.what, "max_abs_diff": self.max_abs_diff}
+
+    def __str__(self) -> str:
+        extra = "" if self.max_abs_diff is None else f", max abs difference {self.max_abs_diff:.3g}"
+        return f"{self.key}: {self.what}{extra}"
+
+
+def compare_states(resumed: Any, reference: Any, path: str = "") -> list[Difference]:
+    """Compare two decoded states (as :func:`spotrun.checkpoint.restore.load_step` returns
+    them) recursively, bit for bit.
+
+    Args:
+        resumed: the value saved by the resumed run.
+        reference: the value saved by the uninterrupted reference run.
+        path: key path of these values, prefixed to every reported key.
+
+    Returns:
+        Every difference, in the order of ``resumed``'s keys; empty when both are identical.
+        Tensors are compared on the CPU (dtype, shape, then bytes); dict keys of different
+        types (``1`` and ``"1"``) are different keys; a tuple never equals a list.
+    """
+    differences: list[Difference] = []
+    _compare(resumed, reference, path, differences)
+    return differences
+
+
+def compare_steps(resumed: Storage, reference: Storage, step: int) -> list[Difference]:
+    """Compare ``step`` under two checkpoint roots for every rank of its world size.
+
+    Loads (and so verifies) the step for each rank from both roots, one rank at a time:
+    the replicated state is compared once (it is the same for every rank), each rank's
+    own state (RNGs included) under ``rank R/``.
+
+    Returns:
+        Every difference (see :func:`compare_states`); empty when the step is bit-identical.
+        Different world sizes give a single difference of key ``world_size``.
+
+    Raises:
+        ObjectNotFoundError: a root lacks the step's manifest or a file it lists.
+        ManifestError, CorruptShardError: a manifest or shard is malformed or fails its checksum.
+        StorageError: a read failed.
+    """
+    world_size = read_manifest(resumed, step).world_size
+    reference_world_size = read_manifest(reference, step).world_size
+    if reference_world_size != world_size:
+        return [Difference("world_size", f"{world_size} vs {reference_world_size} rank(s)")]
+    differences: list[Difference] = []
+    for rank in range(world_size):
+        got = load_step(resumed, step, rank, world_size)
+        expected = load_step(reference, step, rank, world_size)
+        if rank == 0:
+            differences += compare_states(got.replicated, expected.replicated)
+        differences += compare_states(got.rank_local, expected.rank_local, f"rank {rank}")
+    return differences
+
+
+# --- the scratch root ------------------------------------------------------------------
+
+
+@dataclass
+class ScratchRoot:
+    """The reference run's checkpoint root.
+
+    Attributes:
+        uri: the root URI, as given to ``spotrun run --checkpoint-uri``.
+        storage: the storage under it.
+        temporary_dir: the local temporary directory created for it, if any (deleted whole).
+    """
+
+    uri: str
+    storage: Storage
+    temporary_dir: str | None = None
+
+    def delete(self) -> int:
+        """Delete every object under the root (the temporary directory with it); returns how
+        many objects were deleted.
+
+        Raises:
+            StorageError: listing or deleting failed.
+        """
+        count = len(self.storage.list(""))
+        if self.temporary_dir is not None:
+            shutil.rmtree(self.temporary_dir, ignore_errors=True)
+            return count
+        for info in self.storage.list(""):
+            self.storage.delete(info.key)
+        return count
+
+
+def open_scratch_root(storage: Storage, override_uri: str | None, *, s3_endpoint_url: str | None) -> ScratchRoot:
+    """Choose and open the reference run's root for the checkpoint root ``storage``.
+
+    ``override_uri`` when given (it must hold no objects yet); else a new temporary directory
+    for a local root, ``s3://bucket/prefix-drill-reference/<random>`` for ``s3://bucket/prefix``
+    (``s3://bucket/spotrun-drill-reference/<random>`` for a bucket-wide root).
+
+    Raises:
+        ConfigError: ``override_uri`` is malformed or already holds objects.
+        StorageError: listing ``override_uri`` failed.
+    """
+    if override_uri is not None:
+        scratch = open_storage(override_uri, **storage_options(override_uri, s3_endpoint_url=s3_endpoint_url))
+        if scratch.list(""):
+            raise ConfigError(f"the reference root {override_uri} already holds objects; give an empty one")
+        return ScratchRoot(uri=override_uri, storage=scratch)
+    if isinstance(storage, LocalStorage):
+        directory = tempfile.mkdtemp(prefix="spotrun-drill-reference-")
+        return ScratchRoot(uri=directory, storage=LocalStorage(directory), temporary_dir=directory)
+    uri = storage.uri.rstrip("/")
+    random_name = uuid.uuid4().hex[:12]
+    if "/" in uri[len("s3://"):]:
+        uri = f"{uri}{S3_REFERENCE_SUFFIX}/{random_name}"
+    else:
+        uri = f"{uri}/{S3_BUCKET_REFERENCE_PREFIX}/{random_name}"
+    return ScratchRoot(uri=uri, storage=open_storage(uri, **storage_options(uri, s3_endpoint_url=s3_endpoint_url)))
+
+
+def copy_step(source: Storage, target: Storage, step: int) -> int:
+    """Copy every object of ``step`` from ``source`` to ``target``, the manifest last (so the
+    step commits in ``target`` only once its shards are there); returns the number of objects.
+
+    Each object is read whole into memory (one shard at a time).
+
+    Raises:
+        ObjectNotFoundError: ``source`` has no manifest for ``step``.
+        ObjectExistsError: ``target`` already has a manifest for ``step``.
+        StorageError: a read or write failed.
+    """
+    mkey = manifest_key(step)
+    objects = [o.key for o in source.list(f"{step_dir(step)}/")]
+    if mkey not in objects:
+        raise ObjectNotFoundError(2, f"{source.uri}/{mkey}: no such object; step {step} is not committed")
+    for key in objects:
+        if key != mkey:
+            target.put(key, source.get(key))
+    target.put_if_absent(mkey, source.get(mkey))
+    return len(objects)
+
+
+# --- comparison ------------------------------------------------------------------------
+
+
+def _join(path: str, key: object) -> str:
+    return str(key) if not path else f"{path}/{key}"
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _compare(a: Any, b: Any, path: str, out: list[Difference]) -> None:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        difference = _compare_tensors(a, b, path)
+        if difference is not None:
+            out.append(difference)
+    elif type(a) is not type(b):
+        out.append(Difference(path, f"{type(a).__name__} {_describe(a)} vs {type(b).__name__} {_describe(b)}"))
+    elif isinstance(a, dict):
+        for key, value in a.items():
+            if key in b:
+                _compare(value, b[key], _join(path, key), out)
+            else:
+                out.append(Difference(_join(path, key), "only in the resumed run"))
+        out.extend(Difference(_join(path, key), "only in the reference run") for key in b if key not in a)
+    elif isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            out.append(Difference(path, f"length {len(a)} vs {len(b)}"))
+            return
+        for index, (x, y) in enumerate(zip(a, b)):
+            _compare(x, y, _join(path, index), out)
+    elif isinstance(a, float):
+        if struct.pack("<d", a) != struct.pack("<d", b):
+            gap = abs(a - b)
+            out.append(Difference(path, f"{a!r} vs {b!r}", gap if math.isfinite(gap) else None))
+    elif a != b:
+        out.append(Difference(path, f"{_describe(a)} vs {_describe(b)}"))
+
+
+def _compare_tensors(a: torch.Tensor, b: torch.Tensor, path: str) -> Difference | None:
+    if a.dtype != b.dtype:
+        return Difference(path, f"dtype {str(a.dtype).removeprefix('torch.')} vs {str(b.dtype).removeprefix('torch.')}")
+    if a.shape != b.shape:
+        return Difference(path, f"shape {list(a.shape)} vs {list(b.shape)}")
+    a_bytes, b_bytes = _element_bytes(a), _element_bytes(b)
+    if torch.equal(a_bytes, b_bytes):
+        return None
+    differing = int((a_bytes != b_bytes).any(dim=1).sum())
+    max_abs_diff = None
+    if a.is_floating_point():
+        gap = (a.detach().cpu().double() - b.detach().cpu().double()).abs().reshape(-1)
+        gap = gap[~torch.isnan(gap)]
+        if gap.numel() and math.isfinite(float(gap.max())):
+            max_abs_diff = float(gap.max())
+    return Difference(path, f"{differing} of {a.numel()} element(s) differ", max_abs_diff)
+
+
+def _element_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, one row per element: uint8 of shape (numel, element size)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).reshape(flat.numel(), tensor.element_size())
