@@ -123,6 +123,7 @@ class Checkpointer:
         )
         self._step_times_s: collections.deque[float] = collections.deque(maxlen=_STEP_TIMES_KEPT)
         self._last_boundary_s: float | None = None
+        self._resumed_step_time_s: float | None = None  # recorded in the checkpoint restored
         self._recent_saves: list[control.SaveRecord] = []
         self.preempted = False
         if handle_signals:
@@ -190,6 +191,8 @@ class Checkpointer:
             if not failed:
                 self._apply(loaded)
                 self._last_saved_step = step
+                timing = loaded.manifest.timing
+                self._resumed_step_time_s = timing.step_time_s if timing is not None else None
                 self._run_id = self._env.run_id or loaded.manifest.run_id or self._run_id
                 if dist.rank() == 0:
                     log.info("restored step %d from %s", step, self._storage.uri)
@@ -437,8 +440,9 @@ class Checkpointer:
     @property
     def step_time_s(self) -> float | None:
         """Seconds one training step takes: the slowest of the last 16 steps (the time spent
-        in saves excluded); ``None`` before two steps were seen."""
-        return max(self._step_times_s) if self._step_times_s else None
+        in saves excluded); before two steps were seen, the step time recorded in the
+        checkpoint that was restored, else ``None``."""
+        return max(self._step_times_s) if self._step_times_s else self._resumed_step_time_s
 
     def _describe_request(self) -> str:
         if self._signal_name:

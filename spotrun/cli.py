@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -57,7 +58,8 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
                      help="checkpoint root: local dir, file:// or s3://bucket/prefix (default %(default)s)")
     _add_storage_options(run)
     run.add_argument("--grace-period-s", type=float, default=30.0, metavar="S",
-                     help="seconds from a notice to the hard kill (default %(default)s, as Kubernetes)")
+                     help="seconds from a notice to the hard kill (default %(default)s, as Kubernetes); the "
+                     "emergency checkpoint must commit by notice + grace period - safety margin")
     run.add_argument("--safety-margin-s", type=float, default=5.0, metavar="S",
                      help="seconds kept free before the end of the grace period (default %(default)s)")
     run.add_argument("--stop-timeout-s", type=float, default=5.0, metavar="S",
@@ -77,7 +79,8 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
         run.set_defaults(**run_defaults)
 
     ls = sub.add_parser("ls", parents=[common], help="list checkpoints and whether they are complete")
-    ls.add_argument("uri", metavar="URI", help="checkpoint root: local dir, file:// or s3://bucket/prefix")
+    ls.add_argument("uri", metavar="URI", nargs="?", default=DEFAULT_CHECKPOINT_URI,
+                    help=f"checkpoint root: local dir, file:// or s3://bucket/prefix (default {DEFAULT_CHECKPOINT_URI})")
     _add_storage_options(ls)
     ls.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     ls.set_defaults(handler=_cmd_ls, default_log_level="warning")
@@ -144,7 +147,7 @@ def _add_notice_options(parser: argparse.ArgumentParser) -> None:
         "--notice", default="auto", metavar="auto|none|LIST",
         help="preemption notice sources besides SIGTERM/SIGINT/SIGHUP (always on): auto "
         "(detect AWS, GCP or Azure, default), none, or a comma-separated list of aws, gcp, "
-        "azure, file",
+        "azure, file, signal (signals are on anyway)",
     )
     parser.add_argument("--notice-file", default=None, metavar="PATH",
                         help="drill: a notice when this file appears (its JSON may set deadline_unix_s)")
@@ -212,12 +215,14 @@ def _cmd_drill(args: argparse.Namespace) -> int:
         exact_check=args.exact_check, reference_uri=args.reference_uri, keep_reference=args.keep_reference,
     ))
     print(json.dumps(report.to_json(), indent=1) if args.json else report.summary())
+    if report.notice_unix_s is None and report.first_exit_code == 2:
+        return 2  # spotrun run refused to start (bad option, unreadable storage, command not found)
     return 0 if report.passed else 1
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     from spotrun.checkpoint.catalog import list_steps
-    from spotrun.storage import open_storage
+    from spotrun.storage import LocalStorage, open_storage
     from spotrun.supervisor.config import storage_options
 
     storage = open_storage(args.uri, **storage_options(args.uri, s3_endpoint_url=args.s3_endpoint_url))
@@ -226,7 +231,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps([s.to_json() for s in steps], indent=1))
         return 0
     if not steps:
-        print(f"no checkpoints under {storage.uri}")
+        missing = isinstance(storage, LocalStorage) and not os.path.isdir(storage.uri)
+        print(f"no checkpoints under {storage.uri}" + (" (no such directory)" if missing else ""))
         return 0
     rows = [("STEP", "STATUS", "WORLD", "SIZE", "TIME (UTC)", "REASON", "PROBLEM")]
     for s in steps:

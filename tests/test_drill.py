@@ -119,13 +119,27 @@ def test_drill_fails_on_a_job_that_does_not_save(tmp_path):
     ["--cloud", "aws"],  # no command
     ["--no-exact-check", "--keep-reference", "--", "true"],
     ["--reference-uri", "CK", "--", "true"],  # the job's own root
+    ["--reference-uri", "FULL", "--", "true"],  # a root that already holds objects
 ])
 def test_drill_refuses_bad_options(tmp_path, args):
-    args = [str(tmp_path / "ck") if a == "CK" else a for a in args]
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "something").write_text("x")
+    args = [str(tmp_path / "ck") if a == "CK" else str(full) if a == "FULL" else a for a in args]
     result = drill("--checkpoint-uri", str(tmp_path / "ck"), *args, timeout_s=120)
     assert result.returncode == 2
     assert "error" in result.stderr
     assert not (tmp_path / "ck").exists()  # nothing was launched
+
+
+@pytest.mark.slow
+def test_drill_of_a_command_that_does_not_exist_is_a_spotrun_error(tmp_path):
+    result = drill("--cloud", "signal", "--after-s", "1", "--checkpoint-uri", str(tmp_path / "ck"), "--",
+                   "no-such-command-spotrun", timeout_s=120)
+    assert result.returncode == 2, result.stdout + result.stderr[-3000:]
+    assert "cannot start no-such-command-spotrun" in result.stderr
+    assert "failed with exit code 2 before the notice" in result.stdout
+    assert "None" not in result.stdout
 
 
 def test_compare_states_equal_and_bitwise():

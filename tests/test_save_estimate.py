@@ -80,6 +80,7 @@ def test_before_this_launch_saved_the_manifest_it_resumed_from_is_used():
     assert estimate.save_s == pytest.approx(6.0 + COMMIT_ALLOWANCE_S)
     assert estimate.boundary_s == pytest.approx(0.25)
     assert "manifest of step 1200" in estimate.describe()
+    assert "recorded shard write of 6.0 s + 1.0 s allowed for the commit" in estimate.describe()
     # this launch's own step time wins over the recorded one; its saves win over the manifest
     stats = control.SaveStats(in_progress=None, recent=(), step_time_s=2.0)
     assert estimate_emergency_save(stats, resumed_manifest(6.0, 0.25), time.time()).boundary_s == 2.0
@@ -159,3 +160,22 @@ def test_stop_without_save_request_stops_and_saves_nothing(tmp_path, monkeypatch
     assert [s.step for s in catalog.list_steps(ckpt.storage)] == [1]  # step 2 not saved, not even begun
     assert control.read_stop_report(str(control_dir)) == 2
     assert control.read_commit_report(str(control_dir)) is None
+
+
+def test_a_save_right_after_a_restore_keeps_the_recorded_step_time(tmp_path):
+    """The first step after a restore has no measured duration yet: the step time recorded in
+    the restored checkpoint is carried over, so the next manifest still has one."""
+    storage = LocalStorage(str(tmp_path / "ck"))
+    first = spotrun.Checkpointer({"weights": {"w": torch.ones(4)}}, storage=storage, handle_signals=False)
+    first.restore()
+    for step in range(1, 4):
+        time.sleep(0.02)
+        first.end_of_step(step)
+    first.save(3)
+    recorded = catalog.inspect_step(storage, 3).manifest.timing.step_time_s
+    assert recorded >= 0.02
+    second = spotrun.Checkpointer({"weights": {"w": torch.ones(4)}}, storage=storage, handle_signals=False)
+    assert second.restore() == 3
+    second.end_of_step(4)
+    second.save(4)
+    assert catalog.inspect_step(storage, 4).manifest.timing.step_time_s == pytest.approx(recorded)

@@ -260,12 +260,15 @@ class DrillReport:
         def seconds(name: str) -> str:
             return "-" if phases[name] is None else f"{phases[name]:.2f} s"
 
+        def shown(value: object) -> str:
+            return "-" if value is None else str(value)
+
         lines = [
             f"drill ({self.cloud} notice): {'PASSED' if self.passed else 'FAILED'}",
-            f"  emergency checkpoint: step {self.emergency_step} ({self.emergency_reason}), "
-            f"spotrun run exited {self.first_exit_code}",
-            f"  restart: resumed from step {self.resume_step}, first step saved {self.first_step_after_restart}, "
-            f"exited {self.restart_exit_code}",
+            f"  emergency checkpoint: step {shown(self.emergency_step)} ({shown(self.emergency_reason)}), "
+            f"spotrun run exited {shown(self.first_exit_code)}",
+            f"  restart: resumed from step {shown(self.resume_step)}, "
+            f"first step saved {shown(self.first_step_after_restart)}, exited {shown(self.restart_exit_code)}",
             f"  notice -> commit {seconds('notice_to_commit_s')}, commit -> exit {seconds('commit_to_exit_s')}, "
             f"restart -> first step saved {seconds('restart_to_first_step_saved_s')}",
         ]
@@ -296,6 +299,8 @@ def run_drill(config: DrillConfig) -> DrillReport:
     """
     storage = open_storage(config.checkpoint_uri, **storage_options(config.checkpoint_uri,
                                                                     s3_endpoint_url=config.s3_endpoint_url))
+    if config.exact_check and config.reference_uri is not None:  # refused before the job is touched
+        drill_reference.open_scratch_root(storage, config.reference_uri, s3_endpoint_url=config.s3_endpoint_url)
     report = DrillReport(cloud=config.cloud)
     start = catalog.newest_complete(storage)
     report.start_step = None if start is None else start.step
@@ -346,8 +351,12 @@ def _phase_notice(config: DrillConfig, storage: Storage, fake: FakeServer | None
             code = _wait_exit(proc, _POLL_S)
             if code is not None:
                 report.first_exit_code = code
-                report.problems.append(f"the job exited with code {code} before the notice; "
-                                       "use a smaller --after-steps or --after-s")
+                if code == 0:
+                    report.problems.append("the job finished before the notice; "
+                                           "use a smaller --after-steps or --after-s")
+                else:
+                    report.problems.append(f"the job (or spotrun run) failed with exit code {code} before the "
+                                           "notice; its error is in the output above")
                 return
         report.newest_step_at_notice = _newest_complete_step(storage)
         report.notice_unix_s = time.time()

@@ -44,6 +44,8 @@ class SaveEstimate:
         size_bytes: bytes the save writes (all ranks).
         throughput_bytes_per_s: the slowest measured save throughput.
         basis: where the figures come from, for the log (``"3 saves of this launch"``).
+        allowance_s: seconds of ``save_s`` that are :data:`COMMIT_ALLOWANCE_S` rather than
+            measured (an estimate from a manifest's shard-write time); 0 otherwise.
     """
 
     in_flight_s: float
@@ -53,6 +55,7 @@ class SaveEstimate:
     size_bytes: int
     throughput_bytes_per_s: float
     basis: str
+    allowance_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -65,9 +68,12 @@ class SaveEstimate:
         if self.in_flight_step is not None:
             parts.append(f"{self.in_flight_s:.1f} s to finish the save of step {self.in_flight_step} in progress")
         parts.append(f"{self.boundary_s:.1f} s to the next step boundary")
-        parts.append(
-            f"{self.save_s:.1f} s to save {_amount(self.size_bytes)} at {_amount(self.throughput_bytes_per_s)}/s"
-        )
+        if self.allowance_s:
+            parts.append(f"{self.save_s:.1f} s to save {_amount(self.size_bytes)}: the recorded shard write of "
+                         f"{self.save_s - self.allowance_s:.1f} s + {self.allowance_s:.1f} s allowed for the commit")
+        else:
+            parts.append(f"{self.save_s:.1f} s to save {_amount(self.size_bytes)} at "
+                         f"{_amount(self.throughput_bytes_per_s)}/s")
         return f"{self.total_s:.1f} s ({', '.join(parts)}; from {self.basis})"
 
 
@@ -101,6 +107,7 @@ def estimate_emergency_save(
             step_time_s = resumed.timing.step_time_s
     else:
         return None
+    allowance_s = 0.0 if stats is not None and stats.recent else COMMIT_ALLOWANCE_S
     in_flight_s, in_flight_step = 0.0, None
     if stats is not None and stats.in_progress is not None:
         in_flight_step = stats.in_progress.step
@@ -114,6 +121,7 @@ def estimate_emergency_save(
         size_bytes=size_bytes,
         throughput_bytes_per_s=throughput,
         basis=basis,
+        allowance_s=allowance_s,
     )
 
 

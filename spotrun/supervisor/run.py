@@ -51,6 +51,7 @@ import time
 
 from spotrun import control
 from spotrun.checkpoint import catalog
+from spotrun.env import STOP_AT_STEP
 from spotrun.errors import ConfigError, SpotrunError
 from spotrun.manifest import Manifest
 from spotrun.storage import Storage, open_storage
@@ -258,6 +259,8 @@ class _Supervisor:
         if self.control_dir is not None:
             save = self._save_fits(deadline_unix_s)
             self.save_declined = not save
+            if not save:  # nothing to commit: the workers may use the margin to stop cleanly
+                self.deadline_unix_s = max(deadline_unix_s, end_s - self.config.stop_timeout_s)
             control.write_save_request(
                 self.control_dir,
                 control.SaveRequest(
@@ -315,16 +318,14 @@ class _Supervisor:
             log.error("%s", exc)
             report = None
         if report is None and (self.save_declined or self._workers_stopped_without_save(control_dir, quiet=True)):
-            self._check_resume_point()
+            self._check_resume_point(declined=True)
             return EXIT_PREEMPTED_NOT_SAVED
         if report is None:
             if code == 0:
                 log.info("the command exited 0 without an emergency checkpoint: training finished")
                 return EXIT_FINISHED
-            log.warning(
-                "no emergency checkpoint committed (command exit code %d): "
-                "the job resumes from the last complete checkpoint", code,
-            )
+            log.warning("no emergency checkpoint committed (command exit code %d)", code)
+            self._check_resume_point()
             return EXIT_PREEMPTED_NOT_SAVED
         status, problem = self._step_status(report.step)
         if status != catalog.COMPLETE:
@@ -337,20 +338,22 @@ class _Supervisor:
         self._acknowledge()
         return EXIT_PREEMPTED_SAVED
 
-    def _check_resume_point(self) -> None:
-        """After a declined save: make sure (and say) which complete checkpoint the job resumes from."""
+    def _check_resume_point(self, *, declined: bool = False) -> None:
+        """Without an emergency checkpoint: make sure (and say) which complete checkpoint the job
+        resumes from."""
         try:
             newest = catalog.newest_complete(self.storage)
         except SpotrunError as exc:
             log.error("cannot list the checkpoints to confirm the resume point: %s", exc)
             return
+        why = "no time for one" if declined else "none committed"
         if newest is None:
-            log.warning("no emergency checkpoint (no time for one) and no complete checkpoint on storage: "
-                        "the job restarts from step 0")
+            log.warning("no emergency checkpoint (%s) and no complete checkpoint on storage: "
+                        "the job restarts from step 0", why)
         else:
-            log.warning("no emergency checkpoint (no time for one): the newest complete checkpoint is step %d "
+            log.warning("no emergency checkpoint (%s): the newest complete checkpoint is step %d "
                         "(%s; manifest and every file present with its recorded size): the job resumes from it",
-                        newest.step, newest.reason)
+                        why, newest.step, newest.reason)
 
     @staticmethod
     def _workers_saved_on_their_own(control_dir: str) -> bool:
@@ -360,7 +363,10 @@ class _Supervisor:
             report = control.read_commit_report(control_dir)
         except SpotrunError:
             return True  # let _preempted_exit_code log the unreadable report
-        if report is not None:
+        if report is not None and os.environ.get(STOP_AT_STEP):
+            log.info("the workers took the checkpoint of step %d and stopped, as %s=%s asked",
+                     report.step, STOP_AT_STEP, os.environ[STOP_AT_STEP])
+        elif report is not None:
             log.warning("the workers took an emergency checkpoint of step %d without a notice here "
                         "(another node got the notice, or a signal reached them directly)", report.step)
         return report is not None
