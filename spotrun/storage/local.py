@@ -29,7 +29,11 @@ def _is_temporary(name: str) -> bool:
     return name.startswith(".") and _TMP_MARK in name
 
 
-def _translate(exc: OSError, what: str) -> StorageError:
+def _translate(exc: OSError, what: str, *, writing: bool = False) -> StorageError:
+    if isinstance(exc, FileNotFoundError) and writing:  # a directory on the way could not be made
+        where = f" ({exc.filename})" if exc.filename else ""
+        return StorageError(errno.ENOENT, f"{what}: cannot create the directory to hold it{where}: "
+                                          f"{exc.strerror or exc}")
     if isinstance(exc, FileNotFoundError):
         return ObjectNotFoundError(errno.ENOENT, f"{what}: no such object")
     if isinstance(exc, PermissionError):
@@ -108,7 +112,7 @@ class LocalStorage(Storage):
             os.replace(tmp, self._path(key))
             self._sync_dir(key)
         except OSError as exc:
-            raise _translate(exc, f"put {self._path(key)}") from exc
+            raise _translate(exc, f"put {self._path(key)}", writing=True) from exc
 
     def _put_if_absent(self, key: str, data: memoryview) -> None:
         final = self._path(key)
@@ -122,7 +126,7 @@ class LocalStorage(Storage):
         except FileExistsError as exc:
             raise ObjectExistsError(errno.EEXIST, f"{final} already exists") from exc
         except OSError as exc:
-            raise _translate(exc, f"put_if_absent {final}") from exc
+            raise _translate(exc, f"put_if_absent {final}", writing=True) from exc
 
     # --- reading --------------------------------------------------------------
 
