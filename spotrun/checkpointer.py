@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import collections
 import threading
 import time
 import uuid
@@ -32,6 +31,7 @@ from spotrun.checkpoint import catalog
 from spotrun.checkpoint.restore import LoadedStep, load_step, reject_step
 from spotrun.checkpoint.save import SaveContext, encode_state, save_step
 from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv
+from spotrun.save_meter import SaveMeter
 from spotrun.errors import (
     CheckpointSaveError,
     ConfigError,
@@ -43,13 +43,12 @@ from spotrun.errors import (
     StorageError,
 )
 from spotrun.state.rng import RNGState
+from spotrun.state.stateful import load_into, state_of
 from spotrun.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
 
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-#: How many recent step durations the step-time estimate looks at.
-_STEP_TIMES_KEPT = 16
 #: Default bound of one save's storage operations, in seconds.
 DEFAULT_SAVE_TIMEOUT_S = 300.0
 
@@ -121,10 +120,8 @@ class Checkpointer:
         self._checkpoint_requests = (
             control.CheckpointRequestWatcher(self._env.control_dir) if self._env.control_dir else None
         )
-        self._step_times_s: collections.deque[float] = collections.deque(maxlen=_STEP_TIMES_KEPT)
-        self._last_boundary_s: float | None = None
-        self._resumed_step_time_s: float | None = None  # recorded in the checkpoint restored
-        self._recent_saves: list[control.SaveRecord] = []
+        self._meter = SaveMeter(self._env.control_dir, publishes=dist.local_rank() == 0,
+                                check_interval_steps=check_interval_steps)
         self.preempted = False
         if handle_signals:
             self._install_signal_handlers()
@@ -168,8 +165,8 @@ class Checkpointer:
     def _check_serialisable(self) -> None:
         """Fail before training starts, not at the first save hours later."""
         encode_state(
-            {name: _state_of(obj) for name, obj in self._state.items()},
-            {name: _state_of(obj) for name, obj in self._rank_state.items()},
+            {name: state_of(obj) for name, obj in self._state.items()},
+            {name: state_of(obj) for name, obj in self._rank_state.items()},
             dist.rank(),
         )
 
@@ -192,7 +189,7 @@ class Checkpointer:
                 self._apply(loaded)
                 self._last_saved_step = step
                 timing = loaded.manifest.timing
-                self._resumed_step_time_s = timing.step_time_s if timing is not None else None
+                self._meter.restored(timing.step_time_s if timing is not None else None)
                 self._run_id = self._env.run_id or loaded.manifest.run_id or self._run_id
                 if dist.rank() == 0:
                     log.info("restored step %d from %s", step, self._storage.uri)
@@ -241,11 +238,11 @@ class Checkpointer:
                     f"checkpoint step {loaded.manifest.step} has no state named {name!r} "
                     f"(it has {sorted(loaded.replicated)})"
                 )
-            _load_into(name, obj, loaded.replicated[name])
+            load_into(name, obj, loaded.replicated[name])
         for name, obj in self._rank_state.items():  # RNG last: nothing may draw after it
             if name not in loaded.rank_local:
                 raise StateMismatchError(f"checkpoint lacks this rank's state {name!r}")
-            _load_into(name, obj, loaded.rank_local[name])
+            load_into(name, obj, loaded.rank_local[name])
 
     # --- saving ---------------------------------------------------------------
 
@@ -271,7 +268,7 @@ class Checkpointer:
             CheckpointSaveError: the emergency save failed, or too many periodic saves
                 failed in a row.
         """
-        self._note_step_boundary()
+        self._meter.step_boundary()
         checkpoint_requested = False
         if step % self.check_interval_steps == 0:
             save_requested, stop_requested = self._stop_requests()
@@ -325,47 +322,25 @@ class Checkpointer:
         """
         if self._last_saved_step == step:
             return
-        started_s = time.monotonic()
-        self._publish_saves(control.SaveInProgress(step=step, reason=reason, started_unix_s=time.time()))
+        started_s = self._meter.save_started(step, reason)
         try:
-            replicated = {name: _state_of(obj) for name, obj in self._state.items()}
-            rank_local = {name: _state_of(obj) for name, obj in self._rank_state.items()}
+            replicated = {name: state_of(obj) for name, obj in self._state.items()}
+            rank_local = {name: state_of(obj) for name, obj in self._rank_state.items()}
             context = SaveContext(reason=reason, run_id=self._run_id, incarnation=self._env.incarnation,
-                                  step_time_s=self.step_time_s)
+                                  step_time_s=self._meter.step_time_s)
             with self._storage.deadline(self.save_timeout_s if timeout_s is None else timeout_s):
                 manifest = save_step(self._storage, step, replicated, rank_local, context)
         except BaseException:
-            self._publish_saves(None)
+            self._meter.save_ended(step, reason, started_s, None)
             raise
-        finally:
-            # The next step's duration starts now: time in the save is not step time.
-            if self._last_boundary_s is not None:
-                self._last_boundary_s = time.monotonic()
-        duration_s = time.monotonic() - started_s
         self._last_saved_step = step
         size_bytes = dist.broadcast_json({"size_bytes": manifest.size_bytes if manifest else 0})["size_bytes"]
-        self._recent_saves = [*self._recent_saves, control.SaveRecord(
-            step=step, reason=reason, size_bytes=size_bytes, duration_s=round(duration_s, 6),
-            committed_unix_s=time.time(),
-        )][-control.RECENT_SAVES:]
-        self._publish_saves(None)
+        duration_s = self._meter.save_ended(step, reason, started_s, size_bytes)
         if manifest is not None:
             log.info(
                 "committed step %d (%s): %d files, %.1f MiB in %.2f s",
                 step, reason, len(manifest.files), manifest.size_bytes / 2**20, duration_s,
             )
-
-    def _publish_saves(self, in_progress: control.SaveInProgress | None) -> None:
-        """Tell this node's supervisor about saves (local rank 0; best effort)."""
-        if not self._env.control_dir or dist.local_rank() != 0:
-            return
-        try:
-            control.write_save_stats(self._env.control_dir, control.SaveStats(
-                in_progress=in_progress, recent=tuple(self._recent_saves), step_time_s=self.step_time_s,
-                check_interval_steps=self.check_interval_steps,
-            ))
-        except OSError as exc:  # the supervisor then estimates from less; training goes on
-            log.warning("cannot write the save measurements for the supervisor: %s", exc)
 
     def _periodic_save(self, step: int, reason: str = "periodic") -> None:
         try:
@@ -430,19 +405,10 @@ class Checkpointer:
         if self._env.control_dir and dist.local_rank() == 0:
             control.write_stop_report(self._env.control_dir, step)
 
-    def _note_step_boundary(self) -> None:
-        """Measure how long training steps take (time in saves excluded)."""
-        now_s = time.monotonic()
-        if self._last_boundary_s is not None:
-            self._step_times_s.append(now_s - self._last_boundary_s)
-        self._last_boundary_s = now_s
-
     @property
     def step_time_s(self) -> float | None:
-        """Seconds one training step takes: the slowest of the last 16 steps (the time spent
-        in saves excluded); before two steps were seen, the step time recorded in the
-        checkpoint that was restored, else ``None``."""
-        return max(self._step_times_s) if self._step_times_s else self._resumed_step_time_s
+        """Seconds one training step takes (see :attr:`spotrun.save_meter.SaveMeter.step_time_s`)."""
+        return self._meter.step_time_s
 
     def _describe_request(self) -> str:
         if self._signal_name:
@@ -478,21 +444,3 @@ class Checkpointer:
             signal.signal(signum, handler)
         self._previous_handlers.clear()
 
-
-def _state_of(obj: Any) -> Any:
-    state_dict = getattr(obj, "state_dict", None)
-    return state_dict() if callable(state_dict) else obj
-
-
-def _load_into(name: str, obj: Any, value: Any) -> None:
-    load = getattr(obj, "load_state_dict", None)
-    if callable(load):
-        try:
-            load(value)
-        except (RuntimeError, KeyError, ValueError) as exc:
-            raise StateMismatchError(f"cannot load saved state {name!r}: {exc}") from exc
-    elif isinstance(obj, dict):
-        obj.clear()
-        obj.update(value)
-    else:
-        raise ConfigError(f"state {name!r} ({type(obj).__name__}) has no load_state_dict()")
