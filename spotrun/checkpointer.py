@@ -299,10 +299,7 @@ class Checkpointer:
         Every rank reads the same variable and is at the same step, so the ranks agree
         without a collective.
         """
-        stop_at_step = self._env.stop_at_step
-        if stop_at_step is None or step < stop_at_step:
-            return False
-        return True
+        return self._env.stop_at_step is not None and step >= self._env.stop_at_step
 
     def save(self, step: int, reason: str = "manual", *, timeout_s: float | None = None) -> None:
         """Save and commit ``step`` now, on every rank (a collective).
@@ -329,17 +326,16 @@ class Checkpointer:
             context = SaveContext(reason=reason, run_id=self._run_id, incarnation=self._env.incarnation,
                                   step_time_s=self._meter.step_time_s)
             with self._storage.deadline(self.save_timeout_s if timeout_s is None else timeout_s):
-                manifest = save_step(self._storage, step, replicated, rank_local, context)
+                saved = save_step(self._storage, step, replicated, rank_local, context)
         except BaseException:
             self._meter.save_ended(step, reason, started_s, None)
             raise
         self._last_saved_step = step
-        size_bytes = dist.broadcast_json({"size_bytes": manifest.size_bytes if manifest else 0})["size_bytes"]
-        duration_s = self._meter.save_ended(step, reason, started_s, size_bytes)
-        if manifest is not None:
+        duration_s = self._meter.save_ended(step, reason, started_s, saved.size_bytes)
+        if saved.manifest is not None:
             log.info(
                 "committed step %d (%s): %d files, %.1f MiB in %.2f s",
-                step, reason, len(manifest.files), manifest.size_bytes / 2**20, duration_s,
+                step, reason, len(saved.manifest.files), saved.size_bytes / 2**20, duration_s,
             )
 
     def _periodic_save(self, step: int, reason: str = "periodic") -> None:

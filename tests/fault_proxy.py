@@ -217,6 +217,22 @@ class FaultProxy:
         return http.client.HTTPConnection(host, port, timeout=UPSTREAM_TIMEOUT_S)
 
 
+def send_s3_error(handler: http.server.BaseHTTPRequestHandler, status: int, code: str, message: str, *,
+                  request_id: str) -> None:
+    """Answer the request ``handler`` serves with S3's XML error document (no body for HEAD)."""
+    body = (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<Error><Code>{code}</Code><Message>{message}</Message>"
+        f"<RequestId>{request_id}</RequestId></Error>"
+    ).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/xml")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(body)
+
+
 def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive; answers "Expect: 100-continue"
@@ -231,7 +247,7 @@ def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
             elif kind is not None:
-                self._send_error(*_ERRORS[kind])
+                send_s3_error(self, *_ERRORS[kind], request_id="fault-proxy")
             else:
                 time.sleep(proxy.latency_for(Request(self.command, self.path)))
                 self._forward(body)
@@ -250,19 +266,6 @@ def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler
                     chunks.append(self.rfile.read(size))
                     self.rfile.readline()  # CRLF after each chunk
             return self.rfile.read(int(self.headers.get("Content-Length") or 0))
-
-        def _send_error(self, status: int, code: str, message: str) -> None:
-            body = (
-                '<?xml version="1.0" encoding="UTF-8"?>\n'
-                f"<Error><Code>{code}</Code><Message>{message}</Message>"
-                "<RequestId>fault-proxy</RequestId></Error>"
-            ).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
 
         def _forward(self, body: bytes) -> None:
             response, payload = self._relay(body)

@@ -228,11 +228,9 @@ def failing_http_server(status: int, error_code: str) -> Iterator[tuple[str, lis
     import http.server
     import threading
 
+    from tests.fault_proxy import send_s3_error
+
     received: list[str] = []
-    body = (
-        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{error_code}</Code>'
-        f"<Message>injected</Message><RequestId>0</RequestId></Error>"
-    ).encode()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # answers "Expect: 100-continue" at once
@@ -242,12 +240,7 @@ def failing_http_server(status: int, error_code: str) -> Iterator[tuple[str, lis
             length = int(self.headers.get("Content-Length") or 0)
             if length:
                 self.rfile.read(length)
-            self.send_response(status)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
+            send_s3_error(self, status, error_code, "injected", request_id="0")
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _fail
 

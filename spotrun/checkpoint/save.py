@@ -157,6 +157,19 @@ def write_shard(storage: Storage, staged: StagedShard) -> FileRecord:
 
 
 @dataclass(frozen=True)
+class SavedStep:
+    """What :func:`save_step` returns on every rank.
+
+    Attributes:
+        manifest: the committed manifest on rank 0, ``None`` on other ranks.
+        size_bytes: bytes of all the step's shard files (every rank's; manifest excluded).
+    """
+
+    manifest: Manifest | None
+    size_bytes: int
+
+
+@dataclass(frozen=True)
 class SaveContext:
     """Facts recorded in the manifest besides the state itself.
 
@@ -180,11 +193,12 @@ def save_step(
     replicated: dict[str, Any],
     rank_local: dict[str, Any],
     context: SaveContext,
-) -> Manifest | None:
+) -> SavedStep:
     """Save and commit ``step`` on every rank (collective: all ranks must call it).
 
     Returns:
-        The committed manifest on rank 0, ``None`` on other ranks.
+        The committed manifest (rank 0 only) and the step's size in bytes (every rank,
+        from the gathered shard records: no extra collective).
 
     Raises:
         StateSerializationError: a state value cannot be stored (before anything is written).
@@ -259,7 +273,7 @@ def save_step(
     outcome = dist.broadcast_json(outcome)
     if not outcome["ok"]:
         raise CheckpointSaveError(f"commit of step {step} failed on rank 0: {outcome['error']}")
-    return manifest
+    return SavedStep(manifest=manifest, size_bytes=sum(rep["file"]["size_bytes"] for rep in reports))
 
 
 def _clear_the_way(storage: Storage, step: int) -> str | None:

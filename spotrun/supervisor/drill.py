@@ -384,11 +384,10 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _newest_complete(storage: Storage) -> StepInfo | None:
     try:
-        complete = [s for s in catalog.list_steps(storage) if s.status == catalog.COMPLETE]
+        return catalog.newest_complete(storage)
     except SpotrunError as exc:
         log.warning("drill: cannot list the checkpoints: %s", exc)
         return None
-    return complete[-1] if complete else None
 
 
 def _newest_complete_step(storage: Storage) -> int | None:

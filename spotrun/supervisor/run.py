@@ -152,9 +152,9 @@ class _Supervisor:
             )
             self.resumed_manifest = plan.resume.manifest if plan.resume is not None else None
             code = self._run_once(plan, control_dir)
-            if (self.notice is not None or self._workers_saved_on_their_own(control_dir)
-                    or self._workers_stopped_without_save(control_dir)):
-                return self._preempted_exit_code(code, control_dir)
+            stopped_without_save = self._workers_stopped_without_save(control_dir)
+            if self.notice is not None or stopped_without_save or self._workers_saved_on_their_own(control_dir):
+                return self._preempted_exit_code(code, control_dir, stopped_without_save=stopped_without_save)
             if code == 0:
                 log.info("the command exited 0: training finished")
                 return EXIT_FINISHED
@@ -311,13 +311,13 @@ class _Supervisor:
 
     # --- outcome -----------------------------------------------------------------
 
-    def _preempted_exit_code(self, code: int, control_dir: str) -> int:
+    def _preempted_exit_code(self, code: int, control_dir: str, *, stopped_without_save: bool) -> int:
         try:
             report = control.read_commit_report(control_dir)
         except SpotrunError as exc:
             log.error("%s", exc)
             report = None
-        if report is None and (self.save_declined or self._workers_stopped_without_save(control_dir, quiet=True)):
+        if report is None and (self.save_declined or stopped_without_save):
             self._check_resume_point(declined=True)
             return EXIT_PREEMPTED_NOT_SAVED
         if report is None:
@@ -372,7 +372,7 @@ class _Supervisor:
         return report is not None
 
     @staticmethod
-    def _workers_stopped_without_save(control_dir: str, *, quiet: bool = False) -> bool:
+    def _workers_stopped_without_save(control_dir: str) -> bool:
         """The workers stopped without saving: this node's or another node's supervisor found no
         time for an emergency checkpoint."""
         try:
@@ -380,7 +380,7 @@ class _Supervisor:
         except SpotrunError as exc:
             log.error("%s", exc)
             return False
-        if step is not None and not quiet:
+        if step is not None:
             log.warning("the workers stopped after step %d without saving (no time for an emergency checkpoint)",
                         step)
         return step is not None
