@@ -302,4 +302,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Skip interpreter finalization: gloo's worker threads can still hold work objects with
+    # Python references after destroy_process_group(), and freeing them while the interpreter
+    # is torn down aborts the process now and then ("terminate called without an active
+    # exception", SIGABRT after training finished; pytorch/pytorch#179291 describes it).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
