@@ -27,7 +27,7 @@ import uuid
 from typing import Any
 
 from spotrun import control, dist
-from spotrun.checkpoint import catalog
+from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.restore import LoadedStep, load_step, reject_step
 from spotrun.checkpoint.save import SaveContext, encode_state, save_step
 from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv
@@ -36,6 +36,7 @@ from spotrun.errors import (
     CheckpointSaveError,
     ConfigError,
     CorruptShardError,
+    FencedError,
     ManifestError,
     NoCheckpointError,
     SpotrunError,
@@ -113,6 +114,7 @@ class Checkpointer:
         self.save_timeout_s = save_timeout_s
         self._run_id = self._env.run_id or uuid.uuid4().hex
         self._last_saved_step: int | None = None
+        self._incarnation: int | None = None  # claimed by restore() or the first save
         self._failed_periodic_saves = 0
         self._signal_name: str | None = None
         self._previous_handlers: dict[int, Any] = {}
@@ -132,6 +134,12 @@ class Checkpointer:
     def storage(self) -> Storage:
         """The storage backend in use."""
         return self._storage
+
+    @property
+    def incarnation(self) -> int | None:
+        """The incarnation this process claimed on the root (``None`` before
+        :meth:`restore` or the first save); see :mod:`spotrun.checkpoint.fencing`."""
+        return self._incarnation
 
     @property
     def last_saved_step(self) -> int | None:
@@ -162,6 +170,36 @@ class Checkpointer:
         self._check_serialisable()
         return step
 
+    def _claim_incarnation(self, resumed_step: int | None, at_least: int, *, after_newest: bool = False,
+                           step: int | None = None) -> None:
+        """Rank 0 claims the next incarnation on the root (fencing older writers); every
+        rank learns the number. A collective.
+
+        ``after_newest``: this start restored nothing (a save without :meth:`restore`); it
+        counts as resumed from the newest complete step, so the steps already committed
+        stay valid and only later commits of older incarnations are fenced. ``step``: the
+        step being saved then (a failure is then that save's :class:`CheckpointSaveError`).
+        """
+        claimed: dict = {}
+        if dist.rank() == 0:
+            try:
+                if after_newest:
+                    newest = catalog.newest_complete(self._storage)
+                    resumed_step = newest.step if newest else None
+                    at_least = newest.manifest.incarnation + 1 if newest else 0
+                record = fencing.claim(self._storage, resumed_step=resumed_step, run_id=self._run_id,
+                                       at_least=max(at_least, self._env.incarnation))
+                claimed = {"incarnation": record.incarnation}
+            except (SpotrunError, OSError) as exc:  # told to every rank, so none waits alone
+                claimed = {"error": f"{type(exc).__name__}: {exc}"}
+        claimed = dist.broadcast_json(claimed)
+        if "error" in claimed:
+            problem = f"cannot record this start under {self._storage.uri}: {claimed['error']}"
+            if step is not None:
+                raise CheckpointSaveError(f"save of step {step} failed on rank 0: {problem} - nothing was committed")
+            raise StorageError(5, problem)
+        self._incarnation = claimed["incarnation"]
+
     def _check_serialisable(self) -> None:
         """Fail before training starts, not at the first save hours later."""
         encode_state(
@@ -180,9 +218,9 @@ class Checkpointer:
         listing = dist.broadcast_json(listing)
         if "error" in listing:
             raise StorageError(5, f"cannot list checkpoints under {self._storage.uri}: {listing['error']}")
-        candidates = listing["steps"]
-        for index, step in enumerate(candidates):
-            loaded, problem = self._try_load(step)
+        candidates = [step for step, _key in listing["steps"]]
+        for index, (step, key) in enumerate(listing["steps"]):
+            loaded, problem = self._try_load(step, key)
             problems = dist.all_gather_json(problem)
             failed = {r: p["message"] for r, p in enumerate(problems) if p is not None}
             if not failed:
@@ -191,8 +229,10 @@ class Checkpointer:
                 timing = loaded.manifest.timing
                 self._meter.restored(timing.step_time_s if timing is not None else None)
                 self._run_id = self._env.run_id or loaded.manifest.run_id or self._run_id
+                self._claim_incarnation(step, loaded.manifest.incarnation + 1)
                 if dist.rank() == 0:
-                    log.info("restored step %d from %s", step, self._storage.uri)
+                    log.info("restored step %d from %s (incarnation %d)", step, self._storage.uri,
+                             self._incarnation)
                 return step
             older = candidates[index + 1] if index + 1 < len(candidates) else None
             if dist.rank() == 0:
@@ -203,25 +243,29 @@ class Checkpointer:
                     f"step {older}" if older is not None else "nothing older",
                 )
                 if any(p["corrupt"] for p in problems if p is not None):
-                    reject_step(self._storage, step, "; ".join(failed.values()))
+                    reject_step(self._storage, key, "; ".join(failed.values()))
         if candidates:
             raise NoCheckpointError(
                 f"no complete checkpoint under {self._storage.uri} could be loaded "
                 f"(tried steps {candidates}); see the log for each failure"
             )
+        self._claim_incarnation(None, 0)
         if dist.rank() == 0:
-            log.info("no checkpoint under %s: starting from step 0", self._storage.uri)
+            log.info("no checkpoint under %s: starting from step 0 (incarnation %d)",
+                     self._storage.uri, self._incarnation)
         return 0
 
-    def _candidate_steps(self) -> list[int]:
-        steps = [s.step for s in catalog.list_steps(self._storage) if s.status == catalog.COMPLETE]
+    def _candidate_steps(self) -> list[tuple[int, str]]:
+        """(step, manifest key) of every complete step, newest first."""
+        steps = [(s.step, s.manifest_key) for s in catalog.list_steps(self._storage)
+                 if s.status == catalog.COMPLETE]
         if self._env.resume_step is not None:
-            steps = [s for s in steps if s <= self._env.resume_step]
+            steps = [s for s in steps if s[0] <= self._env.resume_step]
         return sorted(steps, reverse=True)
 
-    def _try_load(self, step: int) -> tuple[LoadedStep | None, dict | None]:
+    def _try_load(self, step: int, key: str) -> tuple[LoadedStep | None, dict | None]:
         try:
-            return load_step(self._storage, step, dist.rank(), dist.world_size()), None
+            return load_step(self._storage, step, key, dist.rank(), dist.world_size()), None
         except (CorruptShardError, ManifestError) as exc:
             return None, {"corrupt": True, "message": str(exc)}
         except StorageError as exc:  # missing object, or the store failed after retries
@@ -267,6 +311,8 @@ class Checkpointer:
         Raises:
             CheckpointSaveError: the emergency save failed, or too many periodic saves
                 failed in a row.
+            FencedError: a newer start of the job claimed the checkpoint root (this process
+                is an orphaned older incarnation): nothing was committed; stop.
         """
         self._meter.step_boundary()
         checkpoint_requested = False
@@ -316,6 +362,7 @@ class Checkpointer:
         Raises:
             StateSerializationError: a state value is neither a tensor nor JSON (names its key).
             CheckpointSaveError: the save failed; nothing was committed.
+            FencedError: a newer incarnation started on the root; nothing was committed.
         """
         if self._last_saved_step == step:
             return
@@ -323,9 +370,12 @@ class Checkpointer:
         try:
             replicated = {name: state_of(obj) for name, obj in self._state.items()}
             rank_local = {name: state_of(obj) for name, obj in self._rank_state.items()}
-            context = SaveContext(reason=reason, run_id=self._run_id, incarnation=self._env.incarnation,
-                                  step_time_s=self._meter.step_time_s)
             with self._storage.deadline(self.save_timeout_s if timeout_s is None else timeout_s):
+                if self._incarnation is None:  # saving without restore(): this start claims now,
+                    encode_state(replicated, rank_local, dist.rank())  # once the state can be saved
+                    self._claim_incarnation(None, 0, after_newest=True, step=step)
+                context = SaveContext(reason=reason, run_id=self._run_id, incarnation=self._incarnation,
+                                      step_time_s=self._meter.step_time_s)
                 saved = save_step(self._storage, step, replicated, rank_local, context)
         except BaseException:
             self._meter.save_ended(step, reason, started_s, None)
@@ -342,6 +392,8 @@ class Checkpointer:
         try:
             self.save(step, reason=reason)
             self._failed_periodic_saves = 0
+        except FencedError:
+            raise  # a newer start owns the root: this process must stop, not retry
         except CheckpointSaveError as exc:
             self._failed_periodic_saves += 1
             log.error("periodic save of step %d failed (%d in a row): %s",

@@ -65,3 +65,8 @@ class CheckpointSaveError(CheckpointError):
 
 class NoCheckpointError(CheckpointError):
     """No complete checkpoint exists where one was required."""
+
+
+class FencedError(CheckpointSaveError):
+    """A newer incarnation of the job started on the same checkpoint root: this (older)
+    incarnation may no longer commit. Nothing was committed; the process should stop."""

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 import spotrun
 from spotrun.checkpoint import catalog
-from spotrun.checkpoint.layout import file_key, manifest_key, shard_name
+from tests.ckpt_files import manifest_path, shard_path
 from spotrun.checkpoint.shard import encode_shard
 from spotrun.errors import NoCheckpointError, StateMismatchError, StateSerializationError
 from spotrun.storage import LocalStorage
@@ -88,7 +88,7 @@ def test_c05_tied_weights(tmp_path):
     model, opt, sched = build()
     train(model, opt, sched, 3)
     checkpointer(tmp_path, model, opt, sched).save(3)
-    manifest = json.loads((tmp_path / manifest_key(3)).read_text())
+    manifest = json.loads(manifest_path(tmp_path, 3).read_text())
     assert manifest["aliases"] == {"model/head.weight": "model/emb.weight"}
 
     model2, opt2, sched2 = build(seed=7)
@@ -129,7 +129,7 @@ def test_corrupt_shard_falls_back_to_previous_step(tmp_path, caplog):
     after_two = {k: v.clone() for k, v in model.state_dict().items()}
     train(model, opt, sched, 2)
     ckpt.save(4)
-    shard = tmp_path / file_key(4, shard_name(0))
+    shard = shard_path(tmp_path, 4, 0)
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0xFF  # same size, different bytes: only the checksum can tell
     shard.write_bytes(bytes(data))
@@ -155,7 +155,7 @@ def test_every_step_corrupt_is_an_error_not_a_fresh_start(tmp_path):
     model, opt, sched = build()
     ckpt = checkpointer(tmp_path, model, opt, sched)
     ckpt.save(1)
-    shard = tmp_path / file_key(1, shard_name(0))
+    shard = shard_path(tmp_path, 1, 0)
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x01
     shard.write_bytes(bytes(data))
@@ -253,7 +253,7 @@ def test_unserialisable_state_fails_at_restore_before_training(tmp_path):
 def test_a_committed_step_is_never_overwritten(tmp_path):
     model, opt, sched = build()
     checkpointer(tmp_path, model, opt, sched).save(5)
-    shard = tmp_path / file_key(5, shard_name(0))
+    shard = shard_path(tmp_path, 5, 0)
     before = shard.read_bytes()
     train(model, opt, sched, 1)  # different state, same step number
     from spotrun.errors import CheckpointSaveError
@@ -273,9 +273,9 @@ def test_training_gets_through_a_step_that_was_corrupt(tmp_path, damage):
     train(model, opt, sched, 2)
     ckpt.save(4)
     if damage == "bad-manifest":
-        (tmp_path / manifest_key(4)).write_text('{"format": "spotrun-checkpoint", "trunc')
+        manifest_path(tmp_path, 4).write_text('{"format": "spotrun-checkpoint", "trunc')
     else:
-        shard = tmp_path / file_key(4, shard_name(0))
+        shard = shard_path(tmp_path, 4, 0)
         shard.write_bytes(shard.read_bytes()[:-10])
     model2, opt2, sched2 = build(seed=1)
     ckpt2 = checkpointer(tmp_path, model2, opt2, sched2)

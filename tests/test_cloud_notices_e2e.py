@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from tests.ckpt_files import manifest_path
 from tests.fake_metadata import FakeAws, FakeAzure, FakeGcp
 from tests import trainrun
 from tests.trainrun import (
@@ -117,8 +118,8 @@ def test_cloud_notice_saves_exits_143_and_resumes_exactly(reference, tmp_path, p
 
     if cloud == "azure":
         event_id = kind.rsplit(" ", 1)[1]
-        manifest_path = tmp_path / "ck" / f"step-{step:09d}" / "manifest.json"
-        created_unix_s = json.loads(manifest_path.read_text())["created_unix_s"]
+        manifest_file = manifest_path(tmp_path / "ck", step)
+        created_unix_s = json.loads(manifest_file.read_text())["created_unix_s"]
         assert len(posts) == 1, posts  # acknowledged exactly once
         assert json.loads(posts[0].body) == {"StartRequests": [{"EventId": event_id}]}
         assert posts[0].headers.get("metadata") == "true"

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.ckpt_files import manifest_path, shard_path
 from tests import trainrun
 from tests.trainrun import (
     ls_json,
@@ -111,7 +112,7 @@ def test_sigkill_resumes_from_last_periodic_checkpoint(reference, tmp_path):
     # A step directory that a crash left without a manifest (a rank finished its shard,
     # the commit never happened): ignored on resume, shown as incomplete.
     os.makedirs(f"{ck}/step-000000020")
-    shutil.copy(f"{ck}/step-000000010/rank-00000.safetensors", f"{ck}/step-000000020/")
+    shutil.copy(shard_path(ck, 10, 0), f"{ck}/step-000000020/")
     assert {row["step"]: row["status"] for row in ls_json(ck)} == {10: "complete", 20: "incomplete"}
 
     killed_at = read_log(log_file)[-1]["step"]
@@ -127,7 +128,7 @@ def test_replicated_state_is_written_once_spread_over_ranks_by_bytes(reference):
     from safetensors import safe_open
 
     step_dir = reference[2] / f"step-{STEPS:09d}"
-    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest = json.loads(manifest_path(reference[2], STEPS).read_text())
     keys_by_file = {}
     for record in manifest["files"]:
         with safe_open(str(step_dir / record["path"]), framework="pt") as f:

@@ -26,6 +26,7 @@ import torch
 import spotrun
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import file_key, shard_name, step_dir
+from tests.ckpt_files import shard_key
 from spotrun.storage import open_storage
 from tests.s3_server import make_client, moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
 from tests import trainrun
@@ -114,7 +115,7 @@ def test_preempted_training_on_s3_resumes_exactly(reference, s3_bucket, tmp_path
 
     # A corrupted shard of the newest step: the next start falls back to the step before.
     steps_before = [s.step for s in catalog.list_steps(open_storage(uri)) if s.status == catalog.COMPLETE]
-    flip_last_byte(client, s3_bucket.name, f"{prefix}/{file_key(STEPS, shard_name(1))}")
+    flip_last_byte(client, s3_bucket.name, f"{prefix}/{shard_key(open_storage(uri), STEPS, 1)}")
     fallback_step = steps_before[-2]
     ran_before = len(read_log(log_file))
     proc = launch("third")
@@ -140,9 +141,9 @@ def scenario(uri: str, caplog: pytest.LogCaptureFixture) -> dict:
         ckpt.save(step, reason="periodic")
         saved[step] = weights["w"].clone()
     storage = ckpt.storage
-    storage.put(file_key(4, shard_name(0)), b"a shard whose save never committed")
+    storage.put(file_key(4, shard_name(0, ckpt.incarnation)), b"a shard whose save never committed")
     newest_before = catalog.newest_complete(storage).step
-    shard = file_key(3, shard_name(0))
+    shard = shard_key(storage, 3, 0)
     data = bytearray(storage.get(shard))
     data[-1] ^= 0xFF
     storage.put(shard, bytes(data))

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from spotrun.checkpoint.restore import load_step
+from spotrun.checkpoint.restore import load_committed
 from spotrun.storage import open_storage
 
 #: A small, fast configuration of the example trainer (2 ranks on 2 CPU cores).
@@ -86,7 +86,7 @@ def wait_for_step(log_file: pathlib.Path, step: int, proc: subprocess.Popen, tim
 
 def final_tensors(checkpoint_uri: str, step: int, world_size: int = 2) -> dict[str, torch.Tensor]:
     """Every model and optimizer tensor of ``step``, by manifest name."""
-    loaded = load_step(open_storage(checkpoint_uri), step, 0, world_size)
+    loaded = load_committed(open_storage(checkpoint_uri), step, 0, world_size)
     flat: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, node) -> None:

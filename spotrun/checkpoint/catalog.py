@@ -6,7 +6,13 @@ A step is
 * ``incomplete`` - files exist but no manifest (a save that never committed, e.g. a kill
   in the middle of a write);
 * ``corrupt``    - a manifest exists but does not parse, or a listed file is missing or has
-  the wrong size.
+  the wrong size;
+* ``fenced``     - its only manifests were committed by an older incarnation after a newer
+  one had started from an earlier step (a zombie's work; see
+  :mod:`spotrun.checkpoint.fencing`).
+
+A step directory may hold manifests of several incarnations; at most one of them is valid
+under the fencing rule, and that one decides the step's status.
 
 Only ``complete`` steps are ever resumed from. Checksums are not read here (that needs
 the whole file); they are verified while loading, see :mod:`spotrun.checkpoint.read`.
@@ -18,15 +24,17 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
+from spotrun.checkpoint.fencing import Fences, read_fences
 from spotrun.checkpoint.layout import (
-    REJECTED_MANIFEST_NAME,
+    INCARNATIONS_DIR,
+    REJECTED_PREFIX,
     file_key,
-    manifest_key,
+    parse_manifest_name,
     parse_step_dir,
     step_dir,
 )
 from spotrun.errors import ManifestError, ObjectNotFoundError
-from spotrun.manifest import MANIFEST_NAME, Manifest
+from spotrun.manifest import Manifest
 from spotrun.storage.base import ObjectInfo, Storage
 
 log = logging.getLogger(__name__)
@@ -34,6 +42,7 @@ log = logging.getLogger(__name__)
 COMPLETE = "complete"
 INCOMPLETE = "incomplete"
 CORRUPT = "corrupt"
+FENCED = "fenced"
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class StepInfo:
         reason: why it was saved (``periodic``, ``emergency``, ``final``, ...); ``None`` if unknown.
         problem: for ``incomplete`` and ``corrupt``, a one-line explanation.
         manifest: the parsed manifest when there is one that parses.
+        manifest_key: storage key of that manifest (``None`` without one).
     """
 
     step: int
@@ -59,6 +69,7 @@ class StepInfo:
     reason: str | None
     problem: str | None
     manifest: Manifest | None = None
+    manifest_key: str | None = None
 
     def to_json(self) -> dict:
         """The fields ``spotrun ls --json`` prints."""
@@ -74,14 +85,16 @@ class StepInfo:
 
 
 def list_steps(storage: Storage) -> list[StepInfo]:
-    """Every step directory under the root, oldest first."""
+    """Every step directory under the root, oldest first (one listing of the root)."""
     by_step: dict[int, list[ObjectInfo]] = defaultdict(list)
-    for info in storage.list(""):
+    objects = storage.list("")
+    for info in objects:
         top, sep, _rest = info.key.partition("/")
         step = parse_step_dir(top) if sep else None
         if step is not None:
             by_step[step].append(info)
-    return [_inspect(storage, step, objects) for step, objects in sorted(by_step.items())]
+    fences = read_fences(storage, [o for o in objects if o.key.startswith(f"{INCARNATIONS_DIR}/")])
+    return [_inspect(storage, step, objects, fences) for step, objects in sorted(by_step.items())]
 
 
 def newest_complete(storage: Storage, *, below: int | None = None) -> StepInfo | None:
@@ -93,19 +106,45 @@ def newest_complete(storage: Storage, *, below: int | None = None) -> StepInfo |
     return complete[-1] if complete else None
 
 
-def inspect_step(storage: Storage, step: int) -> StepInfo | None:
+def inspect_step(storage: Storage, step: int, fences: Fences | None = None) -> StepInfo | None:
     """What one step directory holds (``None`` when it is empty or absent)."""
     objects = storage.list(f"{step_dir(step)}/")
-    return _inspect(storage, step, objects) if objects else None
+    if not objects:
+        return None
+    return _inspect(storage, step, objects, read_fences(storage) if fences is None else fences)
 
 
-def _inspect(storage: Storage, step: int, objects: list[ObjectInfo]) -> StepInfo:
+def committed(storage: Storage, step: int) -> StepInfo:
+    """The step, which must be complete (its valid manifest is ``.manifest_key``).
+
+    Raises:
+        ObjectNotFoundError: the step is not complete (absent, incomplete, corrupt or fenced).
+    """
+    info = inspect_step(storage, step)
+    if info is None or info.status != COMPLETE:
+        why = "absent" if info is None else f"{info.status}: {info.problem}"
+        raise ObjectNotFoundError(2, f"{storage.uri}/{step_dir(step)}: step {step} is not committed ({why})")
+    return info
+
+
+def _read(storage: Storage, key: str) -> Manifest | str | None:
+    """The parsed manifest, a problem description, or ``None`` when it vanished."""
+    try:
+        return Manifest.from_json(storage.get(key), where=f"{storage.uri}/{key}")
+    except ObjectNotFoundError:
+        return None
+    except ManifestError as exc:
+        return str(exc)
+
+
+def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fences) -> StepInfo:
     size_bytes = sum(o.size_bytes for o in objects)
     newest_mtime = max(o.mtime_s for o in objects)
     sizes = {o.key: o.size_bytes for o in objects}
-    mkey = manifest_key(step)
+    prefix = f"{step_dir(step)}/"
 
-    def result(status: str, problem: str | None, manifest: Manifest | None = None) -> StepInfo:
+    def result(status: str, problem: str | None, manifest: Manifest | None = None,
+               key: str | None = None) -> StepInfo:
         return StepInfo(
             step=step,
             status=status,
@@ -115,28 +154,54 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo]) -> StepInfo
             reason=manifest.reason if manifest else None,
             problem=problem,
             manifest=manifest,
+            manifest_key=key,
         )
 
-    if mkey not in sizes:
-        if f"{step_dir(step)}/{REJECTED_MANIFEST_NAME}" in sizes:
-            return result(CORRUPT, "failed verification on restore; see " + REJECTED_MANIFEST_NAME)
-        return result(INCOMPLETE, f"no {MANIFEST_NAME}: the save never committed")
-    try:
-        manifest = Manifest.from_json(storage.get(mkey), where=f"{storage.uri}/{mkey}")
-    except ObjectNotFoundError:
-        return result(INCOMPLETE, f"{MANIFEST_NAME} disappeared while listing")
-    except ManifestError as exc:
-        return result(CORRUPT, str(exc))
+    manifests: list[tuple[int | None, str]] = []  # (incarnation in the name, key)
+    for key in sizes:
+        is_manifest, incarnation = parse_manifest_name(key[len(prefix):])
+        if is_manifest:
+            manifests.append((incarnation, key))
+    # Newest incarnation first: when two manifests are valid (never written so), it wins.
+    manifests.sort(key=lambda m: -1 if m[0] is None else m[0], reverse=True)
+    fenced: list[str] = []
+    for incarnation, key in manifests:
+        newer = fences.fenced_by(incarnation, step)
+        if newer is not None:
+            fenced.append(
+                f"{key[len(prefix):]} was committed by incarnation {incarnation} after incarnation "
+                f"{newer} started from "
+                + ("scratch" if fences.resumed[newer] is None else f"step {fences.resumed[newer]}")
+            )
+            continue
+        return _check_manifest(storage, step, key, incarnation, sizes, result)
+    if fenced:
+        return result(FENCED, "; ".join(fenced) + ": never resumed from")
+    if any(k[len(prefix):].startswith(REJECTED_PREFIX) for k in sizes):
+        return result(CORRUPT, "failed verification on restore; see the rejected-manifest file")
+    return result(INCOMPLETE, "no manifest: the save never committed")
+
+
+def _check_manifest(storage: Storage, step: int, key: str, incarnation: int | None,
+                    sizes: dict[str, int], result) -> StepInfo:
+    manifest = _read(storage, key)
+    if manifest is None:
+        return result(INCOMPLETE, f"{key} disappeared while listing")
+    if isinstance(manifest, str):
+        return result(CORRUPT, manifest, None, key)
     if manifest.step != step:
-        return result(CORRUPT, f"manifest says step {manifest.step}, directory says {step}", manifest)
+        return result(CORRUPT, f"manifest says step {manifest.step}, directory says {step}", manifest, key)
+    if incarnation is not None and manifest.incarnation != incarnation:
+        return result(CORRUPT, f"manifest says incarnation {manifest.incarnation}, its name says "
+                               f"{incarnation}", manifest, key)
     for record in manifest.files:
-        key = file_key(step, record.path)
-        if key not in sizes:
-            return result(CORRUPT, f"{record.path} is missing", manifest)
-        if sizes[key] != record.size_bytes:
+        fkey = file_key(step, record.path)
+        if fkey not in sizes:
+            return result(CORRUPT, f"{record.path} is missing", manifest, key)
+        if sizes[fkey] != record.size_bytes:
             return result(
                 CORRUPT,
-                f"{record.path} has {sizes[key]} bytes, manifest recorded {record.size_bytes}",
-                manifest,
+                f"{record.path} has {sizes[fkey]} bytes, manifest recorded {record.size_bytes}",
+                manifest, key,
             )
-    return result(COMPLETE, None, manifest)
+    return result(COMPLETE, None, manifest, key)

@@ -1,8 +1,15 @@
 """Names of things inside a checkpoint root.
 
-    <root>/step-000001200/rank-00000.safetensors
-    <root>/step-000001200/rank-00001.safetensors
-    <root>/step-000001200/manifest.json        (written last; commits the step)
+    <root>/incarnations/incarnation-000000003.json     one per start of the job (fencing)
+    <root>/step-000001200/rank-00000.i000000003.safetensors
+    <root>/step-000001200/rank-00001.i000000003.safetensors
+    <root>/step-000001200/manifest.i000000003.json      (written last; commits the step)
+
+Every file a writer creates carries its incarnation, so two incarnations of a job (a new
+start and a zombie of the old one) never write to the same name: a committed step's
+bytes cannot be replaced by another writer. ``manifest.json`` and
+``rank-NNNNN.safetensors`` without an incarnation are the names of format version 1
+(read, never written).
 """
 
 from __future__ import annotations
@@ -12,9 +19,16 @@ import re
 from spotrun.manifest import MANIFEST_NAME
 
 STEP_DIR_DIGITS = 9
-#: Where a manifest goes when its step fails verification on restore.
-REJECTED_MANIFEST_NAME = "rejected-manifest.json"
+INCARNATION_DIGITS = 9
+#: Prefix under the root of the incarnation records (see :mod:`spotrun.checkpoint.fencing`).
+INCARNATIONS_DIR = "incarnations"
+#: A manifest that failed verification is renamed to this prefix + its name.
+REJECTED_PREFIX = "rejected-"
+#: Where a version-1 manifest (``manifest.json``) goes when its step fails verification.
+REJECTED_MANIFEST_NAME = REJECTED_PREFIX + MANIFEST_NAME
 _STEP_DIR_RE = re.compile(r"^step-(\d{%d,})$" % STEP_DIR_DIGITS)
+_MANIFEST_RE = re.compile(r"^manifest\.i(\d{%d,})\.json$" % INCARNATION_DIGITS)
+_INCARNATION_RE = re.compile(r"^incarnation-(\d{%d,})\.json$" % INCARNATION_DIGITS)
 
 
 def step_dir(step: int) -> str:
@@ -30,16 +44,53 @@ def parse_step_dir(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def manifest_key(step: int) -> str:
-    """Storage key of a step's manifest."""
-    return f"{step_dir(step)}/{MANIFEST_NAME}"
+def _tag(incarnation: int) -> str:
+    if incarnation < 0:
+        raise ValueError(f"incarnation must be >= 0, got {incarnation}")
+    return f"i{incarnation:0{INCARNATION_DIGITS}d}"
 
 
-def shard_name(rank: int) -> str:
-    """File name of the shard that ``rank`` writes: ``rank-00001.safetensors``."""
-    return f"rank-{rank:05d}.safetensors"
+def manifest_name(incarnation: int | None) -> str:
+    """File name of the manifest an incarnation commits: ``manifest.i000000003.json``
+    (``None``: the version-1 name ``manifest.json``)."""
+    return MANIFEST_NAME if incarnation is None else f"manifest.{_tag(incarnation)}.json"
+
+
+def parse_manifest_name(name: str) -> tuple[bool, int | None]:
+    """``(is a manifest, incarnation)``; the incarnation is ``None`` for ``manifest.json``."""
+    if name == MANIFEST_NAME:
+        return True, None
+    match = _MANIFEST_RE.match(name)
+    return (True, int(match.group(1))) if match else (False, None)
+
+
+def manifest_key(step: int, incarnation: int | None) -> str:
+    """Storage key of the manifest that ``incarnation`` commits for ``step``."""
+    return f"{step_dir(step)}/{manifest_name(incarnation)}"
+
+
+def shard_name(rank: int, incarnation: int | None) -> str:
+    """File name of the shard that ``rank`` of ``incarnation`` writes:
+    ``rank-00001.i000000003.safetensors`` (``None``: version 1's ``rank-00001.safetensors``)."""
+    if incarnation is None:
+        return f"rank-{rank:05d}.safetensors"
+    return f"rank-{rank:05d}.{_tag(incarnation)}.safetensors"
 
 
 def file_key(step: int, path: str) -> str:
     """Storage key of a file recorded in a manifest."""
     return f"{step_dir(step)}/{path}"
+
+
+def incarnation_key(incarnation: int) -> str:
+    """Storage key of an incarnation's record: ``incarnations/incarnation-000000003.json``."""
+    return f"{INCARNATIONS_DIR}/incarnation-{incarnation:0{INCARNATION_DIGITS}d}.json"
+
+
+def parse_incarnation_key(key: str) -> int | None:
+    """The incarnation of a record's key, or ``None`` when ``key`` is not one."""
+    top, sep, name = key.partition("/")
+    if top != INCARNATIONS_DIR or not sep:
+        return None
+    match = _INCARNATION_RE.match(name)
+    return int(match.group(1)) if match else None

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from spotrun.checkpoint.layout import REJECTED_MANIFEST_NAME, file_key, manifest_key, step_dir
+from spotrun.checkpoint.layout import REJECTED_PREFIX, file_key
 from spotrun.checkpoint.shard import decode_shard, dtype_name
-from spotrun.errors import CorruptShardError, StateMismatchError
+from spotrun.errors import CorruptShardError, ManifestError, StateMismatchError
 from spotrun.manifest import Manifest
 from spotrun.state import tree
 from spotrun.storage.base import Storage
@@ -42,26 +42,28 @@ class LoadedStep:
     rank_local: dict[str, Any]
 
 
-def read_manifest(storage: Storage, step: int) -> Manifest:
-    """Fetch and parse a step's manifest.
+def read_manifest(storage: Storage, key: str) -> Manifest:
+    """Fetch and parse the manifest stored under ``key``.
 
     Raises:
         ObjectNotFoundError: no manifest (the step never committed).
         ManifestError: the manifest is malformed.
     """
-    key = manifest_key(step)
     return Manifest.from_json(storage.get(key), where=f"{storage.uri}/{key}")
 
 
-def load_step(storage: Storage, step: int, rank: int, world_size: int) -> LoadedStep:
-    """Load everything ``rank`` needs from ``step``, verifying every file it reads.
+def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int) -> LoadedStep:
+    """Load everything ``rank`` needs from ``step`` (its manifest under ``key``, as the
+    catalog found it), verifying every file it reads.
 
     Raises:
         StateMismatchError: the step was saved at another world size.
         CorruptShardError: a file's size, checksum, or a tensor's dtype/shape is wrong.
         ManifestError, ObjectNotFoundError, StorageError: as the reads raise them.
     """
-    manifest = read_manifest(storage, step)
+    manifest = read_manifest(storage, key)
+    if manifest.step != step:
+        raise ManifestError(f"{storage.uri}/{key} says step {manifest.step}, not {step}")
     if manifest.world_size != world_size:
         raise StateMismatchError(
             f"checkpoint step {step} was saved by {manifest.world_size} rank(s), this job has "
@@ -74,6 +76,19 @@ def load_step(storage: Storage, step: int, rank: int, world_size: int) -> Loaded
     replicated = {name: tree.decode(skel, tensors) for name, skel in manifest.state.items()}
     rank_local = {name: tree.decode(skel, tensors) for name, skel in rank_skeleton.items()}
     return LoadedStep(manifest=manifest, replicated=replicated, rank_local=rank_local)
+
+
+def load_committed(storage: Storage, step: int, rank: int, world_size: int) -> LoadedStep:
+    """:func:`load_step` of a step that must be complete, its valid manifest found by the
+    catalog (for tools and tests; training goes through the catalog's listing once).
+
+    Raises:
+        ObjectNotFoundError: the step is not complete.
+        Everything :func:`load_step` raises.
+    """
+    from spotrun.checkpoint import catalog
+
+    return load_step(storage, step, catalog.committed(storage, step).manifest_key, rank, world_size)
 
 
 def _fetch_tensors(storage: Storage, manifest: Manifest, names: list[str]) -> dict[str, torch.Tensor]:
@@ -110,18 +125,20 @@ def _checked(content: dict[str, torch.Tensor], name: str, manifest: Manifest, ke
     return tensor
 
 
-def reject_step(storage: Storage, step: int, reason: str) -> None:
+def reject_step(storage: Storage, key: str, reason: str) -> None:
     """Un-commit a step that failed verification, keeping its manifest for inspection.
 
-    The manifest moves to ``rejected-manifest.json`` (with the reason), so the step shows
-    as ``corrupt`` in ``spotrun ls``, is never resumed from again, and a later save of the
-    same step can commit. Errors are logged, not raised: the caller is already falling back.
+    The manifest under ``key`` moves to ``rejected-<its name>`` (with the reason), so the
+    step shows as ``corrupt`` in ``spotrun ls``, is never resumed from again, and a later
+    save of the same step can commit. Errors are logged, not raised: the caller is already
+    falling back.
     """
-    key = manifest_key(step)
+    directory, _, name = key.rpartition("/")
+    rejected = f"{directory}/{REJECTED_PREFIX}{name}"
     try:
         doc = {"reason": reason, "rejected_unix_s": time.time(), "manifest": storage.get(key).decode("utf-8", "replace")}
-        storage.put(f"{step_dir(step)}/{REJECTED_MANIFEST_NAME}", json.dumps(doc).encode())
+        storage.put(rejected, json.dumps(doc).encode())
         storage.delete(key)
-        log.warning("step %d un-committed: its manifest moved to %s", step, REJECTED_MANIFEST_NAME)
+        log.warning("%s un-committed: its manifest moved to %s", directory, rejected)
     except OSError as exc:
-        log.error("could not un-commit corrupt step %d: %s", step, exc)
+        log.error("could not un-commit corrupt %s: %s", directory, exc)

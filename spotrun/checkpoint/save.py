@@ -5,7 +5,8 @@ Sequence on every rank (all ranks call :func:`save_step` for the same step)::
     encode state -> check every rank has the same replicated structure (1 gather)
     -> plan who writes which replicated tensor -> stage: copy own tensors to CPU
     -> write own shard -> gather file records and per-rank state (1 gather)
-    -> rank 0 writes manifest.json with put_if_absent -> broadcast the outcome
+    -> rank 0 checks no newer incarnation started, writes manifest.i<N>.json with
+    put_if_absent -> broadcast the outcome
 
 A failure on any rank is reported through the gathers, so every rank raises
 :class:`~spotrun.errors.CheckpointSaveError` for the same step and no rank waits at a
@@ -29,11 +30,11 @@ import torch
 
 from spotrun import __version__, dist
 from spotrun.checkpoint.layout import file_key, manifest_key, shard_name
-from spotrun.checkpoint import catalog
+from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.plan import assign_by_bytes
 from spotrun.checkpoint.restore import reject_step
 from spotrun.checkpoint.shard import encode_shard, sha256_hex, tensor_record
-from spotrun.errors import CheckpointSaveError, SpotrunError, StateMismatchError
+from spotrun.errors import CheckpointSaveError, FencedError, SpotrunError, StateMismatchError
 from spotrun.manifest import FileRecord, Manifest, SaveTiming, TensorRecord
 from spotrun.state import tree
 from spotrun.storage.base import Storage
@@ -115,12 +116,14 @@ class StagedShard:
     Attributes:
         step: training step.
         rank: writer rank.
+        incarnation: the writer's incarnation (part of every file name it writes).
         tensors: name -> contiguous CPU copy (pinned when copied from CUDA).
         owner: replicated tensor name -> rank that writes it (the whole plan).
     """
 
     step: int
     rank: int
+    incarnation: int
     tensors: dict[str, torch.Tensor]
     owner: dict[str, int]
 
@@ -134,7 +137,7 @@ def _copy_to_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().clone()
 
 
-def stage(encoded: EncodedState, step: int, rank: int, world_size: int) -> StagedShard:
+def stage(encoded: EncodedState, step: int, rank: int, world_size: int, incarnation: int) -> StagedShard:
     """Copy the tensors this rank writes to CPU; returns once the copies are complete."""
     sizes = {n: t.numel() * t.element_size() for n, t in encoded.tensors.items()}
     owner = assign_by_bytes(sizes, world_size)
@@ -142,12 +145,12 @@ def stage(encoded: EncodedState, step: int, rank: int, world_size: int) -> Stage
     mine.update({n: _copy_to_cpu(t) for n, t in encoded.rank_tensors.items()})
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    return StagedShard(step=step, rank=rank, tensors=mine, owner=owner)
+    return StagedShard(step=step, rank=rank, incarnation=incarnation, tensors=mine, owner=owner)
 
 
 def write_shard(storage: Storage, staged: StagedShard) -> FileRecord:
     """Serialise and store this rank's shard; returns its manifest record."""
-    path = shard_name(staged.rank)
+    path = shard_name(staged.rank, staged.incarnation)
     data = encode_shard(
         staged.tensors,
         {"format": "spotrun-checkpoint", "step": staged.step, "rank": staged.rank},
@@ -176,7 +179,8 @@ class SaveContext:
     Attributes:
         reason: why the step is saved (``periodic``, ``emergency``, ...).
         run_id: the job's identifier.
-        incarnation: the job's start count.
+        incarnation: the incarnation this process claimed (:mod:`spotrun.checkpoint.fencing`);
+            it names every file written and the manifest.
         step_time_s: seconds a training step takes (recorded in the manifest's ``timing``);
             ``None`` when unknown.
     """
@@ -203,6 +207,7 @@ def save_step(
     Raises:
         StateSerializationError: a state value cannot be stored (before anything is written).
         StateMismatchError: ranks disagree on the replicated state's structure.
+        FencedError: a newer incarnation of the job started on this root; nothing committed.
         CheckpointSaveError: writing or committing failed on some rank; nothing committed.
     """
     rank, world_size = dist.rank(), dist.world_size()
@@ -212,16 +217,21 @@ def save_step(
         first: dict[str, Any] = {"digest": _structure_digest(encoded)}
         if rank == 0:
             try:
-                first["committed"] = _clear_the_way(storage, step)
+                first["committed"] = _clear_the_way(storage, step, context.incarnation)
+            except FencedError:
+                raise
             except (SpotrunError, OSError) as exc:
                 raise CheckpointSaveError(
                     f"save of step {step} failed on rank 0: {_describe(exc)} - nothing was committed"
                 ) from exc
     except SpotrunError as exc:  # reported to the other ranks so none waits alone
-        local_error, first = exc, {"error": f"{type(exc).__name__}: {exc}"}
+        local_error, first = exc, {"error": f"{type(exc).__name__}: {exc}",
+                                   "fenced": isinstance(exc, FencedError)}
     firsts = dist.all_gather_json(first)
     if local_error is not None:
         raise local_error
+    if firsts[0].get("fenced"):
+        raise FencedError(f"save of step {step} refused on rank 0: {firsts[0]['error']}")
     if firsts[0].get("committed"):
         raise CheckpointSaveError(
             f"step {step} is already committed under {storage.uri} ({firsts[0]['committed']}); "
@@ -243,7 +253,7 @@ def save_step(
     write_error: Exception | None = None
     try:
         write_started_s = time.monotonic()
-        staged = stage(encoded, step, rank, world_size)
+        staged = stage(encoded, step, rank, world_size, context.incarnation)
         record = write_shard(storage, staged)
         report.update(
             write_s=time.monotonic() - write_started_s,
@@ -267,32 +277,37 @@ def save_step(
     if rank == 0:
         try:
             manifest = _build_manifest(step, encoded, staged.owner, reports, context, world_size)
-            storage.put_if_absent(manifest_key(step), manifest.to_json())
+            fencing.check_not_fenced(storage, context.incarnation)
+            storage.put_if_absent(manifest_key(step, context.incarnation), manifest.to_json())
         except Exception as exc:  # reported through the broadcast, so no rank waits for it
-            outcome = {"ok": False, "error": _describe(exc)}
+            outcome = {"ok": False, "error": _describe(exc), "fenced": isinstance(exc, FencedError)}
     outcome = dist.broadcast_json(outcome)
     if not outcome["ok"]:
-        raise CheckpointSaveError(f"commit of step {step} failed on rank 0: {outcome['error']}")
+        error = FencedError if outcome.get("fenced") else CheckpointSaveError
+        raise error(f"commit of step {step} failed on rank 0: {outcome['error']}")
     return SavedStep(manifest=manifest, size_bytes=sum(rep["file"]["size_bytes"] for rep in reports))
 
 
-def _clear_the_way(storage: Storage, step: int) -> str | None:
+def _clear_the_way(storage: Storage, step: int, incarnation: int) -> str | None:
     """Rank 0, before anything is written: never write into a committed step.
 
-    A complete step is left alone (returns a description: the save is refused). A step
-    whose manifest is broken or whose files are missing or of the wrong size is
-    un-committed first (its manifest moved aside), so that it can be saved again - this is
-    how a job that fell back past a corrupt step gets through that step again.
+    Refuses (:class:`FencedError`) when a newer incarnation has started. A step that is
+    complete (its valid manifest and files present) is left alone (returns a description:
+    the save is refused). A step whose valid manifest is broken or whose files are missing
+    or of the wrong size is un-committed first (its manifest moved aside), so that it can
+    be saved again - this is how a job that fell back past a corrupt step gets through
+    that step again. Manifests of older incarnations that are fenced are ignored: this
+    incarnation commits under its own names and overwrites nothing.
     """
-    if not storage.exists(manifest_key(step)):
-        return None
-    info = catalog.inspect_step(storage, step)
-    if info is None:
+    fences = fencing.read_fences(storage)
+    fencing.check_not_fenced(storage, incarnation, fences)
+    info = catalog.inspect_step(storage, step, fences)
+    if info is None or info.manifest_key is None:
         return None
     if info.status == catalog.COMPLETE:
         manifest = info.manifest
         return f"run {manifest.run_id}, incarnation {manifest.incarnation}, {manifest.reason}"
-    reject_step(storage, step, f"re-saving over a {info.status} step: {info.problem}")
+    reject_step(storage, info.manifest_key, f"re-saving over a {info.status} step: {info.problem}")
     return None
 
 
@@ -311,7 +326,7 @@ def _build_manifest(
     world_size: int,
 ) -> Manifest:
     tensors: dict[str, TensorRecord] = {
-        n: tensor_record(t, shard_name(owner[n])) for n, t in encoded.tensors.items()
+        n: tensor_record(t, shard_name(owner[n], context.incarnation)) for n, t in encoded.tensors.items()
     }
     for rep in reports:
         tensors.update({n: TensorRecord(**r) for n, r in rep["rank_tensors"].items()})

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from spotrun.checkpoint.layout import manifest_key, step_dir
-from spotrun.checkpoint.restore import load_step, read_manifest
-from spotrun.errors import ConfigError, ObjectNotFoundError
+from spotrun.checkpoint import catalog
+from spotrun.checkpoint.layout import file_key
+from spotrun.checkpoint.restore import load_step
+from spotrun.errors import ConfigError
 from spotrun.storage import LocalStorage, Storage, open_storage
 from spotrun.supervisor.config import storage_options
 
@@ -101,14 +102,16 @@ def compare_steps(resumed: Storage, reference: Storage, step: int) -> list[Diffe
         ManifestError, CorruptShardError: a manifest or shard is malformed or fails its checksum.
         StorageError: a read failed.
     """
-    world_size = read_manifest(resumed, step).world_size
-    reference_world_size = read_manifest(reference, step).world_size
+    resumed_info = catalog.committed(resumed, step)
+    reference_info = catalog.committed(reference, step)
+    world_size = resumed_info.manifest.world_size
+    reference_world_size = reference_info.manifest.world_size
     if reference_world_size != world_size:
         return [Difference("world_size", f"{world_size} vs {reference_world_size} rank(s)")]
     differences: list[Difference] = []
     for rank in range(world_size):
-        got = load_step(resumed, step, rank, world_size)
-        expected = load_step(reference, step, rank, world_size)
+        got = load_step(resumed, step, resumed_info.manifest_key, rank, world_size)
+        expected = load_step(reference, step, reference_info.manifest_key, rank, world_size)
         if rank == 0:
             differences += compare_states(got.replicated, expected.replicated)
         differences += compare_states(got.rank_local, expected.rank_local, f"rank {rank}")
@@ -177,7 +180,7 @@ def open_scratch_root(storage: Storage, override_uri: str | None, *, s3_endpoint
 
 
 def copy_step(source: Storage, target: Storage, step: int) -> int:
-    """Copy every object of ``step`` from ``source`` to ``target``, the manifest last (so the
+    """Copy the files and the valid manifest of ``step`` from ``source`` to ``target``, the manifest last (so the
     step commits in ``target`` only once its shards are there); returns the number of objects.
 
     Each object is read whole into memory (one shard at a time).
@@ -187,15 +190,12 @@ def copy_step(source: Storage, target: Storage, step: int) -> int:
         ObjectExistsError: ``target`` already has a manifest for ``step``.
         StorageError: a read or write failed.
     """
-    mkey = manifest_key(step)
-    objects = [o.key for o in source.list(f"{step_dir(step)}/")]
-    if mkey not in objects:
-        raise ObjectNotFoundError(2, f"{source.uri}/{mkey}: no such object; step {step} is not committed")
-    for key in objects:
-        if key != mkey:
-            target.put(key, source.get(key))
-    target.put_if_absent(mkey, source.get(mkey))
-    return len(objects)
+    info = catalog.committed(source, step)
+    keys = [file_key(step, record.path) for record in info.manifest.files]
+    for key in keys:
+        target.put(key, source.get(key))
+    target.put_if_absent(info.manifest_key, source.get(info.manifest_key))
+    return len(keys) + 1
 
 
 # --- comparison ------------------------------------------------------------------------

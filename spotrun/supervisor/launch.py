@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 
 from spotrun import env as spotrun_env
-from spotrun.checkpoint import catalog
+from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.catalog import StepInfo
 from spotrun.storage import LocalStorage, Storage
 
@@ -102,9 +102,11 @@ def plan_launch(
     manifest = resume.manifest if resume else None
     run_id = (manifest.run_id if manifest else "") or (previous.run_id if previous else "")
     run_id = run_id or uuid.uuid4().hex
-    incarnation = max(
+    newest = fencing.read_fences(storage).newest
+    incarnation = max(  # the workers claim this number, or the next free one
         manifest.incarnation + 1 if manifest else 0,
         previous.incarnation + 1 if previous else 0,
+        newest + 1 if newest is not None else 0,
     )
 
     env = dict(os.environ if base_env is None else base_env)

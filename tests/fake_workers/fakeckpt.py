@@ -36,9 +36,9 @@ def write_step(
     records = []
     for rank in range(world_size):
         data = bytes([rank % 256]) * (shard_bytes + rank)
-        storage.put(file_key(step, shard_name(rank)), data)
+        storage.put(file_key(step, shard_name(rank, incarnation)), data)
         recorded = len(data) + (1 if corrupt and rank == 0 else 0)
-        records.append(FileRecord(path=shard_name(rank), rank=rank, size_bytes=recorded, sha256="0" * 64))
+        records.append(FileRecord(path=shard_name(rank, incarnation), rank=rank, size_bytes=recorded, sha256="0" * 64))
     if not commit:
         return
     manifest = Manifest(
@@ -47,4 +47,4 @@ def write_step(
         created_unix_s=time.time() if created_unix_s is None else created_unix_s,
         run_id=run_id, incarnation=incarnation,
     )
-    storage.put_if_absent(manifest_key(step), manifest.to_json())
+    storage.put_if_absent(manifest_key(step, incarnation), manifest.to_json())

@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from spotrun.checkpoint.restore import load_step
+from spotrun.checkpoint.restore import load_committed
 from spotrun.checkpoint.save import SaveContext, save_step
 from spotrun.errors import CheckpointSaveError, StorageError
 from spotrun.storage import LocalStorage
@@ -34,7 +34,7 @@ if mode == "save":
     save_step(storage, 3, replicated, {}, context)
     report({"rank": rank, "saved": 3})
 elif mode == "load":
-    loaded = load_step(storage, 3, rank, dist.get_world_size())
+    loaded = load_committed(storage, 3, rank, dist.get_world_size())
     report({"rank": rank, "w": loaded.replicated["w"]["only"].tolist(),
                       "meta": loaded.replicated["meta"]})
 elif mode == "fail-rank1":

@@ -1,0 +1,33 @@
+"""Where a committed step's files are (their names carry the writer's incarnation)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spotrun.checkpoint import catalog
+from spotrun.checkpoint.layout import file_key
+from spotrun.storage import LocalStorage, Storage
+
+
+def shard_key(storage: Storage, step: int, rank: int = 0) -> str:
+    """Storage key of the (first) shard file that ``rank`` wrote for a complete step."""
+    info = catalog.committed(storage, step)
+    return file_key(step, next(f.path for f in info.manifest.files if f.rank == rank))
+
+
+def manifest_path(root: Path | str, step: int) -> Path:
+    """The valid manifest of a complete step under a local root."""
+    return Path(root) / catalog.committed(LocalStorage(str(root)), step).manifest_key
+
+
+def shard_path(root: Path | str, step: int, rank: int = 0) -> Path:
+    """The (first) shard file that ``rank`` wrote for a complete step under a local root."""
+    return Path(root) / shard_key(LocalStorage(str(root)), step, rank)
+
+
+def has_manifest(storage: Storage, step: int) -> bool:
+    """Whether any manifest (valid or not, of any incarnation) exists for ``step``."""
+    from spotrun.checkpoint.layout import parse_manifest_name, step_dir
+
+    prefix = f"{step_dir(step)}/"
+    return any(parse_manifest_name(o.key[len(prefix):])[0] for o in storage.list(prefix))
