@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from spotrun.notices import DMI_ROOT_ENV, cloud_from_dmi, read_dmi
+from spotrun.notices import DMI_ROOT_ENV, NoticeOptions, cloud_from_dmi, plan_detection, read_dmi
 from spotrun.notices import aws, azure, gcp
 from tests.fake_metadata import FakeAws, FakeAzure, FakeGcp
 from tests.s3_server import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
@@ -128,6 +128,29 @@ def test_8_missing_or_unreadable_dmi_is_hidden(tmp_path):
         (unreadable / name).mkdir(parents=True)  # exists, but reading it fails (EISDIR)
     facts = read_dmi(str(unreadable))
     assert not facts.available and cloud_from_dmi(facts) is None
+
+
+@pytest.mark.parametrize("fields, options, environ, expected", [
+    pytest.param(LAPTOP, {}, {}, {}, id="laptop-nothing-set"),
+    pytest.param(None, {}, {}, {}, id="dmi-hidden-nothing-set"),
+    pytest.param(None, {}, {"AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:9"},
+                 {"aws": "http://127.0.0.1:9"}, id="dmi-hidden-aws-variable"),
+    pytest.param(LAPTOP, {}, {"GCE_METADATA_HOST": "127.0.0.1:9"}, {"gcp": "http://127.0.0.1:9"},
+                 id="laptop-gcp-variable"),
+    pytest.param(LAPTOP, {"azure_endpoint": "http://127.0.0.1:9"}, {}, {"azure": "http://127.0.0.1:9"},
+                 id="laptop-azure-option"),
+    pytest.param(LAPTOP, {"aws_endpoint": "http://127.0.0.1:8"}, {"AWS_EC2_METADATA_SERVICE_ENDPOINT": ""},
+                 {"aws": "http://127.0.0.1:8"}, id="laptop-aws-option-empty-variable"),
+    pytest.param(AZURE, {"gcp_host": "127.0.0.1:9"}, {}, {"gcp": "http://127.0.0.1:9", "azure": DEFAULT_URLS["azure"]},
+                 id="azure-and-gcp-option"),
+    pytest.param(GCP, {}, {}, {"gcp": DEFAULT_URLS["gcp"]}, id="gcp"),
+])
+def test_8_candidates_are_the_dmi_cloud_and_the_named_endpoints(tmp_path, fields, options, environ, expected):
+    root = write_dmi(tmp_path / "dmi", fields) if fields is not None else tmp_path / "absent"
+    plan = plan_detection(NoticeOptions(dmi_root=str(root), **options), environ=environ)
+    assert {cloud: url for cloud, (url, _why) in plan.probes.items()} == expected
+    if not expected:
+        assert "no metadata server probed" in plan.summary() and "--notice aws" in plan.summary()
 
 
 # --- detection from DMI: no network traffic -------------------------------------------------------
