@@ -146,7 +146,8 @@ def _add_notice_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--notice", default="auto", metavar="auto|none|LIST",
         help="preemption notice sources besides SIGTERM/SIGINT/SIGHUP (always on): auto "
-        "(detect AWS, GCP or Azure, default), none, or a comma-separated list of aws, gcp, "
+        "(default: probe only a cloud that the DMI facts under /sys/class/dmi/id name or whose "
+        "endpoint is set; nothing off a cloud), none, or a comma-separated list of aws, gcp, "
         "azure, file, signal (signals are on anyway)",
     )
     parser.add_argument("--notice-file", default=None, metavar="PATH",

@@ -3,7 +3,7 @@
 Typical use in the supervisor::
 
     choice = parse_notice_option(args.notice)               # ConfigError on a bad value
-    sources = build_sources(choice, NoticeOptions(...))     # may probe clouds (<= ~2 s)
+    sources = build_sources(choice, NoticeOptions(...))     # auto: may probe DMI-named clouds (<= ~2 s)
     with NoticePollers(sources, inbox.post):                # one daemon thread per source
         ...                                                 # notices arrive in the inbox
 
@@ -22,16 +22,22 @@ from spotrun.notices.base import (
 )
 from spotrun.notices.detect import (
     SOURCE_NAMES,
+    DetectionPlan,
     NoticeChoice,
     NoticeOptions,
     build_sources,
     detect_cloud,
     parse_notice_option,
+    plan_detection,
 )
+from spotrun.notices.dmi import DMI_ROOT_ENV, DmiFacts, cloud_from_dmi, read_dmi
 
 __all__ = [
+    "DMI_ROOT_ENV",
     "REBALANCE",
     "SOURCE_NAMES",
+    "DetectionPlan",
+    "DmiFacts",
     "Finding",
     "NoticeChoice",
     "NoticeOptions",
@@ -40,7 +46,10 @@ __all__ = [
     "NoticeSource",
     "PollProblem",
     "build_sources",
+    "cloud_from_dmi",
     "detect_cloud",
     "is_stop",
     "parse_notice_option",
+    "plan_detection",
+    "read_dmi",
 ]

@@ -1,10 +1,21 @@
 """``--notice auto|none|LIST``: which notice sources to run, and cloud detection for ``auto``.
 
 ``LIST`` is a comma-separated subset of ``aws``, ``gcp``, ``azure``, ``signal``, ``file``.
-``auto`` means signals, the cloud whose metadata server answers a short probe (AWS, GCP
-and Azure are probed in parallel; off-cloud, detection gives up after ``detect_timeout_s``,
-2 s by default, so start-up is never delayed longer), and the file source if a notice file
-is configured. ``none`` means no source at all (not even signals).
+``auto`` means signals, the file source if a notice file is configured, and the cloud found
+in two steps:
+
+1. Local facts only (:func:`plan_detection`, no network): the DMI strings under
+   ``/sys/class/dmi/id`` (:mod:`spotrun.notices.dmi`) may name AWS, GCP or Azure, and the
+   user may have named a metadata endpoint (``AWS_EC2_METADATA_SERVICE_ENDPOINT``,
+   ``GCE_METADATA_HOST``, ``--aws-metadata-endpoint``, ``--gcp-metadata-host``,
+   ``--azure-metadata-endpoint``). Only those clouds are candidates. Off a cloud, and where
+   DMI is hidden (some containers) with no endpoint set, there is no candidate and
+   nothing at all is sent: no DNS query, no connection.
+2. The candidates' metadata servers get a short probe (in parallel; detection gives up after
+   ``detect_timeout_s``, 2 s by default); the first that answers like its cloud is used.
+
+``none`` means no source at all (not even signals). Naming a cloud (``--notice aws``)
+polls its metadata server without any detection.
 
 Signals are not a :class:`~spotrun.notices.base.NoticeSource`: the supervisor routes them
 itself (:func:`spotrun.supervisor.notices.signal_notices`); :attr:`NoticeChoice.signals`
@@ -24,6 +35,7 @@ from dataclasses import dataclass
 from spotrun.errors import ConfigError
 from spotrun.notices import aws, azure, gcp
 from spotrun.notices.base import NoticeSource
+from spotrun.notices.dmi import DmiFacts, cloud_from_dmi, dmi_root, read_dmi
 from spotrun.notices.files import FileSource
 
 log = logging.getLogger(__name__)
@@ -92,6 +104,8 @@ class NoticeOptions:
         gcp_wait_timeout_s: ``timeout_sec`` of GCP long polls, whole seconds.
         azure_first_call_timeout_s: bound on the first Scheduled Events request, seconds.
         detect_timeout_s: the longest ``auto`` waits for the cloud probes, in seconds.
+        dmi_root: directory of the DMI files ``auto`` reads; ``None``: ``$SPOTRUN_DMI_ROOT``
+            or ``/sys/class/dmi/id`` (see :mod:`spotrun.notices.dmi`).
 
     Raises:
         ConfigError: a negative or zero duration.
@@ -109,6 +123,7 @@ class NoticeOptions:
     gcp_wait_timeout_s: int = gcp.DEFAULT_WAIT_TIMEOUT_S
     azure_first_call_timeout_s: float = azure.DEFAULT_FIRST_CALL_TIMEOUT_S
     detect_timeout_s: float = 2.0
+    dmi_root: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("gcp_window_s", "poll_period_s", "retry_after_error_s", "http_timeout_s",
@@ -129,32 +144,112 @@ class NoticeOptions:
         """The Azure endpoint in use."""
         return self.azure_endpoint or azure.DEFAULT_ENDPOINT
 
+    def dmi_path(self, environ: Mapping[str, str] | None = None) -> str:
+        """The DMI directory ``auto`` reads."""
+        return self.dmi_root or dmi_root(environ)
 
-def detect_cloud(options: NoticeOptions, *, environ: Mapping[str, str] | None = None) -> str | None:
-    """Probe AWS, GCP and Azure in parallel; the first that answers like its cloud, or ``None``.
+    def named_endpoints(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Clouds whose metadata endpoint the user set -> which setting named it."""
+        env = os.environ if environ is None else environ
+        named = {}
+        if self.aws_endpoint:
+            named["aws"] = "--aws-metadata-endpoint is set"
+        elif env.get(aws.ENDPOINT_ENV):
+            named["aws"] = f"{aws.ENDPOINT_ENV} is set"
+        if self.gcp_host:
+            named["gcp"] = "--gcp-metadata-host is set"
+        elif env.get(gcp.HOST_ENV):
+            named["gcp"] = f"{gcp.HOST_ENV} is set"
+        if self.azure_endpoint:
+            named["azure"] = "--azure-metadata-endpoint is set"
+        return named
 
-    Returns within about ``options.detect_timeout_s`` seconds whatever the network does
-    (probes still blocked, e.g. in a DNS lookup, are left to end in daemon threads).
+    def url_of(self, cloud: str, environ: Mapping[str, str] | None = None) -> str:
+        """The metadata base URL of ``cloud`` (``aws``, ``gcp`` or ``azure``)."""
+        if cloud == "aws":
+            return self.aws_url(environ)
+        if cloud == "gcp":
+            return self.gcp_url(environ)
+        return self.azure_url()
+
+
+#: How a user opts in where ``auto`` finds no cloud (logged with that finding).
+OPT_IN_HINT = (f"name the source (--notice aws, gcp or azure) or set its endpoint ({aws.ENDPOINT_ENV}, "
+               f"{gcp.HOST_ENV}, --aws-metadata-endpoint, --gcp-metadata-host, --azure-metadata-endpoint)")
+
+
+@dataclass(frozen=True)
+class DetectionPlan:
+    """What ``auto`` probes, decided from local facts only (:func:`plan_detection`).
+
+    Attributes:
+        dmi: the DMI facts read.
+        dmi_cloud: the cloud they name, or ``None``.
+        probes: cloud -> (metadata base URL, why it is a candidate), in probing order;
+            empty means nothing is sent anywhere.
     """
+
+    dmi: DmiFacts
+    dmi_cloud: str | None
+    probes: Mapping[str, tuple[str, str]]
+
+    def summary(self) -> str:
+        """One log line: what was found and what will be probed."""
+        if self.probes:
+            listed = ", ".join(f"{cloud} at {url} ({why})" for cloud, (url, why) in self.probes.items())
+            return f"--notice auto: probing {listed}"
+        if not self.dmi.available:
+            found = f"no DMI facts readable under {self.dmi.root} (hidden, as in some containers)"
+        else:
+            found = f"DMI ({self.dmi.describe()}) names no cloud"
+        return (f"--notice auto: {found}: no metadata server probed, no cloud notices (signals still are); "
+                f"to poll one, {OPT_IN_HINT}")
+
+
+def plan_detection(options: NoticeOptions, *, environ: Mapping[str, str] | None = None) -> DetectionPlan:
+    """The clouds ``auto`` may probe: the one DMI names, and those whose endpoint is set.
+
+    Reads only local files (the DMI directory); sends nothing anywhere.
+    """
+    env = os.environ if environ is None else environ
+    facts = read_dmi(options.dmi_path(env))
+    dmi_cloud = cloud_from_dmi(facts)
+    reasons = options.named_endpoints(env)
+    if dmi_cloud is not None:
+        reasons.setdefault(dmi_cloud, f"DMI names it: {facts.describe()}")
+    probes = {cloud: (options.url_of(cloud, env), reasons[cloud]) for cloud in CLOUDS if cloud in reasons}
+    return DetectionPlan(dmi=facts, dmi_cloud=dmi_cloud, probes=probes)
+
+
+def detect_cloud(options: NoticeOptions, *, environ: Mapping[str, str] | None = None,
+                 plan: DetectionPlan | None = None) -> str | None:
+    """The cloud ``auto`` uses: of the candidates of ``plan`` (default :func:`plan_detection`),
+    the first whose metadata server answers like its cloud, or ``None``.
+
+    With no candidate, returns at once and sends nothing. Otherwise it probes only the
+    candidates, in parallel, and returns within about ``options.detect_timeout_s`` seconds
+    whatever the network does (probes still blocked, e.g. in a DNS lookup, are left to end
+    in daemon threads).
+    """
+    plan = plan_detection(options, environ=environ) if plan is None else plan
+    log.info("%s", plan.summary())
+    if not plan.probes:
+        return None
     timeout_s = options.detect_timeout_s
-    probes = {
-        "aws": (aws.probe, options.aws_url(environ)),
-        "gcp": (gcp.probe, options.gcp_url(environ)),
-        "azure": (azure.probe, options.azure_url()),
-    }
+    probe_of = {"aws": aws.probe, "gcp": gcp.probe, "azure": azure.probe}
     answers: queue.SimpleQueue = queue.SimpleQueue()
 
-    def run(cloud: str, probe, url: str) -> None:
+    def run(cloud: str, url: str) -> None:
         try:
-            answers.put((cloud, probe(url, timeout_s)))
+            answers.put((cloud, probe_of[cloud](url, timeout_s)))
         except Exception:  # a probe must never break start-up
             log.debug("probing %s failed", cloud, exc_info=True)
             answers.put((cloud, False))
 
-    for cloud, (probe, url) in probes.items():
-        threading.Thread(target=run, args=(cloud, probe, url), name=f"spotrun-probe-{cloud}", daemon=True).start()
+    for cloud, (url, _why) in plan.probes.items():
+        threading.Thread(target=run, args=(cloud, url), name=f"spotrun-probe-{cloud}", daemon=True).start()
     end = time.monotonic() + timeout_s
-    for _ in probes:
+    for _ in plan.probes:
         try:
             cloud, found = answers.get(timeout=max(0.0, end - time.monotonic()))
         except queue.Empty:
@@ -162,17 +257,22 @@ def detect_cloud(options: NoticeOptions, *, environ: Mapping[str, str] | None = 
         if found:
             log.info("detected %s: its metadata server answered", cloud)
             return cloud
-    log.info("no cloud metadata server answered within %.1f s (on AWS in a container, the IMDS hop "
-             "limit must be at least 2)", timeout_s)
+    if plan.dmi_cloud is not None:
+        log.warning("DMI says this is %s but its metadata server at %s did not answer within %.1f s (IMDS "
+                    "disabled, or on AWS in a container an IMDS hop limit below 2?): no %s notices",
+                    plan.dmi_cloud, plan.probes[plan.dmi_cloud][0], timeout_s, plan.dmi_cloud)
+    else:
+        log.info("no metadata server answered within %.1f s", timeout_s)
     return None
 
 
 def build_sources(choice: NoticeChoice, options: NoticeOptions, *,
-                  environ: Mapping[str, str] | None = None) -> list[NoticeSource]:
+                  environ: Mapping[str, str] | None = None, plan: DetectionPlan | None = None) -> list[NoticeSource]:
     """The polling sources for ``choice`` (signals excluded: see :attr:`NoticeChoice.signals`).
 
-    With ``choice.auto`` this runs :func:`detect_cloud` first (at most about
-    ``options.detect_timeout_s`` seconds).
+    With ``choice.auto`` this runs :func:`detect_cloud` first (given ``plan``, or a new
+    :func:`plan_detection`): immediate and silent on the network when there is no
+    candidate, else at most about ``options.detect_timeout_s`` seconds of probing.
 
     Raises:
         ConfigError: ``file`` chosen without ``options.notice_file``, or a bad URL.
@@ -180,7 +280,7 @@ def build_sources(choice: NoticeChoice, options: NoticeOptions, *,
     env = os.environ if environ is None else environ
     names = set(choice.names)
     if choice.auto:
-        cloud = detect_cloud(options, environ=env)
+        cloud = detect_cloud(options, environ=env, plan=plan)
         if cloud is not None:
             names.add(cloud)
         if options.notice_file:

@@ -5,8 +5,10 @@ off all send SIGTERM, so turning them off could only lose a save. ``--notice`` p
 *polling* sources on top of them: ``auto`` (default: detect the cloud), ``none``, or a
 list such as ``aws,file``.
 
-``auto`` probes the metadata servers for up to about two seconds; that happens in a
-background thread, so it never delays the launch of the training command.
+``auto`` first decides from local facts (DMI strings, endpoint settings) which clouds are
+candidates, here, before the launch, sending nothing; off a cloud there is none and no
+metadata server is ever contacted. Candidates' metadata servers are probed for up to about
+two seconds in a background thread, so that never delays the launch of the training command.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from spotrun.notices import NoticeOptions, NoticePollers, build_sources, parse_notice_option
+from spotrun.notices import NoticeOptions, NoticePollers, build_sources, parse_notice_option, plan_detection
 from spotrun.supervisor.notices import Notice
 
 log = logging.getLogger(__name__)
@@ -42,10 +44,12 @@ class CloudNotices:
         self._lock = threading.Lock()
         self._stopped = False
         self._pollers: NoticePollers | None = None
-        self._sources = None if self._choice.auto else build_sources(self._choice, options)
+        self._plan = plan_detection(options) if self._choice.auto else None
+        needs_probes = self._plan is not None and bool(self._plan.probes)
+        self._sources = None if needs_probes else build_sources(self._choice, options, plan=self._plan)
 
     def start(self) -> None:
-        """Start polling (after detection, in the background, for ``auto``)."""
+        """Start polling (for ``auto`` with candidates: after their probes, in the background)."""
         if self._sources is not None:
             self._start_pollers(self._sources)
         else:
@@ -53,12 +57,12 @@ class CloudNotices:
 
     def _detect_then_start(self) -> None:
         try:
-            sources = build_sources(self._choice, self._options)
+            sources = build_sources(self._choice, self._options, plan=self._plan)
         except Exception as exc:  # a probe must never take the supervisor down
             log.warning("cloud detection failed (%s): only signals are notices", exc)
             return
         if not sources:
-            log.info("no cloud metadata service found: signals are the only notices")
+            log.info("no cloud metadata server answered: signals are the only notices")
         self._start_pollers(sources)
 
     def _start_pollers(self, sources) -> None:
