@@ -11,7 +11,11 @@ use: a hard link; where the filesystem has none (``link`` fails with ``ENOSYS``,
 filesystems), ``renameat2(RENAME_NOREPLACE)``, which is just as atomic and never
 replaces either (:mod:`spotrun.storage.noreplace`). Where neither works the store cannot
 commit without risking an overwrite, and ``put_if_absent`` raises
-:class:`~spotrun.errors.CommitUnsupportedError` (the preflight finds this before launch).
+:class:`~spotrun.errors.CommitUnsupportedError` (the preflight finds this before launch);
+it never falls back to a rename that could replace. The kernel checks
+``RENAME_NOREPLACE`` against the names it can see before the filesystem acts, so on one
+machine it is as safe as the link; writers on several machines sharing one filesystem
+depend on that filesystem enforcing the flag itself.
 """
 
 from __future__ import annotations
