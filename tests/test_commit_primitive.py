@@ -41,6 +41,7 @@ from spotrun.supervisor.preflight import PROBE_PREFIX, check_storage
 from tests.fault_proxy import IGNORE_CONDITION, NOT_IMPLEMENTED, FaultProxy, FaultRule, conditional_put
 from tests.rgw_server import rgw_bucket, rgw_endpoint  # noqa: F401  (fixtures)
 from tests.s3_server import make_client, moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
+from tests.trainrun import ls_json
 
 MIB = 1024 * 1024
 #: Above the backend's default multipart threshold, where ``put`` uses multipart uploads.
@@ -190,6 +191,16 @@ def test_3_s3_store_answering_501_at_commit_is_a_clear_error_sent_once(s3_bucket
         storage.put_if_absent("step-000000010/manifest.json", b"{}")
     assert len(proxy.seen(conditional_put)) == 1, "a 501 must not be retried"
     assert storage.exists("step-000000010/manifest.json") is False
+
+
+def test_3_s3_store_answering_501_at_commit_fails_the_save_naming_the_feature(s3_bucket, proxy):
+    proxy.set_rule(FaultRule(fraction=1.0, kinds=(NOT_IMPLEMENTED,), match=conditional_put))
+    storage = open_storage(f"{s3_bucket.uri}/job", endpoint_url=proxy.url)
+    ckpt = spotrun.Checkpointer(state={"weights": {"w": torch.ones(4)}}, storage=storage, handle_signals=False)
+    with pytest.raises(spotrun.CheckpointSaveError, match="does not support conditional writes"):
+        ckpt.save(10)
+    assert len(proxy.seen(conditional_put)) == 1
+    assert [row["status"] for row in ls_json(f"{s3_bucket.uri}/job")] == ["incomplete"]
 
 
 # --- 3: an S3 store that ignores the condition ------------------------------------------
