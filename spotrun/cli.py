@@ -251,7 +251,8 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
     from spotrun.supervisor.preflight import check_storage
 
     result = check_storage(args.uri, s3_endpoint_url=args.s3_endpoint_url)
-    print(f"ok: {result.uri} can be written, read, listed and deleted ({result.elapsed_s:.2f} s)")
+    print(f"ok: {result.uri} can be written, read, listed and deleted, and commits without "
+          f"overwriting ({result.commit_primitive}) ({result.elapsed_s:.2f} s)")
     return 0
 
 

@@ -36,6 +36,17 @@ class StoragePermissionError(StorageError, PermissionError):
     """The credentials in use may not perform this operation."""
 
 
+class CommitUnsupportedError(StorageError):
+    """The store lacks the no-overwrite write that commits a step, or ignores it.
+
+    Locally: neither a hard link nor ``renameat2(RENAME_NOREPLACE)`` works on the
+    filesystem of the root. On S3: the store answers ``501 NotImplemented`` to a
+    ``PutObject`` with ``If-None-Match: *``, or (found by the preflight) lets a second
+    such write replace the first. The message names the missing feature and what to do.
+    Never retried: the next attempt would fail the same way.
+    """
+
+
 # --- checkpoints -------------------------------------------------------------
 
 

@@ -17,6 +17,10 @@ or -- when the rule picks it -- injects a fault instead of forwarding:
 * ``DROP``: closes the connection without answering;
 * ``LOST_RESPONSE``: forwards the request, then closes the connection instead of relaying
   the answer: the server did the work, the client cannot know (not in :data:`ALL_KINDS`).
+* ``NOT_IMPLEMENTED``: ``501`` with ``NotImplemented``, as a store that lacks a feature the
+  request uses answers (not in :data:`ALL_KINDS`);
+* ``IGNORE_CONDITION``: forwards the request without its ``If-None-Match``/``If-Match``
+  headers, as a store that silently ignores conditional writes (not in :data:`ALL_KINDS`).
 
 A ``fraction`` is kept exactly, spread evenly with a seeded phase: of the matching
 requests, in the order they arrive, request ``n`` fails when ``floor((n + phase) *
@@ -46,14 +50,20 @@ SLOW_DOWN = "slowdown"
 INTERNAL = "internal"
 DROP = "drop"
 LOST_RESPONSE = "lost-response"
+NOT_IMPLEMENTED = "not-implemented"
+IGNORE_CONDITION = "ignore-condition"
 #: The kinds a rule mixes by default: failures that happen before the server acts.
 ALL_KINDS = (SLOW_DOWN, INTERNAL, DROP)
-_KNOWN_KINDS = (*ALL_KINDS, LOST_RESPONSE)
+_KNOWN_KINDS = (*ALL_KINDS, LOST_RESPONSE, NOT_IMPLEMENTED, IGNORE_CONDITION)
 
 _ERRORS = {
     SLOW_DOWN: (503, "SlowDown", "Please reduce your request rate."),
     INTERNAL: (500, "InternalError", "We encountered an internal error. Please try again."),
+    NOT_IMPLEMENTED: (501, "NotImplemented",
+                      "A header you provided implies functionality that is not implemented."),
 }
+#: Request headers that make a write conditional; ``IGNORE_CONDITION`` drops them.
+_CONDITION_HEADERS = frozenset({"if-none-match", "if-match"})
 #: Headers that belong to one connection and are never relayed.
 _HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
@@ -70,10 +80,12 @@ class Request:
     Attributes:
         method: ``GET``, ``PUT``, ...
         path: the request target, query string included (``/bucket/key?uploadId=...``).
+        headers: the request's headers, names in lower case.
     """
 
     method: str
     path: str
+    headers: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
 
 def everything(request: Request) -> bool:
@@ -89,6 +101,14 @@ def upload_of(name: str) -> Callable[[Request], bool]:
         return request.method in ("PUT", "POST") and name in urllib.parse.urlsplit(request.path).path
 
     return match
+
+
+def conditional_put(request: Request) -> bool:
+    """Predicate: a single ``PUT`` of an object carrying ``If-None-Match`` (a conditional
+    write; multipart parts and copies excluded)."""
+    query = urllib.parse.urlsplit(request.path).query
+    return (request.method == "PUT" and "if-none-match" in request.headers
+            and "uploadId" not in query)
 
 
 @dataclass(frozen=True)
@@ -240,8 +260,12 @@ def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler
 
         def _handle(self) -> None:
             body = self._read_body()
-            kind = proxy.decide(Request(self.command, self.path))
-            if kind in (DROP, LOST_RESPONSE):
+            headers = {name.lower(): value for name, value in self.headers.items()}
+            request = Request(self.command, self.path, headers)
+            kind = proxy.decide(request)
+            if kind == IGNORE_CONDITION:
+                self._forward(body, drop_headers=_CONDITION_HEADERS)
+            elif kind in (DROP, LOST_RESPONSE):
                 if kind == LOST_RESPONSE:
                     self._relay(body)
                 self.close_connection = True
@@ -249,7 +273,7 @@ def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler
             elif kind is not None:
                 send_s3_error(self, *_ERRORS[kind], request_id="fault-proxy")
             else:
-                time.sleep(proxy.latency_for(Request(self.command, self.path)))
+                time.sleep(proxy.latency_for(request))
                 self._forward(body)
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
@@ -267,8 +291,8 @@ def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler
                     self.rfile.readline()  # CRLF after each chunk
             return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-        def _forward(self, body: bytes) -> None:
-            response, payload = self._relay(body)
+        def _forward(self, body: bytes, drop_headers: frozenset[str] = frozenset()) -> None:
+            response, payload = self._relay(body, drop_headers)
             self.send_response_only(response.status, response.reason)
             for name, value in response.getheaders():
                 if name.lower() in _HOP_BY_HOP or name.lower() == "content-length":
@@ -280,9 +304,11 @@ def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler
             if self.command != "HEAD":
                 self.wfile.write(payload)
 
-        def _relay(self, body: bytes) -> tuple[http.client.HTTPResponse, bytes]:
-            """Send the request upstream; its response and body."""
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+        def _relay(self, body: bytes, drop_headers: frozenset[str] = frozenset()
+                   ) -> tuple[http.client.HTTPResponse, bytes]:
+            """Send the request upstream (less ``drop_headers``); its response and body."""
+            headers = {k: v for k, v in self.headers.items()
+                       if k.lower() not in _HOP_BY_HOP and k.lower() not in drop_headers}
             headers["Content-Length"] = str(len(body))
             for attempt in (1, 2):  # a kept-alive upstream connection may have been closed
                 if self._conn is None:

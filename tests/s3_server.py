@@ -182,8 +182,9 @@ def empty_and_delete_bucket(client, bucket: str) -> None:
                 Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
             )
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-            for obj in page.get("Contents", []):
-                client.delete_object(Bucket=bucket, Key=obj["Key"])
+            keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+            if keys:  # a page holds at most 1,000 keys, as many as one DeleteObjects takes
+                client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
         client.delete_bucket(Bucket=bucket)
 
 

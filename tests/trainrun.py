@@ -138,3 +138,53 @@ def assert_same_as_reference(ref_losses: dict[int, float], ref_tensors: dict[str
     assert sorted(got) == sorted(ref_tensors)
     for name, tensor in ref_tensors.items():
         assert torch.equal(got[name], tensor), f"{name} differs"
+
+
+def preempt_and_resume_exactly(reference, checkpoint_uri: str, tmp_path: pathlib.Path, processes: list,
+                               *, extra_options: list[str] = (), drop_env: tuple[str, ...] = (),
+                               wait_s: float = 600) -> int:
+    """One preemption-and-resume cycle of the example trainer under `spotrun run`, asserted.
+
+    Starts the REFERENCE_STEPS-step job, SIGTERMs the supervisor at a random step: it must
+    exit 143 with exactly one complete emergency checkpoint at or after that step; the same
+    command again must resume from it (its first step is the next one), exit 0, and end
+    bit-identical to the uninterrupted ``reference`` run (conftest.py). Supervisors are
+    appended to ``processes`` (the fixture kills what is left). Returns the emergency step.
+    """
+    import random
+
+    log_file = tmp_path / "train.jsonl"
+
+    def launch(name: str, *extra: str) -> subprocess.Popen:
+        proc = start_supervised(
+            checkpoint_uri, torchrun_command(REFERENCE_STEPS, REFERENCE_SAVE_INTERVAL, log_file, *extra),
+            extra_options=[*extra_options, "--notice", "none"], drop_env=drop_env,
+            log_path=tmp_path / f"{name}.log",
+        )
+        processes.append(proc)
+        return proc
+
+    preempt_at = random.Random().randint(3, REFERENCE_STEPS - 4)
+    print(f"preempting at step {preempt_at}")
+    proc = launch("first", "--step-sleep-s", "0.05")
+    wait_for_step(log_file, preempt_at, proc)
+    sigterm(proc)
+    assert proc.wait(timeout=wait_s) == 143, (tmp_path / "first.log").read_text()[-3000:]
+    listed = subprocess.run(
+        [sys.executable, "-m", "spotrun", "ls", checkpoint_uri, "--json", *extra_options],
+        capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k not in drop_env},
+    )
+    assert listed.returncode == 0, listed.stderr
+    emergency = [row for row in json.loads(listed.stdout) if row["reason"] == "emergency"]
+    assert [row["status"] for row in emergency] == ["complete"]
+    emergency_step = emergency[0]["step"]
+    assert emergency_step >= preempt_at
+
+    ran_before = len(read_log(log_file))
+    proc = launch("second")
+    assert proc.wait(timeout=wait_s) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    resumed = [row["step"] for row in read_log(log_file)[ran_before:]]
+    assert resumed == list(range(emergency_step + 1, REFERENCE_STEPS + 1))
+    assert_same_as_reference(*reference[:2], checkpoint_uri, log_file, REFERENCE_STEPS)
+    return emergency_step

@@ -64,6 +64,13 @@ class Storage(abc.ABC):
     def uri(self) -> str:
         """The root URI (``/abs/path`` or ``s3://bucket/prefix``)."""
 
+    @property
+    def commit_primitive(self) -> str | None:
+        """How ``put_if_absent`` keeps its promise here, in words (``"hard link"``,
+        ``"conditional PutObject (If-None-Match: *)"``), for messages; ``None`` while
+        unknown (a backend that decides on first use)."""
+        return None
+
     @contextlib.contextmanager
     def deadline(self, timeout_s: float) -> Iterator[None]:
         """Bound the operations this thread starts inside the block to ``timeout_s`` seconds.

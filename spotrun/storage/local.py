@@ -4,25 +4,48 @@ Atomicity comes from POSIX: each object is written to a hidden temporary file in
 same directory, fsynced, and then renamed (``put``) or hard-linked (``put_if_absent``,
 which fails with ``EEXIST`` instead of overwriting) onto its key. A writer killed in the
 middle leaves only a hidden ``.*.tmp-*`` file, which ``list`` never shows.
+
+The commit primitive of ``put_if_absent`` is chosen per storage object on its first
+use: a hard link; where the filesystem has none (``link`` fails with ``ENOSYS``,
+``EPERM`` or ``EOPNOTSUPP``: FUSE mounts of object stores, FAT, some network
+filesystems), ``renameat2(RENAME_NOREPLACE)``, which is just as atomic and never
+replaces either (:mod:`spotrun.storage.noreplace`). Where neither works the store cannot
+commit without risking an overwrite, and ``put_if_absent`` raises
+:class:`~spotrun.errors.CommitUnsupportedError` (the preflight finds this before launch);
+it never falls back to a rename that could replace. The kernel checks
+``RENAME_NOREPLACE`` against the names it can see before the filesystem acts, so on one
+machine it is as safe as the link; writers on several machines sharing one filesystem
+depend on that filesystem enforcing the flag itself.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import uuid
 
 from spotrun.errors import (
+    CommitUnsupportedError,
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
     StoragePermissionError,
 )
 from spotrun.storage.base import ObjectInfo, Storage
+from spotrun.storage.noreplace import UNSUPPORTED_ERRNOS, rename_noreplace
+
+log = logging.getLogger(__name__)
 
 #: Bytes handed to one ``write`` call; large shards are written in pieces of this size.
 DEFAULT_WRITE_CHUNK_BYTES = 8 * 1024 * 1024
 _TMP_MARK = ".tmp-"
+
+#: Commit primitives of ``put_if_absent``, as :attr:`LocalStorage.commit_primitive` names them.
+HARD_LINK = "hard link"
+RENAME_NOREPLACE = "rename without replace (renameat2 RENAME_NOREPLACE)"
+#: errnos of ``link`` meaning "this filesystem has no hard links".
+_NO_LINK_ERRNOS = frozenset({errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
 def _is_temporary(name: str) -> bool:
@@ -63,10 +86,17 @@ class LocalStorage(Storage):
         self._root = os.path.abspath(os.path.expanduser(root_dir))
         self._write_chunk_bytes = write_chunk_bytes
         self._fsync = fsync
+        self._commit_primitive: str | None = None
 
     @property
     def uri(self) -> str:
         return self._root
+
+    @property
+    def commit_primitive(self) -> str | None:
+        """How ``put_if_absent`` commits here: :data:`HARD_LINK`, :data:`RENAME_NOREPLACE`,
+        or ``None`` before its first successful use."""
+        return self._commit_primitive
 
     def _path(self, key: str) -> str:
         return os.path.join(self._root, *key.split("/"))
@@ -119,14 +149,48 @@ class LocalStorage(Storage):
         try:
             tmp = self._write_temporary(key, data)
             try:
-                os.link(tmp, final)  # fails with EEXIST, never overwrites
+                self._commit(tmp, final)
             finally:
-                _unlink_quietly(tmp)
+                _unlink_quietly(tmp)  # a hard link leaves it; a rename took it
             self._sync_dir(key)
         except FileExistsError as exc:
             raise ObjectExistsError(errno.EEXIST, f"{final} already exists") from exc
+        except CommitUnsupportedError:
+            raise
         except OSError as exc:
             raise _translate(exc, f"put_if_absent {final}", writing=True) from exc
+
+    def _commit(self, tmp: str, final: str) -> None:
+        """Give ``tmp`` the name ``final`` unless ``final`` exists (``FileExistsError``)."""
+        link_failure = "not supported"
+        if self._commit_primitive != RENAME_NOREPLACE:
+            try:
+                os.link(tmp, final)  # fails with EEXIST, never overwrites
+            except OSError as exc:
+                if exc.errno not in _NO_LINK_ERRNOS or self._commit_primitive == HARD_LINK:
+                    raise
+                link_failure = exc.strerror or str(exc)
+            else:
+                self._commit_primitive = HARD_LINK
+                return
+        try:
+            rename_noreplace(tmp, final)
+        except OSError as exc:
+            if exc.errno not in UNSUPPORTED_ERRNOS:
+                raise
+            raise CommitUnsupportedError(
+                exc.errno,
+                f"put_if_absent {final}: the filesystem of {self._root} cannot commit a checkpoint "
+                f"without risking an overwrite: it has no hard links (link: "
+                f"{link_failure}) and no rename that refuses to replace (renameat2 "
+                f"RENAME_NOREPLACE: {exc.strerror}). Put the checkpoint root on a local "
+                "filesystem (ext4, xfs, btrfs, tmpfs...), or reach an object store through its "
+                "S3 API (--checkpoint-uri s3://bucket/prefix) instead of a FUSE mount",
+            ) from exc
+        if self._commit_primitive is None:
+            log.info("%s has no hard links (%s): checkpoints commit with renameat2 RENAME_NOREPLACE",
+                     self._root, link_failure)
+        self._commit_primitive = RENAME_NOREPLACE
 
     # --- reading --------------------------------------------------------------
 

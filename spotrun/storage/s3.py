@@ -13,8 +13,12 @@ How the :class:`~spotrun.storage.base.Storage` contract is met:
   multipart upload that is aborted on any failure (:mod:`spotrun.storage.s3_transfer`).
   S3 makes an object visible only when its ``PutObject``/``CompleteMultipartUpload``
   succeeds, so readers never see a partial object.
-* ``put_if_absent`` is a conditional write (``IfNoneMatch="*"``); S3 answers ``412``
-  to every writer but the first.
+* ``put_if_absent`` is always one conditional ``PutObject`` (``IfNoneMatch="*"``),
+  whatever the size (up to S3's single-PUT limit of 5 GiB; larger is refused); S3
+  answers ``412`` to every writer but the first. It never uses a multipart upload: a
+  conditional ``CompleteMultipartUpload`` is not enforced everywhere (Ceph RGW completes
+  it and overwrites the existing object). A store that answers ``501 NotImplemented`` to
+  the conditional put cannot commit safely: :class:`~spotrun.errors.CommitUnsupportedError`.
 * every request is retried by one tenacity policy (:mod:`spotrun.storage.s3_retry`)
   bounded by a deadline; botocore's own retries are off.
 * botocore errors become spotrun errors (:mod:`spotrun.storage.s3_errors`), cause kept.
@@ -36,11 +40,16 @@ from typing import Any
 import urllib3.exceptions
 from botocore.exceptions import BotoCoreError, ClientError
 
-from spotrun.errors import ConfigError, ObjectExistsError, StorageError
+from spotrun.errors import CommitUnsupportedError, ConfigError, ObjectExistsError, StorageError
 from spotrun.storage import s3_transfer
 from spotrun.storage.base import ObjectInfo, Storage
 from spotrun.storage.s3_config import S3Options, make_client, parse_s3_uri
-from spotrun.storage.s3_errors import is_conditional_conflict, is_precondition_failed, translate
+from spotrun.storage.s3_errors import (
+    is_conditional_conflict,
+    is_not_implemented,
+    is_precondition_failed,
+    translate,
+)
 from spotrun.storage.s3_retry import RetryPolicy
 
 __all__ = ["S3Options", "S3Storage", "make_client", "parse_s3_uri"]
@@ -48,6 +57,9 @@ __all__ = ["S3Options", "S3Storage", "make_client", "parse_s3_uri"]
 log = logging.getLogger(__name__)
 
 _BOTO_ERRORS = (ClientError, BotoCoreError, urllib3.exceptions.HTTPError)
+
+#: Largest object one ``PutObject`` may carry (S3's limit), so the most ``put_if_absent`` stores.
+MAX_SINGLE_PUT_BYTES = 5 * 1024**3
 
 
 class S3Storage(Storage):
@@ -100,6 +112,10 @@ class S3Storage(Storage):
     @property
     def uri(self) -> str:
         return f"s3://{self._bucket}/{self._prefix}" if self._prefix else f"s3://{self._bucket}"
+
+    @property
+    def commit_primitive(self) -> str:
+        return "conditional PutObject (If-None-Match: *)"
 
     @property
     def bucket(self) -> str:
@@ -182,9 +198,16 @@ class S3Storage(Storage):
 
     def _put_if_absent(self, key: str, data: memoryview) -> None:
         what = self._what("put_if_absent", key)
+        if len(data) > MAX_SINGLE_PUT_BYTES:
+            raise StorageError(
+                errno.EFBIG,
+                f"{what}: {len(data)} bytes is more than one conditional PutObject may carry "
+                f"({MAX_SINGLE_PUT_BYTES} bytes, S3's single-PUT limit); a multipart upload "
+                "cannot commit without risking an overwrite on every store",
+            )
         call = self._caller(what)
         attempts = 0
-        body = b""
+        body = bytes(data)
 
         def attempt() -> None:
             nonlocal attempts
@@ -195,16 +218,18 @@ class S3Storage(Storage):
 
         try:
             with self._translated(what):
-                if len(data) >= self._options.multipart_threshold_bytes:
-                    s3_transfer.upload_multipart(
-                        self._client, call, bucket=self._bucket, key=self._key(key), data=data,
-                        if_none_match=True, **self._transfer_kwargs(),
-                    )
-                    return
-                body = bytes(data)
                 call(attempt, what)
         except StorageError as exc:
             cause = exc.__cause__
+            if is_not_implemented(cause):
+                raise CommitUnsupportedError(
+                    errno.EOPNOTSUPP,
+                    f"{what}: the store does not support conditional writes: it answered "
+                    "501 NotImplemented to a PutObject with If-None-Match: *, which spotrun "
+                    "needs to commit a step without overwriting another writer's. Upgrade the "
+                    "store (or its gateway) to a version that supports conditional writes "
+                    "(AWS S3, MinIO and recent Ceph RGW do), or use a local or other S3 store",
+                ) from cause
             if not (is_precondition_failed(cause) or is_conditional_conflict(cause)):
                 raise
             if attempts > 1 and self._own_earlier_attempt_landed(key, body):

@@ -66,6 +66,8 @@ PERMISSION_CODES = frozenset(
 PRECONDITION_CODES = frozenset({"PreconditionFailed", "412"})
 #: A concurrent conditional write was in progress; AWS asks clients to retry.
 CONFLICT_CODES = frozenset({"ConditionalRequestConflict", "409"})
+#: The store does not implement a feature the request used (a header, e.g. ``If-None-Match``).
+NOT_IMPLEMENTED_CODES = frozenset({"NotImplemented", "501"})
 
 # Connection-level failures that a fresh attempt may get past. SSLError and proxy
 # configuration errors are deliberately absent: they are configuration problems.
@@ -112,6 +114,13 @@ def is_precondition_failed(exc: BaseException) -> bool:
     """Whether ``exc`` says a conditional request's precondition did not hold (412)."""
     return isinstance(exc, ClientError) and (
         error_code(exc) in PRECONDITION_CODES or http_status(exc) == 412
+    )
+
+
+def is_not_implemented(exc: BaseException) -> bool:
+    """Whether ``exc`` is a ``501 NotImplemented``: the store lacks a feature the request used."""
+    return isinstance(exc, ClientError) and (
+        error_code(exc) in NOT_IMPLEMENTED_CODES or http_status(exc) == 501
     )
 
 

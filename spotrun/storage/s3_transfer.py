@@ -95,7 +95,6 @@ def upload_multipart(
     data: memoryview,
     part_size_bytes: int,
     max_concurrency: int,
-    if_none_match: bool = False,
 ) -> None:
     """Store ``data`` under ``key`` with a parallel multipart upload.
 
@@ -106,13 +105,14 @@ def upload_multipart(
         data: the object's bytes; part ``i`` is ``data[i*part_size_bytes:...]``.
         part_size_bytes: bytes per part (S3 wants >= 5 MiB except the last).
         max_concurrency: parts uploaded at the same time.
-        if_none_match: complete with ``IfNoneMatch="*"``, so that the object is only
-            created if nothing is under ``key`` yet.
+
+    The completion is unconditional on purpose: a conditional ``CompleteMultipartUpload``
+    (``If-None-Match: *``) is not enforced by every store (Ceph RGW overwrites), so the
+    no-overwrite commit never goes through here (see ``S3Storage.put_if_absent``).
 
     Raises:
         botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError: a request
-            failed for good; the upload was aborted first. A failed ``IfNoneMatch``
-            completion surfaces as a ``PreconditionFailed`` ``ClientError``.
+            failed for good; the upload was aborted first.
     """
     what = f"s3://{bucket}/{key}"
     upload_id = call(
@@ -144,14 +144,12 @@ def upload_multipart(
             thread_name_prefix="spotrun-s3-put",
         ) as executor:
             parts = _run_parts(executor, tasks)
-        extra = {"IfNoneMatch": "*"} if if_none_match else {}
         call(
             lambda: client.complete_multipart_upload(
                 Bucket=bucket,
                 Key=key,
                 UploadId=upload_id,
                 MultipartUpload={"Parts": parts},
-                **extra,
             ),
             f"complete multipart upload {what}",
         )

@@ -6,9 +6,20 @@ seconds with a message naming the cause -- not hours later at the first checkpoi
 ``spotrun preflight URI`` runs the same check on its own.
 
 The check writes a small probe object under ``.spotrun-preflight/`` below the checkpoint
-root, reads it back, lists it and deletes it, all under one short deadline. Requests get
-short connect/read timeouts, and retries (of throttling or refused connections) stop at
-the deadline. The probe never appears in ``spotrun ls``: it is not under a step directory.
+root, reads it back, lists it and deletes it, all under one short deadline. Then it
+exercises the real commit primitive, the no-overwrite write that commits every step
+(``put_if_absent``: a hard link or ``renameat2(RENAME_NOREPLACE)`` locally, a
+``PutObject`` with ``If-None-Match: *`` on S3): a first write onto a fresh probe key must
+succeed, and a second one onto the same key must be refused with the first object left
+as it was. A store that lacks the primitive (``link`` failing with ``ENOSYS`` and no
+no-replace rename; ``501 NotImplemented`` to the conditional put), or that silently
+ignores it (the second write succeeds), fails the check with
+:class:`~spotrun.errors.CommitUnsupportedError`: two writers must never both believe they
+committed the same step.
+
+Requests get short connect/read timeouts, and retries (of throttling or refused
+connections) stop at the deadline. The probes never appear in ``spotrun ls``: they are
+not under a step directory.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from spotrun.errors import StorageError
+from spotrun.errors import CommitUnsupportedError, ObjectExistsError, StorageError
 from spotrun.storage import Storage, open_storage
 from spotrun.supervisor.config import storage_options
 
@@ -46,10 +57,13 @@ class PreflightResult:
     Attributes:
         uri: the storage root that was checked.
         elapsed_s: seconds the check took.
+        commit_primitive: how the store commits without overwriting, in words
+            (``"hard link"``, ``"conditional PutObject (If-None-Match: *)"``...).
     """
 
     uri: str
     elapsed_s: float
+    commit_primitive: str = "no-overwrite write"
 
 
 def check_storage(
@@ -77,17 +91,22 @@ def check_storage(
 
 
 def check(storage: Storage, *, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> PreflightResult:
-    """Write, read back, list and delete a probe object under ``storage``'s root.
+    """Write, read back, list and delete a probe object; then check the commit primitive.
 
     Args:
         storage: the checkpoint storage.
         timeout_s: bound of the whole check (retries included), in seconds.
 
     Returns:
-        What was checked and how long it took.
+        What was checked, how long it took, and how the store commits.
 
     Raises:
-        StorageError: one of the four operations failed; the message names the storage,
+        CommitUnsupportedError: the store cannot write without overwriting (no hard
+            links and no no-replace rename; ``501 NotImplemented`` to a conditional put),
+            or it ignored the condition (a second no-overwrite write onto the probe key
+            succeeded, or replaced the object). The message names the missing feature
+            and what to do.
+        StorageError: one of the operations failed; the message names the storage,
             the operation and the cause (e.g. "bucket 'x' does not exist", "no AWS
             credentials found", "access denied", "cannot connect to endpoint ...",
             "Not a directory"). The subclass is the cause's: ``ObjectNotFoundError`` for
@@ -96,6 +115,7 @@ def check(storage: Storage, *, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Prefli
     """
     started_s = time.monotonic()
     key = f"{PROBE_PREFIX}probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    commit_key = f"{key}-commit"
     data = f"spotrun preflight probe {key}\n".encode()
     with storage.deadline(timeout_s):
         _attempt(storage, "write a probe object", lambda: storage.put(key, data))
@@ -106,10 +126,52 @@ def check(storage: Storage, *, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Prefli
             _delete_quietly(storage, key)
             raise
         _attempt(storage, "delete the probe object", lambda: storage.delete(key))
-    result = PreflightResult(uri=storage.uri, elapsed_s=time.monotonic() - started_s)
-    log.info("storage preflight of %s passed in %.2f s (write, read, list, delete)",
-             result.uri, result.elapsed_s)
+        try:
+            _check_commit(storage, commit_key)
+        finally:
+            _delete_quietly(storage, commit_key)
+    result = PreflightResult(uri=storage.uri, elapsed_s=time.monotonic() - started_s,
+                             commit_primitive=storage.commit_primitive or "no-overwrite write")
+    log.info("storage preflight of %s passed in %.2f s (write, read, list, delete; commits "
+             "with a %s, a second commit of the same key refused)",
+             result.uri, result.elapsed_s, result.commit_primitive)
     return result
+
+
+def _check_commit(storage: Storage, key: str) -> None:
+    """Two no-overwrite writes onto ``key``: the first must land, the second be refused."""
+    first = f"spotrun preflight commit probe {key}: first writer\n".encode()
+    second = f"spotrun preflight commit probe {key}: second writer\n".encode()
+    _attempt(storage, "commit a probe object with a no-overwrite write",
+             lambda: storage.put_if_absent(key, first))
+    try:
+        _attempt(storage, "check that a second no-overwrite write is refused",
+                 lambda: storage.put_if_absent(key, second))
+    except ObjectExistsError:
+        pass
+    else:
+        raise _ignores_condition(storage, "a second no-overwrite write onto the same key "
+                                          "succeeded and replaced the first")
+    stored = _attempt(storage, "read the committed probe back", lambda: storage.get(key))
+    if stored != first:
+        raise _ignores_condition(storage, "a second no-overwrite write onto the same key was "
+                                          "refused but replaced the first all the same")
+
+
+def _ignores_condition(storage: Storage, what_happened: str) -> CommitUnsupportedError:
+    if storage.uri.startswith("s3://"):
+        feature = "conditional writes (PutObject with If-None-Match: *)"
+        advice = ("use a store that enforces them (AWS S3, MinIO, Ceph RGW), or upgrade this "
+                  "store or its gateway")
+    else:
+        feature = "a no-overwrite commit (hard link or rename without replace)"
+        advice = "put the checkpoint root on a local filesystem (ext4, xfs, btrfs, tmpfs...)"
+    return CommitUnsupportedError(
+        errno.EOPNOTSUPP,
+        f"checkpoint storage {storage.uri} failed the preflight check: {what_happened}: the "
+        f"store ignores {feature}, so two writers could both believe they committed the same "
+        f"checkpoint step; {advice}",
+    )
 
 
 def _attempt(storage: Storage, what: str, operation: Callable[[], T]) -> T:
