@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -57,6 +58,26 @@ def test_1c_supervisor_death_sends_its_command_sigterm(spotrun_run, tmp_path, si
     run.proc.send_signal(signum)
     assert run.wait() == -signum
     assert wait_until_gone([child], WAIT_S) == [], "the command outlived its supervisor"
+
+
+def test_1c_launch_child_exits_at_once_when_its_supervisor_is_already_gone(tmp_path):
+    """The race of PR_SET_PDEATHSIG: if the supervisor died between the fork and the prctl, no
+    signal would ever come, so the child checks its parent and exits (143) instead of starting.
+    Here the child's parent is not the process that prepared the setup: exactly that case."""
+    script = (
+        "import os, subprocess\n"
+        "from spotrun.supervisor.process import die_with_parent\n"
+        "setup = die_with_parent()  # prepared by this process, the 'supervisor'\n"
+        "pid = os.fork()\n"
+        "if pid == 0:  # the forked middle process launches the command: its parent is not the supervisor\n"
+        "    child = subprocess.Popen(['sh', '-c', 'touch started'], preexec_fn=setup)\n"
+        "    os._exit(child.wait())\n"
+        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=WAIT_S, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(process.EXIT_PARENT_GONE)
+    assert not (tmp_path / "started").exists(), "the command must not start"
 
 
 def test_1c_stuck_worker_ends_itself_a_grace_period_after_the_supervisor_dies(spotrun_run, tmp_path, state):
