@@ -10,6 +10,7 @@ process of the job is left running. Processes are checked in /proc, by pid and s
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -48,8 +49,17 @@ def state(tmp_path):
     return path
 
 
+@pytest.fixture
+def no_core_dumps():
+    """Processes started meanwhile write no core file (a SIGSEGV would, where the limit allows)."""
+    old = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, old[1]))
+    yield
+    resource.setrlimit(resource.RLIMIT_CORE, old)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSEGV], ids=lambda s: s.name)
-def test_1c_supervisor_death_sends_its_command_sigterm(spotrun_run, tmp_path, signum):
+def test_1c_supervisor_death_sends_its_command_sigterm(spotrun_run, tmp_path, signum, no_core_dumps):
     """The launch command gets SIGTERM from the kernel when spotrun dies, whatever kills it."""
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
     run = spotrun_run(["--checkpoint-uri", str(tmp_path / "ckpt"), "--notice", "none"], sleeper)
@@ -155,3 +165,19 @@ def test_1c_sigkill_of_supervisor_and_torchrun_stops_the_workers(reference, tmp_
     assert f"the supervisor (pid {proc.pid}) is gone" in first_log
     assert "killing this process" not in first_log, "the ranks should have stopped by themselves"
     _assert_emergency_then_exact_resume(reference, tmp_path, processes, ck, log_file, command)
+
+
+def test_1c_worker_watches_no_process_that_is_not_its_ancestor(caplog):
+    """A $SPOTRUN_SUPERVISOR_PID naming a process outside this one's ancestry (a reused pid,
+    another PID namespace, a launcher outside the supervisor's tree) is never watched, so its
+    exit can never stop training."""
+    from spotrun import supervisor_watch
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        assert supervisor_watch.is_ancestor(os.getppid()) and not supervisor_watch.is_ancestor(other.pid)
+        assert supervisor_watch._start(other.pid, grace_period_s=1.0) is None
+        assert f"(pid {other.pid}) is not an ancestor of this process" in caplog.text
+    finally:
+        other.kill()
+        other.wait()

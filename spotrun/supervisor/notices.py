@@ -1,7 +1,8 @@
 """Preemption notices and the supervisor's inbox.
 
-Every source of a preemption notice (a notice signal, a cloud metadata poller) delivers a :class:`Notice` through one :class:`Inbox`, and the supervisor's main loop is
-the only place that acts on it. No work happens inside a signal handler: the Python
+Every source of a preemption notice (a notice signal, a cloud metadata poller) delivers a
+:class:`Notice` through one :class:`Inbox`, and the supervisor's main loop is the only
+place that acts on it. No work happens inside a signal handler: the Python
 handlers installed by :func:`signal_notices` do nothing, and :func:`signal.set_wakeup_fd`
 makes the interpreter's C-level handler write the signal number into the inbox's
 self-pipe, whichever thread the kernel delivered the signal to. The main loop turns those
