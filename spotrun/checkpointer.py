@@ -26,11 +26,11 @@ import time
 import uuid
 from typing import Any
 
-from spotrun import control, dist
+from spotrun import control, dist, supervisor_watch
 from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.restore import LoadedStep, load_step, reject_step
 from spotrun.checkpoint.save import SaveContext, encode_state, save_step
-from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv
+from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv, default_safety_margin_s
 from spotrun.save_meter import SaveMeter
 from spotrun.errors import (
     CheckpointSaveError,
@@ -125,6 +125,9 @@ class Checkpointer:
         self._meter = SaveMeter(self._env.control_dir, publishes=dist.local_rank() == 0,
                                 check_interval_steps=check_interval_steps)
         self.preempted = False
+        # Under `spotrun run`: a supervisor that dies (even by SIGKILL) is a stop request, and
+        # this process ends itself a grace period later at the latest (spotrun.supervisor_watch).
+        self._supervisor = supervisor_watch.watch(self._env)
         if handle_signals:
             self._install_signal_handlers()
 
@@ -293,8 +296,9 @@ class Checkpointer:
     def end_of_step(self, step: int) -> bool:
         """Call once per training step, after the optimizer step, on every rank.
 
-        Agrees across ranks whether a save was requested (a supervisor's request file or
-        a signal on any rank); if so, every rank saves this same step as an emergency
+        Agrees across ranks whether a save was requested (a supervisor's request file, a
+        signal, or a supervisor that is gone - see :mod:`spotrun.supervisor_watch` - on any
+        rank); if so, every rank saves this same step as an emergency
         checkpoint, and this returns True: the loop must stop and the process exit 0.
         When a supervisor asked to stop *without* saving (it estimated that a save cannot
         commit before the deadline), every rank stops at this step without saving and this
@@ -422,11 +426,18 @@ class Checkpointer:
             control.write_commit_report(self._env.control_dir, step)
 
     def _emergency_timeout_s(self) -> float:
-        """``save_timeout_s``, or less when the supervisor's request names an earlier deadline."""
+        """``save_timeout_s``, or less when the supervisor's request names an earlier deadline,
+        or when the supervisor is gone (the save must end a safety margin before this process
+        is killed)."""
+        timeout_s = self.save_timeout_s
         request = control.read_save_request(self._env.control_dir) if self._env.control_dir else None
-        if request is None or request.deadline_unix_s is None:
-            return self.save_timeout_s
-        return min(self.save_timeout_s, request.deadline_unix_s - time.time())
+        if request is not None and request.deadline_unix_s is not None:
+            timeout_s = min(timeout_s, request.deadline_unix_s - time.time())
+        end_unix_s = self._supervisor.end_unix_s if self._supervisor is not None else None
+        if end_unix_s is not None:
+            margin_s = default_safety_margin_s(self._supervisor.grace_period_s)
+            timeout_s = min(timeout_s, end_unix_s - margin_s - time.time())
+        return timeout_s
 
     def _stop_requests(self) -> tuple[bool, bool]:
         """(save and stop, stop without saving) as asked of this rank: a signal or the
@@ -440,7 +451,8 @@ class Checkpointer:
             if request is not None and not request.save:
                 return False, True
             return True, False
-        return self._signal_name is not None, False
+        supervisor_gone = self._supervisor is not None and self._supervisor.gone
+        return self._signal_name is not None or supervisor_gone, False
 
     def _stop_without_save(self, step: int) -> None:
         if dist.rank() == 0:
@@ -465,6 +477,8 @@ class Checkpointer:
             request = control.read_save_request(self._env.control_dir)
             if request is not None:
                 return f"supervisor: {request.reason}"
+        if self._supervisor is not None and self._supervisor.gone:
+            return f"the supervisor (pid {self._supervisor.supervisor_pid}) is gone"
         return "another rank"
 
     # --- signals --------------------------------------------------------------

@@ -20,6 +20,7 @@ here only, never at import time: timestamped lines on stderr, prefixed ``spotrun
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -28,7 +29,8 @@ import time
 from collections.abc import Sequence
 
 from spotrun.env import DEFAULT_CHECKPOINT_URI
-from spotrun.errors import SpotrunError
+from spotrun.errors import ConfigError, SpotrunError
+from spotrun.supervisor.signals import DEFAULT_NOTICE_SIGNALS
 
 EXIT_USAGE = 2
 _LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -60,10 +62,12 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
     run.add_argument("--grace-period-s", type=float, default=30.0, metavar="S",
                      help="seconds from a notice to the hard kill (default %(default)s, as Kubernetes); the "
                      "emergency checkpoint must commit by notice + grace period - safety margin")
-    run.add_argument("--safety-margin-s", type=float, default=5.0, metavar="S",
-                     help="seconds kept free before the end of the grace period (default %(default)s)")
+    run.add_argument("--safety-margin-s", type=float, default=None, metavar="S",
+                     help="seconds kept free before the end of the grace period (default 5, or half "
+                     "the grace period when that is less)")
     run.add_argument("--stop-timeout-s", type=float, default=5.0, metavar="S",
-                     help="seconds between SIGTERM and SIGKILL when stopping the command (default %(default)s)")
+                     help="seconds between SIGTERM and SIGKILL when stopping the command (default %(default)s); "
+                     "after a notice SIGKILL comes halfway through the safety margin at the latest")
     run.add_argument("--max-restarts", type=int, default=0, metavar="N",
                      help="restarts after a crash without a notice (default %(default)s)")
     run.add_argument("--restart-backoff-s", type=float, default=10.0, metavar="S",
@@ -145,10 +149,16 @@ def _add_storage_options(parser: argparse.ArgumentParser) -> None:
 def _add_notice_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--notice", default="auto", metavar="auto|none|LIST",
-        help="preemption notice sources besides SIGTERM/SIGINT/SIGHUP (always on): auto "
+        help="preemption notice sources besides the notice signals (always on): auto "
         "(default: probe only a cloud that the DMI facts under /sys/class/dmi/id name or whose "
         "endpoint is set; nothing off a cloud), none, or a comma-separated list of aws, gcp, "
         "azure, file, signal (signals are on anyway)",
+    )
+    parser.add_argument(
+        "--notice-signals", default=DEFAULT_NOTICE_SIGNALS, metavar="LIST",
+        help="signals to spotrun that are preemption notices, comma-separated, or none (default "
+        "%(default)s: SLURM's --signal=USR1@N and submitit's USR2 included); every other signal "
+        "that would end spotrun (ALRM, PIPE, QUIT, RTMIN+N, ...) is logged and ignored",
     )
     parser.add_argument("--notice-file", default=None, metavar="PATH",
                         help="drill: a notice when this file appears (its JSON may set deadline_unix_s)")
@@ -175,13 +185,31 @@ def _configure_logging(level_name: str) -> None:
     logger.propagate = False
 
 
+def _launch_command(args: argparse.Namespace) -> list[str]:
+    """The words after ``--``: the launch command of ``run`` and ``drill``.
+
+    Raises:
+        ConfigError: words that are not options of spotrun come before any ``--`` (a command
+            given without ``--``, or a misspelt option): the message says where ``--`` goes.
+    """
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    argv = args.raw_argv
+    given_after_dashes = argv[argv.index("--") + 1:] if "--" in argv else None
+    if command and command != given_after_dashes:
+        raise ConfigError(
+            f"{command[0]!r} is not an option of spotrun {args.subcommand}: put the launch command after "
+            f"'--', as in spotrun {args.subcommand} [options] -- torchrun --nproc-per-node 8 train.py"
+        )
+    return command
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from spotrun.notices import NoticeOptions
     from spotrun.supervisor import SupervisorConfig, supervise
 
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
+    command = _launch_command(args)
     config = SupervisorConfig(
         command=tuple(command),
         checkpoint_uri=args.checkpoint_uri,
@@ -192,6 +220,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         restart_backoff_s=args.restart_backoff_s,
         s3_endpoint_url=args.s3_endpoint_url,
         notice=args.notice,
+        notice_signals=args.notice_signals,
         notice_options=NoticeOptions(
             aws_endpoint=args.aws_metadata_endpoint,
             gcp_host=args.gcp_metadata_host,
@@ -206,9 +235,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_drill(args: argparse.Namespace) -> int:
     from spotrun.supervisor.drill import DrillConfig, run_drill
 
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
+    command = _launch_command(args)
     report = run_drill(DrillConfig(
         command=tuple(command), cloud=args.cloud, after_steps=args.after_steps, after_s=args.after_s,
         checkpoint_uri=args.checkpoint_uri, s3_endpoint_url=args.s3_endpoint_url,
@@ -223,17 +250,22 @@ def _cmd_drill(args: argparse.Namespace) -> int:
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     from spotrun.checkpoint.catalog import list_steps
+    from spotrun.errors import ObjectNotFoundError
     from spotrun.storage import LocalStorage, open_storage
     from spotrun.supervisor.config import storage_options
 
     storage = open_storage(args.uri, **storage_options(args.uri, s3_endpoint_url=args.s3_endpoint_url))
     steps = list_steps(storage)
+    if not steps:  # like ls: a root that does not exist is an error, an empty one is not
+        if isinstance(storage, LocalStorage) and not os.path.isdir(storage.uri):
+            raise ObjectNotFoundError(errno.ENOENT, f"no such directory: {storage.uri}")
+        if not isinstance(storage, LocalStorage) and not storage.list(""):
+            raise ObjectNotFoundError(errno.ENOENT, f"nothing is stored under {storage.uri} (no such prefix)")
     if args.json:
         print(json.dumps([s.to_json() for s in steps], indent=1))
         return 0
     if not steps:
-        missing = isinstance(storage, LocalStorage) and not os.path.isdir(storage.uri)
-        print(f"no checkpoints under {storage.uri}" + (" (no such directory)" if missing else ""))
+        print(f"no checkpoints under {storage.uri}")
         return 0
     rows = [("STEP", "STATUS", "WORLD", "SIZE", "TIME (UTC)", "REASON", "PROBLEM")]
     for s in steps:
@@ -291,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"spotrun: error: {_error_text(exc)}", file=sys.stderr)
             return EXIT_USAGE
         args = _build_parser(run_defaults=file_defaults).parse_args(argv)
+    args.raw_argv = list(sys.argv[1:] if argv is None else argv)
     _configure_logging(args.log_level or args.default_log_level)
     try:
         return args.handler(args)

@@ -20,6 +20,8 @@ notice             string    notice sources: ``auto``, ``none`` or a comma-separ
                              ``aws``, ``gcp``, ``azure``, ``signal``, ``file`` (a YAML list of
                              names is accepted too); see :mod:`spotrun.notices.detect`
 notice_file        string    path watched by the ``file`` notice source (drills); ``null``: none
+notice_signals     string    signals that are notices, comma-separated (``TERM,INT,HUP,USR1,USR2``,
+                             the default) or ``none``; a YAML list of names is accepted too
 log_level          string    one of :data:`LOG_LEVELS`; ``null``: the subcommand's default
 =================  ========  ==============================================================
 
@@ -70,6 +72,7 @@ RUN_KEYS: dict[str, str] = {
     "s3_endpoint_url": _STR,
     "notice": _STR,
     "notice_file": _STR,
+    "notice_signals": _STR,
     "aws_metadata_endpoint": _STR,
     "gcp_metadata_host": _STR,
     "azure_metadata_endpoint": _STR,
@@ -170,7 +173,7 @@ def _convert(where: str, key: object, value: object, env: Mapping[str, str]) -> 
         )
     if value is None and key in _NULLABLE:
         return None
-    if key == "notice" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+    if key in ("notice", "notice_signals") and isinstance(value, list) and all(isinstance(v, str) for v in value):
         value = ",".join(value)  # [aws, signal] -> "aws,signal", as on the command line
     expanded = False
     if isinstance(value, str) and "$" in value:
@@ -191,6 +194,13 @@ def _convert(where: str, key: object, value: object, env: Mapping[str, str]) -> 
             raise ConfigError(f"{where}: {key} must be one of {', '.join(choices)}, got {value!r}")
         if key == "notice":
             _check_notice(where, value)
+        if key == "notice_signals":
+            from spotrun.supervisor.signals import parse_notice_signals
+
+            try:
+                parse_notice_signals(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
         return value
     if expanded:  # a number from the environment: "${GRACE_S:-25}"
         value = _parse_number(value, kind)

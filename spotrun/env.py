@@ -25,8 +25,26 @@ INCARNATION = "SPOTRUN_INCARNATION"
 #: ``spotrun run`` itself (it passes it on when its own environment has it); ``spotrun drill``
 #: sets it to end its restart and its reference run at an exact step.
 STOP_AT_STEP = "SPOTRUN_STOP_AT_STEP"
+#: Process id of the ``spotrun run`` supervisor that launched this job on this node. A worker
+#: watches it (:mod:`spotrun.supervisor_watch`): when it is gone, the worker stops as on a
+#: notice, and ends itself after :data:`GRACE_PERIOD_S` at the latest.
+SUPERVISOR_PID = "SPOTRUN_SUPERVISOR_PID"
+#: The supervisor's grace period in seconds (``--grace-period-s``).
+GRACE_PERIOD_S = "SPOTRUN_GRACE_PERIOD_S"
 
 DEFAULT_CHECKPOINT_URI = "./checkpoints"
+#: The safety margin when the grace period is long enough for it, in seconds.
+DEFAULT_SAFETY_MARGIN_S = 5.0
+
+
+def default_safety_margin_s(grace_period_s: float) -> float:
+    """The safety margin kept before the end of a grace period when none is given, in seconds.
+
+    :data:`DEFAULT_SAFETY_MARGIN_S` (5 s), or half the grace period when that is less
+    (30 s -> 5 s, 10 s -> 5 s, 6 s -> 3 s, 2 s -> 1 s): a grace period of 5 s or less is not
+    refused, and one of 10 s or more keeps the 5 s.
+    """
+    return min(DEFAULT_SAFETY_MARGIN_S, grace_period_s / 2)
 
 
 @dataclass(frozen=True)
@@ -41,6 +59,8 @@ class WorkerEnv:
         incarnation: start count of this job (0 = first start).
         stop_at_step: stop with an emergency checkpoint at the first step boundary whose
             step is >= this; ``None``: no such stop.
+        supervisor_pid: process id of the supervisor of this node; ``None`` without one.
+        grace_period_s: the supervisor's grace period in seconds; ``None`` if unset.
     """
 
     checkpoint_uri: str | None
@@ -49,6 +69,8 @@ class WorkerEnv:
     run_id: str | None
     incarnation: int
     stop_at_step: int | None = None
+    supervisor_pid: int | None = None
+    grace_period_s: float | None = None
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> "WorkerEnv":
@@ -66,6 +88,18 @@ class WorkerEnv:
             except ValueError as exc:
                 raise ConfigError(f"{name}={raw!r} is not an integer") from exc
 
+        def _seconds(name: str) -> float | None:
+            raw = env.get(name, "").strip()
+            if not raw:
+                return None
+            try:
+                value = float(raw)
+            except ValueError:
+                value = float("nan")
+            if not value > 0 or value == float("inf"):
+                raise ConfigError(f"{name}={raw!r} is not a number of seconds > 0")
+            return value
+
         return cls(
             checkpoint_uri=env.get(CHECKPOINT_URI) or None,
             resume_step=_int(RESUME_STEP),
@@ -73,4 +107,6 @@ class WorkerEnv:
             run_id=env.get(RUN_ID) or None,
             incarnation=_int(INCARNATION) or 0,
             stop_at_step=_int(STOP_AT_STEP),
+            supervisor_pid=_int(SUPERVISOR_PID),
+            grace_period_s=_seconds(GRACE_PERIOD_S),
         )

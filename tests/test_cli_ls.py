@@ -76,13 +76,32 @@ def test_file_uri_lists_the_same_steps(ckpt):
     assert [row["step"] for row in json.loads(done.stdout)] == [100, 150, 200]
 
 
-def test_missing_directory_is_an_empty_listing(tmp_path):
+def test_6_ls_of_a_missing_directory_exits_2(tmp_path):
+    """Like ls: a root that does not exist is an error (one line, exit 2), as a table or as JSON."""
     missing = tmp_path / "never-written"
-    as_json = spotrun_ls(str(missing), "--json")
-    assert (as_json.returncode, json.loads(as_json.stdout)) == (0, [])
-    as_table = spotrun_ls(str(missing))
-    assert as_table.returncode == 0 and "no checkpoints" in as_table.stdout
+    for args in ([str(missing)], [str(missing), "--json"], [f"file://{missing}"]):
+        done = spotrun_ls(*args)
+        assert (done.returncode, done.stdout) == (2, ""), args
+        [line] = done.stderr.splitlines()
+        assert line == f"spotrun: error: no such directory: {missing}"
     assert not missing.exists(), "listing must not create the directory"
+
+
+def test_6_ls_of_an_empty_directory_exits_0(tmp_path):
+    as_table = spotrun_ls(str(tmp_path))
+    assert as_table.returncode == 0 and as_table.stdout == f"no checkpoints under {tmp_path}\n"
+    as_json = spotrun_ls(str(tmp_path), "--json")
+    assert (as_json.returncode, json.loads(as_json.stdout)) == (0, [])
+
+
+def test_6_ls_of_an_s3_prefix_with_nothing_under_it_exits_2(s3_bucket):
+    """S3 has no directories: a prefix exists when some object is stored under it."""
+    write_step(f"{s3_bucket.uri}/job", 7)
+    done = spotrun_ls(f"{s3_bucket.uri}/other-job")
+    assert (done.returncode, done.stdout) == (2, "")
+    [line] = done.stderr.splitlines()
+    assert line == f"spotrun: error: nothing is stored under {s3_bucket.uri}/other-job (no such prefix)"
+    assert spotrun_ls(f"{s3_bucket.uri}/job").returncode == 0
 
 
 @pytest.mark.parametrize("uri", ["ftp://host/ckpt", ""])

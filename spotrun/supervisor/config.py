@@ -6,9 +6,10 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from spotrun.env import DEFAULT_CHECKPOINT_URI
+from spotrun.env import DEFAULT_CHECKPOINT_URI, default_safety_margin_s
 from spotrun.errors import ConfigError
 from spotrun.notices import NoticeOptions, parse_notice_option
+from spotrun.supervisor.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals
 
 #: Upper bound of the wait before a crash restart, in seconds.
 MAX_RESTART_BACKOFF_S = 300.0
@@ -24,9 +25,13 @@ class SupervisorConfig:
         grace_period_s: seconds between a notice and the hard kill of the machine or pod
             (Kubernetes' ``terminationGracePeriodSeconds``, 30 by default).
         safety_margin_s: seconds kept free before the end of the grace period: the save
-            deadline is ``notice + grace_period_s - safety_margin_s``. Keep it at least
-            ``stop_timeout_s`` so stopping the command also fits in the grace period.
-        stop_timeout_s: seconds between SIGTERM and SIGKILL when stopping the command.
+            deadline is ``notice + grace_period_s - safety_margin_s``. ``None`` (the default)
+            picks :func:`~spotrun.env.default_safety_margin_s`: 5 s, or half the grace
+            period when that is less. A command still running at the save deadline gets
+            SIGTERM, and SIGKILL at the latest halfway through the margin.
+        stop_timeout_s: most seconds between SIGTERM and SIGKILL when stopping the command
+            (after a notice, cut short so that SIGKILL comes halfway through the safety margin
+            at the latest).
         max_restarts: crash restarts allowed (a failure without a notice).
         restart_backoff_s: wait before the first restart in seconds; doubles every restart,
             capped at :data:`MAX_RESTART_BACKOFF_S`.
@@ -36,6 +41,9 @@ class SupervisorConfig:
         notice: polling notice sources besides signals: ``auto`` (detect the cloud),
             ``none``, or a comma-separated list of ``aws``, ``gcp``, ``azure``, ``file``.
         notice_options: endpoints, Azure VM name, drill file and timings of those sources.
+        notice_signals: the signals that are notices, comma-separated (``"TERM,INT,HUP,USR1,USR2"``,
+            the default), or ``"none"``; every other signal that would end the supervisor is
+            logged and ignored (see :mod:`spotrun.supervisor.signals`).
 
     Raises:
         ConfigError: an empty command or an out-of-range value.
@@ -44,20 +52,23 @@ class SupervisorConfig:
     command: tuple[str, ...]
     checkpoint_uri: str = DEFAULT_CHECKPOINT_URI
     grace_period_s: float = 30.0
-    safety_margin_s: float = 5.0
+    safety_margin_s: float | None = None
     stop_timeout_s: float = 5.0
     max_restarts: int = 0
     restart_backoff_s: float = 10.0
     s3_endpoint_url: str | None = None
     notice: str = "auto"
     notice_options: NoticeOptions = field(default_factory=NoticeOptions)
+    notice_signals: str = DEFAULT_NOTICE_SIGNALS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
         if not self.command or not self.command[0]:
             raise ConfigError("no launch command given: use spotrun run -- COMMAND...")
-        if not self.grace_period_s > 0:
+        if not self.grace_period_s > 0 or self.grace_period_s == float("inf"):
             raise ConfigError(f"grace period must be > 0 s, got {self.grace_period_s}")
+        if self.safety_margin_s is None:
+            object.__setattr__(self, "safety_margin_s", default_safety_margin_s(self.grace_period_s))
         if not 0 <= self.safety_margin_s < self.grace_period_s:
             raise ConfigError(
                 f"safety margin must be >= 0 and < the grace period ({self.grace_period_s} s), "
@@ -71,6 +82,12 @@ class SupervisorConfig:
             raise ConfigError(f"restart backoff must be >= 0 s, got {self.restart_backoff_s}")
         storage_options(self.checkpoint_uri, s3_endpoint_url=self.s3_endpoint_url)
         parse_notice_option(self.notice)
+        parse_notice_signals(self.notice_signals)
+
+    @property
+    def notice_signal_numbers(self) -> frozenset[int]:
+        """The signal numbers of :attr:`notice_signals`."""
+        return parse_notice_signals(self.notice_signals)
 
     def storage_options(self) -> dict[str, Any]:
         """Keyword arguments of ``open_storage`` for :attr:`checkpoint_uri`."""

@@ -76,8 +76,6 @@ class DrillConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"drill option {name} must be > 0, got {value}")
-        if self.lead_s <= 5.0:
-            raise ConfigError(f"--grace-period-s must be > 5 s (the supervisor's safety margin), got {self.lead_s}")
         storage_options(self.checkpoint_uri, s3_endpoint_url=self.s3_endpoint_url)
         if not self.exact_check and (self.reference_uri is not None or self.keep_reference):
             raise ConfigError("--reference-uri and --keep-reference need the exact check (drop --no-exact-check)")

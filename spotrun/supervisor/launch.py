@@ -78,6 +78,7 @@ def plan_launch(
     previous: LaunchPlan | None = None,
     base_env: dict[str, str] | None = None,
     s3_endpoint_url: str | None = None,
+    supervisor_pid: int | None = None,
 ) -> LaunchPlan:
     """Choose the resume point and build the launch command's environment.
 
@@ -94,6 +95,9 @@ def plan_launch(
         base_env: environment to extend; default ``os.environ``.
         s3_endpoint_url: the ``--s3-endpoint-url`` option; for an ``s3://`` URI the workers
             get it as ``AWS_ENDPOINT_URL_S3``, so their storage uses the same endpoint.
+        supervisor_pid: the supervisor's process id, passed as ``SPOTRUN_SUPERVISOR_PID`` with
+            ``SPOTRUN_GRACE_PERIOD_S``: the workers stop when it is gone
+            (:mod:`spotrun.supervisor_watch`); ``None`` leaves both out.
 
     Raises:
         StorageError: listing the checkpoints failed.
@@ -122,4 +126,9 @@ def plan_launch(
     else:
         env[spotrun_env.RESUME_STEP] = str(resume.step)
     env.setdefault(TORCH_SHUTDOWN_TIMEOUT, str(math.ceil(grace_period_s)))
+    for name in (spotrun_env.SUPERVISOR_PID, spotrun_env.GRACE_PERIOD_S):
+        env.pop(name, None)  # never a stale one from this process's own environment
+    if supervisor_pid is not None:
+        env[spotrun_env.SUPERVISOR_PID] = str(supervisor_pid)
+        env[spotrun_env.GRACE_PERIOD_S] = repr(float(grace_period_s))
     return LaunchPlan(resume=resume, run_id=run_id, incarnation=incarnation, env=env)

@@ -1,15 +1,17 @@
 """Preemption notices and the supervisor's inbox.
 
-Every source of a preemption notice (a signal today; the cloud metadata pollers later)
-delivers a :class:`Notice` through one :class:`Inbox`, and the supervisor's main loop is
-the only place that acts on it. No work happens inside a signal handler: the Python
+Every source of a preemption notice (a notice signal, a cloud metadata poller) delivers a
+:class:`Notice` through one :class:`Inbox`, and the supervisor's main loop is the only
+place that acts on it. No work happens inside a signal handler: the Python
 handlers installed by :func:`signal_notices` do nothing, and :func:`signal.set_wakeup_fd`
 makes the interpreter's C-level handler write the signal number into the inbox's
 self-pipe, whichever thread the kernel delivered the signal to. The main loop turns those
 bytes into events after it wakes up.
 
 Events the inbox hands out (:meth:`Inbox.wait`):
-    :class:`Notice`        a preemption notice (from a signal or from :meth:`Inbox.post`);
+    :class:`Notice`        a preemption notice (from a notice signal or from :meth:`Inbox.post`);
+    :class:`IgnoredSignal` a signal that would have ended the supervisor but is no notice
+                           (:mod:`spotrun.supervisor.signals`): log it, keep supervising;
     :data:`CHILD_EVENT`    SIGCHLD arrived: some child changed state, reap it.
 """
 
@@ -22,11 +24,10 @@ import queue
 import select
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
-#: Signals that mean "you are being preempted" to the supervisor.
-NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+from spotrun.supervisor.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals, signal_name, terminating_signals
 
 #: Event meaning "a child process changed state" (SIGCHLD arrived).
 CHILD_EVENT = "child"
@@ -55,14 +56,35 @@ class Notice:
     acknowledge: Callable[[], None] | None = None
 
 
+@dataclass(frozen=True)
+class IgnoredSignal:
+    """A signal that is not a notice arrived (e.g. SIGALRM, or SIGUSR1 left out of ``--notice-signals``).
+
+    Attributes:
+        signum: its number.
+        name: its name (``"SIGALRM"``, ``"SIGRTMIN+3"``).
+    """
+
+    signum: int
+    name: str
+
+
 class Inbox:
     """A thread-safe queue of events plus a self-pipe that wakes the main loop.
 
     ``post`` may be called from any thread (a cloud notice poller); ``wait`` only from the
     supervisor's main loop. Close it (or use it as a context manager) to free the pipe.
+
+    Args:
+        notice_signals: signal numbers that are notices (default
+            :data:`~spotrun.supervisor.signals.DEFAULT_NOTICE_SIGNALS`); any other signal the
+            wakeup fd reports becomes an :class:`IgnoredSignal`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, notice_signals: Collection[int] | None = None) -> None:
+        self.notice_signals = frozenset(
+            parse_notice_signals(DEFAULT_NOTICE_SIGNALS) if notice_signals is None else notice_signals
+        )
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._read_fd, self._write_fd = os.pipe()
         for fd in (self._read_fd, self._write_fd):
@@ -104,13 +126,20 @@ class Inbox:
                 break
             if not data:
                 break
-            events.extend(_signal_event(signum) for signum in data if signum != _WAKE_BYTE[0])
+            events.extend(self._signal_event(signum) for signum in data if signum != _WAKE_BYTE[0])
         while True:
             try:
                 events.append(self._events.get_nowait())
             except queue.Empty:
                 break
         return events
+
+    def _signal_event(self, signum: int) -> object:
+        if signum == signal.SIGCHLD:
+            return CHILD_EVENT
+        if signum in self.notice_signals:
+            return Notice(source="signal", kind=signal_name(signum), received_unix_s=time.time())
+        return IgnoredSignal(signum=signum, name=signal_name(signum))
 
     def close(self) -> None:
         """Close the pipe; the inbox must not be used afterwards."""
@@ -125,29 +154,28 @@ class Inbox:
         self.close()
 
 
-def _signal_event(signum: int) -> object:
-    if signum == signal.SIGCHLD:
-        return CHILD_EVENT
-    return Notice(source="signal", kind=signal.Signals(signum).name, received_unix_s=time.time())
-
-
 def _ignore(signum: int, frame: object) -> None:
     """Python-level handler: nothing to do; the wakeup fd already carries the signal."""
 
 
 @contextlib.contextmanager
 def signal_notices(inbox: Inbox) -> Iterator[None]:
-    """Route SIGTERM, SIGINT, SIGHUP (as notices) and SIGCHLD into ``inbox`` while active.
+    """Route every signal that would end the supervisor, and SIGCHLD, into ``inbox`` while active.
 
-    Must be entered in the main thread. These signals are also unblocked in this thread:
-    a parent may have blocked them and the mask is inherited (a blocked SIGCHLD would leave
-    exited children unnoticed, a blocked SIGTERM would swallow the notice). The previous
-    handlers, wakeup fd and signal mask are restored on exit.
+    The inbox's notice signals become :class:`Notice` events, every other signal of
+    :func:`~spotrun.supervisor.signals.terminating_signals` an :class:`IgnoredSignal`, so no
+    such signal can end the supervisor and leave its job unsupervised. Fault signals
+    (SIGSEGV, ...) keep their default action. Must be entered in the main thread. These
+    signals are also unblocked in this thread: a parent may have blocked them and the mask
+    is inherited (a blocked SIGCHLD would leave exited children unnoticed, a blocked SIGTERM
+    would swallow the notice). Handlers, unlike ``SIG_IGN``, are reset to the default by
+    ``exec``, so the launch command starts with default dispositions. The previous handlers,
+    wakeup fd and signal mask are restored on exit.
 
     Raises:
         ValueError: not called from the main thread.
     """
-    watched = (*NOTICE_SIGNALS, signal.SIGCHLD)
+    watched = tuple(sorted({*terminating_signals(), *inbox.notice_signals, signal.SIGCHLD}))
     previous = {signum: signal.getsignal(signum) for signum in watched}
     old_fd = signal.set_wakeup_fd(inbox.wakeup_fd, warn_on_full_buffer=False)
     old_mask = None

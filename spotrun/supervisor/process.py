@@ -8,6 +8,10 @@ to the supervisor instead of to init, so it stays findable and gets reaped here.
 
 Processes are identified by ``(pid, start time)``: a pid reused by an unrelated process
 after the original exited is never signalled.
+
+The launch command is started with ``PR_SET_PDEATHSIG`` (:func:`die_with_parent`): when the
+supervisor dies, however it dies (SIGKILL included), the kernel sends the command SIGTERM,
+which torchrun passes on to its workers (and SIGKILLs them after its shutdown timeout).
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
+_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+#: Exit code of a launch child whose supervisor died before the child could start.
+EXIT_PARENT_GONE = 128 + signal.SIGTERM
 #: While stopping, how often to look for survivors, in seconds: descendants that are not
 #: our own children send no SIGCHLD when they exit, so ``/proc`` must be read again.
 STOP_POLL_S = 0.1
@@ -207,17 +214,54 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _prctl() -> Callable[..., int] | None:
+    """libc's ``prctl``, or ``None`` where there is none (not Linux)."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return None
+    try:
+        return ctypes.CDLL(libc_name, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
 def become_subreaper() -> bool:
     """Make orphaned descendants re-parent to this process (Linux only).
 
     Returns:
         Whether it worked; on other systems or without ``prctl`` nothing changes.
     """
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(libc_name, use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    prctl = _prctl()
+    return prctl is not None and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen`` that makes the child get ``signum`` when we die.
+
+    The child asks the kernel for ``signum`` on its parent's death (``PR_SET_PDEATHSIG``),
+    then checks that its parent is still the caller: if the caller died between the fork
+    and the ``prctl``, the signal would never come, so the child exits at once with
+    :data:`EXIT_PARENT_GONE`. The setting survives ``exec`` (of a binary that is not
+    set-user-ID) but not ``fork``, so it covers the launch command only, not its children.
+
+    The kernel sends the signal when the *thread* that forked the child ends, so call
+    ``Popen`` from a thread that lives as long as the process (the supervisor uses its main
+    thread). The function runs between ``fork`` and ``exec``: it only calls a C function
+    looked up beforehand and two system calls, and takes no lock another thread could hold.
+
+    Returns:
+        The function, or ``None`` where ``prctl`` is missing (not Linux): start the child
+        without it.
+    """
+    prctl = _prctl()
+    if prctl is None:
+        return None
+    parent_pid = os.getpid()
+    number = int(signum)
+
+    def set_parent_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, number, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(EXIT_PARENT_GONE)
+
+    return set_parent_death_signal

@@ -5,13 +5,22 @@ read, listed and deleted (:mod:`spotrun.supervisor.preflight`; a failure is spot
 error, exit code 2, before anything is launched). It then finds the newest complete
 checkpoint, starts the launch command (usually ``torchrun ...``) in its own process group
 with the resume point in the environment (:mod:`spotrun.supervisor.launch`), and waits.
-A preemption notice (SIGTERM, SIGINT or SIGHUP to the supervisor; cloud notices later, all through
+A preemption notice (a notice signal to the supervisor - SIGTERM, SIGINT, SIGHUP, SIGUSR1,
+SIGUSR2 by default, see :mod:`spotrun.supervisor.signals` - or a cloud notice, all through
 :class:`~spotrun.supervisor.notices.Inbox`) never reaches torchrun as a signal, because
 torchrun treats those as fatal. Instead the supervisor writes a save request into the
 node-local control directory (:mod:`spotrun.control`) with the deadline
 ``notice time + grace period - safety margin``, and waits for the command to exit. If the
 deadline passes first it stops the whole process tree (SIGTERM, then SIGKILL after the
-stop timeout; workers in other sessions included) and leaves no process behind.
+stop timeout but at the latest halfway through the safety margin, so that every process is
+gone by the end of the grace period; workers in other sessions included) and leaves no
+process behind. Other signals that would end the supervisor are logged and ignored.
+
+If the supervisor itself dies (SIGKILL, a crash), the job stops too: the kernel sends the
+launch command SIGTERM (``PR_SET_PDEATHSIG``, :func:`spotrun.supervisor.process.die_with_parent`),
+and every worker watches the supervisor (:mod:`spotrun.supervisor_watch`), takes an
+emergency checkpoint at its next step boundary and ends itself a grace period after the
+supervisor died at the latest.
 
 Before asking for the save it estimates how long it would take
 (:mod:`spotrun.supervisor.estimate`: the save in progress, the next step boundary, and the
@@ -51,17 +60,17 @@ import time
 
 from spotrun import control
 from spotrun.checkpoint import catalog
-from spotrun.env import STOP_AT_STEP
 from spotrun.errors import ConfigError, SpotrunError
 from spotrun.manifest import Manifest
 from spotrun.storage import Storage, open_storage
-from spotrun.supervisor import preflight, process
+from spotrun.supervisor import outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.estimate import estimate_emergency_save
 from spotrun.supervisor.launch import LaunchPlan, plan_launch
 from spotrun.notices import is_stop
 from spotrun.supervisor.cloud_notices import CloudNotices
-from spotrun.supervisor.notices import CHILD_EVENT, Inbox, Notice, signal_notices
+from spotrun.supervisor.notices import CHILD_EVENT, IgnoredSignal, Inbox, Notice, signal_notices
+from spotrun.supervisor.signals import describe as describe_signals
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +85,11 @@ def supervise(config: SupervisorConfig) -> int:
     """Run the launch command under supervision until it finishes or is preempted.
 
     Must be called from the main thread of a process that has no other children to wait
-    for (it reaps every child). Installs handlers for SIGTERM, SIGINT, SIGHUP and SIGCHLD
-    while it runs and restores the old ones afterwards.
+    for (it reaps every child), and that thread must live as long as the process (the
+    launch command gets SIGTERM when the thread that started it ends). Installs handlers
+    for every signal that would end the process (notices and ignored signals, see
+    :mod:`spotrun.supervisor.signals`) and SIGCHLD while it runs and restores the old
+    ones afterwards.
 
     Returns:
         The exit code (see the module docstring).
@@ -87,16 +99,13 @@ def supervise(config: SupervisorConfig) -> int:
         StorageError: the storage failed its preflight check (nothing was launched; the
             message names the cause), or the checkpoints could not be listed.
     """
-    if config.safety_margin_s < config.stop_timeout_s:
-        log.warning(
-            "safety margin %.1f s is shorter than the stop timeout %.1f s: stopping a command "
-            "that misses the deadline may not finish within the grace period",
-            config.safety_margin_s, config.stop_timeout_s,
-        )
     preflight.check_storage(config.checkpoint_uri, s3_endpoint_url=config.s3_endpoint_url)
     with contextlib.ExitStack() as stack:
-        inbox = stack.enter_context(Inbox())
+        inbox = stack.enter_context(Inbox(config.notice_signal_numbers))
         stack.enter_context(signal_notices(inbox))
+        log.info("notice signals: %s (other signals that would end spotrun are logged and ignored); "
+                 "grace period %.1f s, safety margin %.1f s",
+                 describe_signals(inbox.notice_signals), config.grace_period_s, config.safety_margin_s)
         cloud = CloudNotices(config.notice, config.notice_options, inbox.post)
         stack.callback(cloud.stop)
         cloud.start()
@@ -118,6 +127,8 @@ class _Supervisor:
         self.control_root = control_root
         self.notice: Notice | None = None
         self.deadline_unix_s: float | None = None
+        self.end_unix_s: float | None = None  # end of the grace period: every process gone by then
+        self.ignored_signals: set[int] = set()  # logged once each
         self.child: subprocess.Popen | None = None
         self.child_returncode: int | None = None
         self.control_dir: str | None = None  # of the command now running, if any
@@ -148,12 +159,12 @@ class _Supervisor:
             plan = plan_launch(
                 self.storage, self.config.checkpoint_uri, control_dir=control_dir,
                 grace_period_s=self.config.grace_period_s, previous=plan,
-                s3_endpoint_url=self.config.s3_endpoint_url,
+                s3_endpoint_url=self.config.s3_endpoint_url, supervisor_pid=os.getpid(),
             )
             self.resumed_manifest = plan.resume.manifest if plan.resume is not None else None
             code = self._run_once(plan, control_dir)
-            stopped_without_save = self._workers_stopped_without_save(control_dir)
-            if self.notice is not None or stopped_without_save or self._workers_saved_on_their_own(control_dir):
+            stopped_without_save = outcome.workers_stopped_without_save(control_dir)
+            if self.notice is not None or stopped_without_save or outcome.workers_saved_on_their_own(control_dir):
                 return self._preempted_exit_code(code, control_dir, stopped_without_save=stopped_without_save)
             if code == 0:
                 log.info("the command exited 0: training finished")
@@ -172,8 +183,9 @@ class _Supervisor:
     def _run_once(self, plan: LaunchPlan, control_dir: str) -> int:
         """Start the command, wait for it (stopping it at the deadline); its exit code."""
         command = list(self.config.command)
-        try:
-            self.child = subprocess.Popen(command, env=plan.env, start_new_session=True)
+        try:  # in the main thread: PR_SET_PDEATHSIG fires when the forking thread ends
+            self.child = subprocess.Popen(command, env=plan.env, start_new_session=True,
+                                          preexec_fn=process.die_with_parent())
         except OSError as exc:
             raise ConfigError(f"cannot start {shlex.join(command)}: {exc.strerror or exc}") from exc
         self.child_returncode = None
@@ -192,14 +204,23 @@ class _Supervisor:
         leftovers = process.descendants(os.getpid())
         if leftovers:
             log.warning("the command exited but left %d process(es) running: stopping them", len(leftovers))
-            process.stop_tree(os.getpid(), None, stop_timeout_s=self.config.stop_timeout_s, wait=self._wait)
+            process.stop_tree(os.getpid(), None, stop_timeout_s=self._stop_timeout_s(), wait=self._wait)
         code = process.exit_code(self.child_returncode)
         log.info("the command exited with code %d", code)
         return code
 
+    def _stop_timeout_s(self) -> float:
+        """Seconds from SIGTERM to SIGKILL when stopping the tree now: ``--stop-timeout-s``, but
+        SIGKILL at the latest halfway through the safety margin, so that every process is gone
+        by the end of the grace period (after a notice)."""
+        if self.end_unix_s is None:
+            return self.config.stop_timeout_s
+        kill_by_unix_s = self.end_unix_s - self.config.safety_margin_s / 2
+        return max(0.0, min(self.config.stop_timeout_s, kill_by_unix_s - time.time()))
+
     def _stop_child(self) -> None:
         pgid = self.child.pid if self.child_returncode is None else None
-        process.stop_tree(os.getpid(), pgid, stop_timeout_s=self.config.stop_timeout_s, wait=self._wait)
+        process.stop_tree(os.getpid(), pgid, stop_timeout_s=self._stop_timeout_s(), wait=self._wait)
         give_up = time.monotonic() + _REAP_AFTER_KILL_S
         while self.child_returncode is None and time.monotonic() < give_up:
             self._wait(give_up - time.monotonic())
@@ -226,8 +247,18 @@ class _Supervisor:
         for event in events:
             if isinstance(event, Notice):
                 self._on_notice(event)
+            elif isinstance(event, IgnoredSignal):
+                self._on_ignored_signal(event)
             elif event != CHILD_EVENT:
                 log.debug("ignoring unknown event %r", event)
+
+    def _on_ignored_signal(self, event: IgnoredSignal) -> None:
+        if event.signum in self.ignored_signals:
+            log.debug("ignoring %s again", event.name)
+            return
+        self.ignored_signals.add(event.signum)
+        log.warning("ignoring %s: not a notice signal (--notice-signals: %s); still supervising "
+                    "(further %s are not logged)", event.name, describe_signals(self.inbox.notice_signals), event.name)
 
     def _on_notice(self, notice: Notice) -> None:
         """The one place where a notice turns into a save request (signals and clouds alike)."""
@@ -256,6 +287,7 @@ class _Supervisor:
             log.warning("notice %s from %s moves the deadline earlier by %.1f s",
                         notice.kind, notice.source, self.deadline_unix_s - deadline_unix_s)
         self.deadline_unix_s = deadline_unix_s
+        self.end_unix_s = end_s if self.end_unix_s is None else min(self.end_unix_s, end_s)
         if self.control_dir is not None:
             save = self._save_fits(deadline_unix_s)
             self.save_declined = not save
@@ -318,16 +350,16 @@ class _Supervisor:
             log.error("%s", exc)
             report = None
         if report is None and (self.save_declined or stopped_without_save):
-            self._check_resume_point(declined=True)
+            outcome.check_resume_point(self.storage, declined=True)
             return EXIT_PREEMPTED_NOT_SAVED
         if report is None:
             if code == 0:
                 log.info("the command exited 0 without an emergency checkpoint: training finished")
                 return EXIT_FINISHED
             log.warning("no emergency checkpoint committed (command exit code %d)", code)
-            self._check_resume_point()
+            outcome.check_resume_point(self.storage)
             return EXIT_PREEMPTED_NOT_SAVED
-        status, problem = self._step_status(report.step)
+        status, problem = outcome.step_status(self.storage, report.step)
         if status != catalog.COMPLETE:
             log.error(
                 "workers reported step %d committed, but it is %s on storage: %s",
@@ -337,62 +369,6 @@ class _Supervisor:
         log.info("emergency checkpoint of step %d is complete: exiting %d", report.step, EXIT_PREEMPTED_SAVED)
         self._acknowledge()
         return EXIT_PREEMPTED_SAVED
-
-    def _check_resume_point(self, *, declined: bool = False) -> None:
-        """Without an emergency checkpoint: make sure (and say) which complete checkpoint the job
-        resumes from."""
-        try:
-            newest = catalog.newest_complete(self.storage)
-        except SpotrunError as exc:
-            log.error("cannot list the checkpoints to confirm the resume point: %s", exc)
-            return
-        why = "no time for one" if declined else "none committed"
-        if newest is None:
-            log.warning("no emergency checkpoint (%s) and no complete checkpoint on storage: "
-                        "the job restarts from step 0", why)
-        else:
-            log.warning("no emergency checkpoint (%s): the newest complete checkpoint is step %d "
-                        "(%s; manifest and every file present with its recorded size): the job resumes from it",
-                        why, newest.step, newest.reason)
-
-    @staticmethod
-    def _workers_saved_on_their_own(control_dir: str) -> bool:
-        """Workers can be told to stop without the supervisor (a SIGTERM to their process
-        groups, systemd's control-group kill): their emergency checkpoint means "preempted"."""
-        try:
-            report = control.read_commit_report(control_dir)
-        except SpotrunError:
-            return True  # let _preempted_exit_code log the unreadable report
-        if report is not None and os.environ.get(STOP_AT_STEP):
-            log.info("the workers took the checkpoint of step %d and stopped, as %s=%s asked",
-                     report.step, STOP_AT_STEP, os.environ[STOP_AT_STEP])
-        elif report is not None:
-            log.warning("the workers took an emergency checkpoint of step %d without a notice here "
-                        "(another node got the notice, or a signal reached them directly)", report.step)
-        return report is not None
-
-    @staticmethod
-    def _workers_stopped_without_save(control_dir: str) -> bool:
-        """The workers stopped without saving: this node's or another node's supervisor found no
-        time for an emergency checkpoint."""
-        try:
-            step = control.read_stop_report(control_dir)
-        except SpotrunError as exc:
-            log.error("%s", exc)
-            return False
-        if step is not None:
-            log.warning("the workers stopped after step %d without saving (no time for an emergency checkpoint)",
-                        step)
-        return step is not None
-
-    def _step_status(self, step: int) -> tuple[str, str | None]:
-        try:
-            infos = [s for s in catalog.list_steps(self.storage) if s.step == step]
-        except SpotrunError as exc:
-            return "unreadable", str(exc)
-        if not infos:
-            return "missing", "no such step directory"
-        return infos[0].status, infos[0].problem
 
     def _acknowledge(self) -> None:
         """Acknowledge every notice that wants it (Azure StartRequests), only after the commit."""

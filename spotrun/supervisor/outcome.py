@@ -1,0 +1,80 @@
+"""What the workers reported when a launch ended, and which checkpoint the job resumes from.
+
+Helpers of :mod:`spotrun.supervisor.run` that read the control channel's reports
+(:mod:`spotrun.control`) and the checkpoint catalog after the launch command exited; they
+log what they find, for the supervisor to choose its exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from spotrun import control
+from spotrun.checkpoint import catalog
+from spotrun.env import STOP_AT_STEP
+from spotrun.errors import SpotrunError
+from spotrun.storage import Storage
+
+log = logging.getLogger("spotrun.supervisor.run")  # the supervisor's own log lines
+
+
+def check_resume_point(storage: Storage, *, declined: bool = False) -> None:
+    """Without an emergency checkpoint: make sure (and say) which complete checkpoint the job
+    resumes from. ``declined``: the supervisor found no time for one (else none committed)."""
+    try:
+        newest = catalog.newest_complete(storage)
+    except SpotrunError as exc:
+        log.error("cannot list the checkpoints to confirm the resume point: %s", exc)
+        return
+    why = "no time for one" if declined else "none committed"
+    if newest is None:
+        log.warning("no emergency checkpoint (%s) and no complete checkpoint on storage: "
+                    "the job restarts from step 0", why)
+    else:
+        log.warning("no emergency checkpoint (%s): the newest complete checkpoint is step %d "
+                    "(%s; manifest and every file present with its recorded size): the job resumes from it",
+                    why, newest.step, newest.reason)
+
+
+def workers_saved_on_their_own(control_dir: str) -> bool:
+    """Whether the workers reported an emergency checkpoint. Workers can be told to stop without
+    the supervisor (a SIGTERM to their process groups, systemd's control-group kill): their
+    emergency checkpoint means "preempted". True too when the report is unreadable (the caller
+    reads it again and logs why)."""
+    try:
+        report = control.read_commit_report(control_dir)
+    except SpotrunError:
+        return True
+    if report is not None and os.environ.get(STOP_AT_STEP):
+        log.info("the workers took the checkpoint of step %d and stopped, as %s=%s asked",
+                 report.step, STOP_AT_STEP, os.environ[STOP_AT_STEP])
+    elif report is not None:
+        log.warning("the workers took an emergency checkpoint of step %d without a notice here "
+                    "(another node got the notice, or a signal reached them directly)", report.step)
+    return report is not None
+
+
+def workers_stopped_without_save(control_dir: str) -> bool:
+    """Whether the workers stopped without saving: this node's or another node's supervisor found
+    no time for an emergency checkpoint."""
+    try:
+        step = control.read_stop_report(control_dir)
+    except SpotrunError as exc:
+        log.error("%s", exc)
+        return False
+    if step is not None:
+        log.warning("the workers stopped after step %d without saving (no time for an emergency checkpoint)",
+                    step)
+    return step is not None
+
+
+def step_status(storage: Storage, step: int) -> tuple[str, str | None]:
+    """``(status, problem)`` of ``step`` on storage: a catalog status, ``"missing"`` or ``"unreadable"``."""
+    try:
+        infos = [s for s in catalog.list_steps(storage) if s.step == step]
+    except SpotrunError as exc:
+        return "unreadable", str(exc)
+    if not infos:
+        return "missing", "no such step directory"
+    return infos[0].status, infos[0].problem

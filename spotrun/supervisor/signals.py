@@ -1,0 +1,136 @@
+"""Which signals the supervisor takes as preemption notices, and what it does with the rest.
+
+Every signal whose default action would end the supervisor falls in one of three groups:
+
+* **notices** (``--notice-signals``, default :data:`DEFAULT_NOTICE_SIGNALS`: SIGTERM,
+  SIGINT, SIGHUP, SIGUSR1, SIGUSR2): the same as a cloud notice, an emergency checkpoint
+  within the grace period, then exit 143 (or 142). SLURM's ``--signal=USR1@90`` and
+  submitit's USR2 are notices by default.
+* **ignored** (every other signal of :func:`terminating_signals`: SIGQUIT, SIGPIPE,
+  SIGALRM, SIGVTALRM, SIGPROF, SIGIO, SIGPWR, SIGXCPU, SIGXFSZ, SIGSTKFLT, the real-time
+  signals, and the default notices left out of ``--notice-signals``): logged the first
+  time each arrives, otherwise ignored; the supervisor keeps supervising.
+* **faults** (:data:`FAULT_SIGNALS`: SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGTRAP, SIGSYS,
+  SIGABRT): they report a broken supervisor, so they keep their default action. The
+  supervisor dies; its launch command gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``)
+  and the workers notice it is gone (:mod:`spotrun.supervisor_watch`), so the job stops
+  within the grace period, with an emergency checkpoint when there is time, exactly as
+  after a SIGKILL.
+
+SIGKILL and SIGSTOP cannot be caught; SIGTSTP, SIGTTIN and SIGTTOU only stop the
+supervisor (the job runs on and is supervised again after SIGCONT).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Iterable
+
+from spotrun.errors import ConfigError
+
+#: The notice signals when ``--notice-signals`` is not given.
+DEFAULT_NOTICE_SIGNALS = "TERM,INT,HUP,USR1,USR2"
+
+#: Signals that report a fault in the process itself: they keep their default action.
+FAULT_SIGNALS = frozenset(
+    getattr(signal, name) for name in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGTRAP", "SIGSYS", "SIGABRT")
+    if hasattr(signal, name)
+)
+
+# Default action "terminate" or "core dump" (signal(7)), faults excluded.
+_TERMINATING_NAMES = (
+    "SIGHUP", "SIGINT", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGTERM",
+    "SIGSTKFLT", "SIGXCPU", "SIGXFSZ", "SIGVTALRM", "SIGPROF", "SIGIO", "SIGPWR",
+)
+_RT = re.compile(r"RTM(IN|AX)(?:([+-])(\d+))?")
+
+
+def terminating_signals() -> frozenset[int]:
+    """Every catchable signal whose default action ends the process, faults excluded.
+
+    Returns:
+        Signal numbers; on Linux also every real-time signal ``SIGRTMIN..SIGRTMAX``.
+    """
+    numbers = {int(getattr(signal, name)) for name in _TERMINATING_NAMES if hasattr(signal, name)}
+    if hasattr(signal, "SIGRTMIN"):
+        numbers.update(range(signal.SIGRTMIN, signal.SIGRTMAX + 1))
+    return frozenset(numbers)
+
+
+def signal_name(signum: int) -> str:
+    """``15`` -> ``"SIGTERM"``; a real-time signal as ``"SIGRTMIN+3"``."""
+    if hasattr(signal, "SIGRTMIN") and signal.SIGRTMIN < signum < signal.SIGRTMAX:
+        return f"SIGRTMIN+{signum - signal.SIGRTMIN}"
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def parse_signal(token: str) -> int:
+    """One signal name: ``TERM``, ``SIGTERM``, ``usr1``, ``RTMIN+3``, ``SIGRTMAX-1``.
+
+    Raises:
+        ConfigError: not a signal name.
+    """
+    name = token.strip().upper()
+    bare = name[3:] if name.startswith("SIG") else name
+    match = _RT.fullmatch(bare)
+    if match and hasattr(signal, "SIGRTMIN"):
+        base = signal.SIGRTMIN if match.group(1) == "IN" else signal.SIGRTMAX
+        offset = int(match.group(3) or 0) * (-1 if match.group(2) == "-" else 1)
+        number = base + offset
+        if not signal.SIGRTMIN <= number <= signal.SIGRTMAX:
+            raise ConfigError(f"{token.strip()!r} is outside SIGRTMIN..SIGRTMAX "
+                              f"({signal.SIGRTMIN}..{signal.SIGRTMAX})")
+        return number
+    number = getattr(signal, f"SIG{bare}", None)
+    if not isinstance(number, signal.Signals):
+        raise ConfigError(f"{token.strip()!r} is not a signal name (e.g. TERM, USR1, RTMIN+3)")
+    return int(number)
+
+
+def parse_notice_signals(text: str | Iterable[str]) -> frozenset[int]:
+    """The ``--notice-signals`` value: comma-separated names, or ``none``.
+
+    Args:
+        text: e.g. ``"TERM,INT,HUP,USR1,USR2"``; ``"none"`` (no signal is a notice); a list
+            of names is accepted too (from a YAML config file).
+
+    Returns:
+        The signal numbers.
+
+    Raises:
+        ConfigError: an unknown name, or a signal that cannot be a notice (SIGKILL and
+            SIGSTOP cannot be caught, a fault signal keeps its default action, a signal
+            that does not end a process needs no handling); the message lists the choices.
+    """
+    tokens = [t for t in (text.split(",") if isinstance(text, str) else text) if t.strip()]
+    if [t.strip().lower() for t in tokens] == ["none"]:
+        return frozenset()
+    if not tokens:
+        raise ConfigError("--notice-signals is empty: give signal names (TERM,INT,...) or none")
+    allowed = terminating_signals()
+    numbers = set()
+    for token in tokens:
+        try:
+            number = parse_signal(token)
+        except ConfigError as exc:
+            raise ConfigError(f"--notice-signals: {exc}") from None
+        if number not in allowed:
+            why = ("reports a fault in spotrun itself and keeps its default action" if number in FAULT_SIGNALS
+                   else "cannot be a notice signal")
+            raise ConfigError(
+                f"--notice-signals: {signal_name(number)} {why}; choose from "
+                f"{', '.join(signal_name(s)[3:] for s in sorted(allowed) if s < getattr(signal, 'SIGRTMIN', 999))}"
+                f"{', RTMIN+N' if hasattr(signal, 'SIGRTMIN') else ''} (or none)"
+            )
+        numbers.add(number)
+    return frozenset(numbers)
+
+
+def describe(numbers: Iterable[int]) -> str:
+    """``{15, 2}`` -> ``"SIGINT, SIGTERM"`` (sorted by number); ``"none"`` when empty."""
+    names = [signal_name(n) for n in sorted(numbers)]
+    return ", ".join(names) if names else "none"
