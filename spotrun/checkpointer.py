@@ -154,8 +154,11 @@ class Checkpointer:
     def restore(self) -> int:
         """Load the newest loadable complete checkpoint into every object; return its step.
 
-        Starts from the step the supervisor chose (``$SPOTRUN_RESUME_STEP``) or, without a
-        supervisor, from the newest complete step in storage. If a step fails verification
+        Lists the checkpoints again and starts from the newest complete step (at least the
+        step the supervisor chose, ``$SPOTRUN_RESUME_STEP``: a step committed since, by an
+        orphaned older incarnation still saving, is newer and stays valid). Then claims this
+        start's incarnation, recording the step it resumed from, which fences every later
+        commit of an older incarnation (:mod:`spotrun.checkpoint.fencing`). If a step fails verification
         on any rank (checksum, missing file, bad manifest), every rank falls back to the
         next older complete step together, and the log says so.
 
@@ -262,9 +265,11 @@ class Checkpointer:
         """(step, manifest key) of every complete step, newest first."""
         steps = [(s.step, s.manifest_key) for s in catalog.list_steps(self._storage)
                  if s.status == catalog.COMPLETE]
-        if self._env.resume_step is not None:
-            steps = [s for s in steps if s[0] <= self._env.resume_step]
-        return sorted(steps, reverse=True)
+        steps.sort(reverse=True)
+        chosen = self._env.resume_step
+        if chosen is not None and steps and steps[0][0] != chosen:
+            log.info("the supervisor chose step %d; the newest complete step is now %d", chosen, steps[0][0])
+        return steps
 
     def _try_load(self, step: int, key: str) -> tuple[LoadedStep | None, dict | None]:
         try:

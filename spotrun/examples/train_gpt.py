@@ -245,7 +245,7 @@ def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None
     )
     try:
         step = ckpt.restore()
-        log.info("incarnation %d: %s", WorkerEnv.from_environ().incarnation,
+        log.info("incarnation %d: %s", ckpt.incarnation,
                  f"resumed from step {step}" if step else "fresh start")
         progress = Progress(args, rt, metrics)
         ddp.train()
