@@ -41,7 +41,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import lr_scheduler
 
 import spotrun
-from spotrun.env import WorkerEnv
 from spotrun.errors import ConfigError
 from spotrun.examples.gpt import GPT, GPTConfig
 from spotrun.examples.stdlib_text import DEFAULT_MAX_BYTES, StdlibText
