@@ -34,9 +34,9 @@ from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv, default_safety_margin
 from spotrun.save_meter import SaveMeter
 from spotrun.errors import (
     CheckpointSaveError,
+    CommitUnsupportedError,
     ConfigError,
     CorruptShardError,
-    FencedError,
     ManifestError,
     NoCheckpointError,
     SpotrunError,
@@ -197,12 +197,14 @@ class Checkpointer:
                                        at_least=max(at_least, self._env.incarnation))
                 claimed = {"incarnation": record.incarnation}
             except (SpotrunError, OSError) as exc:  # told to every rank, so none waits alone
-                claimed = {"error": f"{type(exc).__name__}: {exc}"}
+                claimed = {"error": f"{type(exc).__name__}: {exc}",
+                           "retryable": not isinstance(exc, CommitUnsupportedError)}
         claimed = dist.broadcast_json(claimed)
         if "error" in claimed:
             problem = f"cannot record this start under {self._storage.uri}: {claimed['error']}"
             if step is not None:
-                raise CheckpointSaveError(f"save of step {step} failed on rank 0: {problem} - nothing was committed")
+                raise CheckpointSaveError(f"save of step {step} failed on rank 0: {problem} - nothing was committed",
+                                          retryable=claimed["retryable"])
             raise StorageError(5, problem)
         self._incarnation = claimed["incarnation"]
 
@@ -401,9 +403,9 @@ class Checkpointer:
         try:
             self.save(step, reason=reason)
             self._failed_periodic_saves = 0
-        except FencedError:
-            raise  # a newer start owns the root: this process must stop, not retry
         except CheckpointSaveError as exc:
+            if not exc.retryable:  # a newer start owns the root, or the store cannot commit
+                raise
             self._failed_periodic_saves += 1
             log.error("periodic save of step %d failed (%d in a row): %s",
                       step, self._failed_periodic_saves, exc)

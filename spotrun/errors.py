@@ -71,7 +71,19 @@ class StateMismatchError(CheckpointError):
 
 
 class CheckpointSaveError(CheckpointError):
-    """A save failed on at least one rank; no manifest was written, so nothing was committed."""
+    """A save failed on at least one rank; no manifest was written, so nothing was committed.
+
+    Attributes:
+        retryable: ``False`` when a later save would fail the same way (the store cannot
+            commit; a newer incarnation owns the root): periodic saves stop at once.
+    """
+
+    retryable = True
+
+    def __init__(self, *args: object, retryable: bool | None = None) -> None:
+        super().__init__(*args)
+        if retryable is not None:
+            self.retryable = retryable
 
 
 class NoCheckpointError(CheckpointError):
@@ -81,3 +93,5 @@ class NoCheckpointError(CheckpointError):
 class FencedError(CheckpointSaveError):
     """A newer incarnation of the job started on the same checkpoint root: this (older)
     incarnation may no longer commit. Nothing was committed; the process should stop."""
+
+    retryable = False

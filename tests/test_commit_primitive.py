@@ -199,8 +199,20 @@ def test_3_s3_store_answering_501_at_commit_fails_the_save_naming_the_feature(s3
     ckpt = spotrun.Checkpointer(state={"weights": {"w": torch.ones(4)}}, storage=storage, handle_signals=False)
     with pytest.raises(spotrun.CheckpointSaveError, match="does not support conditional writes"):
         ckpt.save(10)
-    assert len(proxy.seen(conditional_put)) == 1
-    assert [row["status"] for row in ls_json(f"{s3_bucket.uri}/job")] == ["incomplete"]
+    assert len(proxy.seen(conditional_put)) == 1  # the first conditional put: this start's record
+    assert storage.list("") == []  # nothing written, nothing to clean up
+
+
+def test_3_store_that_cannot_commit_stops_periodic_saves_at_the_first_failure(s3_bucket, proxy):
+    """Periodic saves tolerate a few failures in a row (a store's bad minute); a store that
+    cannot commit at all fails the same way every time, so the first one stops training."""
+    proxy.set_rule(FaultRule(fraction=1.0, kinds=(NOT_IMPLEMENTED,), match=conditional_put))
+    storage = open_storage(f"{s3_bucket.uri}/job", endpoint_url=proxy.url)
+    ckpt = spotrun.Checkpointer(state={"weights": {"w": torch.ones(4)}}, storage=storage, handle_signals=False,
+                                interval_steps=1, max_failed_periodic_saves=3)
+    with pytest.raises(spotrun.CheckpointSaveError, match="does not support conditional writes") as caught:
+        ckpt.end_of_step(1)
+    assert not caught.value.retryable
 
 
 # --- 3: an S3 store that ignores the condition ------------------------------------------

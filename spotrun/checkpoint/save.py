@@ -34,7 +34,13 @@ from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.plan import assign_by_bytes
 from spotrun.checkpoint.restore import reject_step
 from spotrun.checkpoint.shard import encode_shard, sha256_hex, tensor_record
-from spotrun.errors import CheckpointSaveError, FencedError, SpotrunError, StateMismatchError
+from spotrun.errors import (
+    CheckpointSaveError,
+    CommitUnsupportedError,
+    FencedError,
+    SpotrunError,
+    StateMismatchError,
+)
 from spotrun.manifest import FileRecord, Manifest, SaveTiming, TensorRecord
 from spotrun.state import tree
 from spotrun.storage.base import Storage
@@ -280,11 +286,13 @@ def save_step(
             fencing.check_not_fenced(storage, context.incarnation)
             storage.put_if_absent(manifest_key(step, context.incarnation), manifest.to_json())
         except Exception as exc:  # reported through the broadcast, so no rank waits for it
-            outcome = {"ok": False, "error": _describe(exc), "fenced": isinstance(exc, FencedError)}
+            outcome = {"ok": False, "error": _describe(exc), "fenced": isinstance(exc, FencedError),
+                       "retryable": not isinstance(exc, (FencedError, CommitUnsupportedError))}
     outcome = dist.broadcast_json(outcome)
     if not outcome["ok"]:
         error = FencedError if outcome.get("fenced") else CheckpointSaveError
-        raise error(f"commit of step {step} failed on rank 0: {outcome['error']}")
+        raise error(f"commit of step {step} failed on rank 0: {outcome['error']}",
+                    retryable=outcome["retryable"])
     return SavedStep(manifest=manifest, size_bytes=sum(rep["file"]["size_bytes"] for rep in reports))
 
 
