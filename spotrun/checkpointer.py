@@ -30,6 +30,7 @@ from spotrun import control, dist
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.restore import LoadedStep, load_step, reject_step
 from spotrun.checkpoint.save import SaveContext, encode_state, save_step
+from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES, ShardLimits
 from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv
 from spotrun.save_meter import SaveMeter
 from spotrun.errors import (
@@ -77,6 +78,12 @@ class Checkpointer:
             included; when storage keeps failing the save fails after at most this long.
             An emergency save requested by the supervisor gets the smaller of this and the
             time left until the request's ``deadline_unix_s``.
+        max_file_size_bytes: most bytes of one shard file (default 4 GiB); a rank whose
+            tensors would pass it writes several files (a single larger tensor gets a file of
+            its own). One file's bytes are held in memory while it is written.
+        max_header_bytes: most bytes of one shard file's safetensors header (default
+            16 MiB; at most safetensors' limit of 100 MB, about a million small tensors);
+            a rank with more tensors writes several files.
 
     Raises:
         ConfigError: bad arguments or environment.
@@ -94,6 +101,8 @@ class Checkpointer:
         max_failed_periodic_saves: int = 3,
         storage: Storage | None = None,
         save_timeout_s: float = DEFAULT_SAVE_TIMEOUT_S,
+        max_file_size_bytes: int = DEFAULT_MAX_FILE_SIZE_BYTES,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     ) -> None:
         if not isinstance(state, dict) or not state:
             raise ConfigError("Checkpointer(state=...) needs a non-empty dict of name -> object")
@@ -103,6 +112,7 @@ class Checkpointer:
             raise ConfigError("interval_steps must be >= 0 and check_interval_steps >= 1")
         if not save_timeout_s > 0:
             raise ConfigError(f"save_timeout_s must be > 0, got {save_timeout_s}")
+        self._limits = ShardLimits(max_file_size_bytes=max_file_size_bytes, max_header_bytes=max_header_bytes)
         self._state = dict(state)
         self._rank_state = {**(rank_state or {}), "rng": RNGState()}
         self._env = WorkerEnv.from_environ()
@@ -326,7 +336,7 @@ class Checkpointer:
             context = SaveContext(reason=reason, run_id=self._run_id, incarnation=self._env.incarnation,
                                   step_time_s=self._meter.step_time_s)
             with self._storage.deadline(self.save_timeout_s if timeout_s is None else timeout_s):
-                saved = save_step(self._storage, step, replicated, rank_local, context)
+                saved = save_step(self._storage, step, replicated, rank_local, context, self._limits)
         except BaseException:
             self._meter.save_ended(step, reason, started_s, None)
             raise

@@ -2,6 +2,7 @@
 
     <root>/step-000001200/rank-00000.safetensors
     <root>/step-000001200/rank-00001.safetensors
+    <root>/step-000001200/rank-00001.part-00001.safetensors   (more of rank 1's tensors, when split)
     <root>/step-000001200/manifest.json        (written last; commits the step)
 """
 
@@ -38,6 +39,21 @@ def manifest_key(step: int) -> str:
 def shard_name(rank: int) -> str:
     """File name of the shard that ``rank`` writes: ``rank-00001.safetensors``."""
     return f"rank-{rank:05d}.safetensors"
+
+
+def shard_part_name(rank: int, part: int) -> str:
+    """File name of part ``part`` (0, 1, ...) of ``rank``'s shard.
+
+    Part 0 is :func:`shard_name` itself; part ``k >= 1`` inserts ``.part-0000k`` before
+    the extension: ``rank-00001.part-00002.safetensors``.
+    """
+    if part < 0:
+        raise ValueError(f"part must be >= 0, got {part}")
+    base = shard_name(rank)
+    if part == 0:
+        return base
+    stem, dot, extension = base.rpartition(".")
+    return f"{stem}.part-{part:05d}{dot}{extension}"
 
 
 def file_key(step: int, path: str) -> str:

@@ -4,7 +4,10 @@ and rebuild the state dicts.
 Nothing is applied to the training objects here: a caller first loads everything
 (so a corrupt shard is found before any model is touched), then applies it. Each file
 is fetched once and its size and SHA-256 are checked against the manifest before it
-is parsed; tensors are checked against the recorded dtype and shape.
+is parsed; tensors are checked against the recorded dtype and shape, and tensors stored
+as raw bytes are viewed as their recorded dtype (:mod:`spotrun.checkpoint.dtypes`). A
+step this reader cannot decode (a dtype this torch lacks, bytes that do not fit the
+record) fails verification like a bad checksum: :class:`CorruptShardError`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any
 import torch
 
 from spotrun.checkpoint.layout import REJECTED_MANIFEST_NAME, file_key, manifest_key, step_dir
-from spotrun.checkpoint.shard import decode_shard, dtype_name
+from spotrun.checkpoint.dtypes import from_stored
+from spotrun.checkpoint.shard import decode_shard
 from spotrun.errors import CorruptShardError, StateMismatchError
 from spotrun.manifest import Manifest
 from spotrun.state import tree
@@ -98,16 +102,9 @@ def _fetch_tensors(storage: Storage, manifest: Manifest, names: list[str]) -> di
 
 
 def _checked(content: dict[str, torch.Tensor], name: str, manifest: Manifest, key: str) -> torch.Tensor:
-    record = manifest.tensors[name]
     if name not in content:
         raise CorruptShardError(f"{key}: tensor {name!r} is missing")
-    tensor = content[name]
-    if dtype_name(tensor.dtype) != record.dtype or list(tensor.shape) != record.shape:
-        raise CorruptShardError(
-            f"{key}: tensor {name!r} is {dtype_name(tensor.dtype)}{list(tensor.shape)}, "
-            f"manifest says {record.dtype}{record.shape}"
-        )
-    return tensor
+    return from_stored(content[name], manifest.tensors[name], where=f"{key}: tensor {name!r}")
 
 
 def reject_step(storage: Storage, step: int, reason: str) -> None:
