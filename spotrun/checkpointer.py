@@ -123,6 +123,7 @@ class Checkpointer:
         self.save_timeout_s = save_timeout_s
         self._run_id = self._env.run_id or uuid.uuid4().hex
         self._last_saved_step: int | None = None
+        self._listed_manifests: dict[int, Any] = {}  # rank 0: manifests its listing parsed
         self._failed_periodic_saves = 0
         self._signal_name: str | None = None
         self._previous_handlers: dict[int, Any] = {}
@@ -224,14 +225,18 @@ class Checkpointer:
         return 0
 
     def _candidate_steps(self) -> list[int]:
-        steps = [s.step for s in catalog.list_steps(self._storage) if s.status == catalog.COMPLETE]
+        complete = [s for s in catalog.list_steps(self._storage) if s.status == catalog.COMPLETE]
         if self._env.resume_step is not None:
-            steps = [s for s in steps if s <= self._env.resume_step]
-        return sorted(steps, reverse=True)
+            complete = [s for s in complete if s.step <= self._env.resume_step]
+        complete.sort(key=lambda s: s.step, reverse=True)
+        # the newest one's manifest, parsed by the listing, is not parsed again to load it
+        self._listed_manifests = {s.step: s.manifest for s in complete[:1]}
+        return [s.step for s in complete]
 
     def _try_load(self, step: int) -> tuple[LoadedStep | None, dict | None]:
         try:
-            return load_step(self._storage, step, dist.rank(), dist.world_size()), None
+            manifest = self._listed_manifests.pop(step, None)
+            return load_step(self._storage, step, dist.rank(), dist.world_size(), manifest), None
         except (CorruptShardError, ManifestError) as exc:
             return None, {"corrupt": True, "message": str(exc)}
         except StorageError as exc:  # missing object, or the store failed after retries

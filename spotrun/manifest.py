@@ -209,16 +209,7 @@ def _parse_v1(doc: dict[str, Any]) -> Manifest:
     file_paths = {f.path for f in files}
     tensors = {}
     for name, raw in doc["tensors"].items():
-        record = TensorRecord(
-            file=_str(raw["file"], f"tensors[{name}].file"),
-            dtype=_str(raw["dtype"], f"tensors[{name}].dtype"),
-            shape=[_int(d, f"tensors[{name}].shape[]") for d in raw["shape"]],
-            offsets=None if raw.get("offsets") is None else [_int(o, "offsets[]") for o in raw["offsets"]],
-            stored_as=_stored_as(raw.get("stored_as"), name),
-        )
-        if record.file not in file_paths:
-            raise ValueError(f"tensor {name!r} is in {record.file!r}, which is not among the files")
-        tensors[name] = record
+        tensors[name] = _tensor_record(name, raw, file_paths)
     aliases = {_str(k, "aliases key"): _str(v, "aliases value") for k, v in doc.get("aliases", {}).items()}
     for alias, target in aliases.items():
         if target not in tensors:
@@ -246,6 +237,22 @@ def _parse_v1(doc: dict[str, Any]) -> Manifest:
         format_version=doc["format_version"],
         timing=_timing(doc.get("timing")),
     )
+
+
+def _tensor_record(name: str, raw: dict[str, Any], file_paths: set[str]) -> TensorRecord:
+    """One entry of ``tensors`` (checked without building a message per field: a manifest
+    may list millions)."""
+    file, dtype, shape, offsets = raw["file"], raw["dtype"], raw["shape"], raw.get("offsets")
+    if type(file) is not str or type(dtype) is not str:
+        raise ValueError(f"tensors[{name}].file and .dtype must be strings, got {raw!r}")
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"tensors[{name}].shape must list integers >= 0, got {shape!r}")
+    if offsets is not None:
+        offsets = [_int(o, f"tensors[{name}].offsets[]") for o in offsets]
+    if file not in file_paths:
+        raise ValueError(f"tensor {name!r} is in {file!r}, which is not among the files")
+    return TensorRecord(file=file, dtype=dtype, shape=shape, offsets=offsets,
+                        stored_as=_stored_as(raw.get("stored_as"), name))
 
 
 def _stored_as(value: Any, name: str) -> str | None:

@@ -57,15 +57,20 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     return Manifest.from_json(storage.get(key), where=f"{storage.uri}/{key}")
 
 
-def load_step(storage: Storage, step: int, rank: int, world_size: int) -> LoadedStep:
+def load_step(storage: Storage, step: int, rank: int, world_size: int,
+              manifest: Manifest | None = None) -> LoadedStep:
     """Load everything ``rank`` needs from ``step``, verifying every file it reads.
+
+    ``manifest``: the step's manifest when the caller has already read it (a listing
+    parsed it; a manifest of a million tensors takes seconds to parse), else it is read.
 
     Raises:
         StateMismatchError: the step was saved at another world size.
         CorruptShardError: a file's size, checksum, or a tensor's dtype/shape is wrong.
         ManifestError, ObjectNotFoundError, StorageError: as the reads raise them.
     """
-    manifest = read_manifest(storage, step)
+    if manifest is None or manifest.step != step:
+        manifest = read_manifest(storage, step)
     if manifest.world_size != world_size:
         raise StateMismatchError(
             f"checkpoint step {step} was saved by {manifest.world_size} rank(s), this job has "

@@ -31,7 +31,7 @@ import torch
 from spotrun import __version__, dist
 from spotrun.checkpoint.layout import file_key, manifest_key, shard_part_name
 from spotrun.checkpoint import catalog
-from spotrun.checkpoint.dtypes import tensor_record, to_stored
+from spotrun.checkpoint.dtypes import dtype_name, tensor_record, to_stored
 from spotrun.checkpoint.plan import assign_by_bytes
 from spotrun.checkpoint.restore import reject_step
 from spotrun.checkpoint.shard import ShardLimits, encode_shard, sha256_hex, split_into_parts
@@ -105,7 +105,7 @@ def _structure_digest(encoded: EncodedState) -> str:
     layout = {
         "skeleton": encoded.skeleton,
         "aliases": encoded.aliases,
-        "tensors": {n: [str(t.dtype), list(t.shape)] for n, t in sorted(encoded.tensors.items())},
+        "tensors": {n: (dtype_name(t.dtype), t.shape) for n, t in encoded.tensors.items()},  # sort_keys sorts
     }
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
 
