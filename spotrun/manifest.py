@@ -217,6 +217,8 @@ def _parse_v1(doc: dict[str, Any]) -> Manifest:
     rank_state = doc["rank_state"]
     if not isinstance(rank_state, list) or len(rank_state) != world_size:
         raise ValueError(f"rank_state must list {world_size} entries (one per rank)")
+    if not isinstance(doc["state"], dict) or not all(isinstance(r, dict) for r in rank_state):
+        raise ValueError("state and every rank_state entry must be JSON objects")
     created = doc.get("created_unix_s", 0.0)
     if not isinstance(created, (int, float)) or not math.isfinite(created):
         raise ValueError(f"created_unix_s must be a number, got {created!r}")

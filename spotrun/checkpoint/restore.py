@@ -23,7 +23,7 @@ import torch
 from spotrun.checkpoint.layout import REJECTED_MANIFEST_NAME, file_key, manifest_key, step_dir
 from spotrun.checkpoint.dtypes import from_stored
 from spotrun.checkpoint.shard import decode_shard
-from spotrun.errors import CorruptShardError, StateMismatchError
+from spotrun.errors import CorruptShardError, ManifestError, SpotrunError, StateMismatchError
 from spotrun.manifest import Manifest
 from spotrun.state import tree
 from spotrun.storage.base import Storage
@@ -78,10 +78,16 @@ def load_step(storage: Storage, step: int, rank: int, world_size: int,
             f"with {manifest.world_size} rank(s), or point --checkpoint-uri elsewhere"
         )
     rank_skeleton = manifest.rank_state[rank]
-    needed = tree.tensor_names(manifest.state) + tree.tensor_names(rank_skeleton)
-    tensors = _fetch_tensors(storage, manifest, needed)
-    replicated = {name: tree.decode(skel, tensors) for name, skel in manifest.state.items()}
-    rank_local = {name: tree.decode(skel, tensors) for name, skel in rank_skeleton.items()}
+    try:
+        needed = tree.tensor_names(manifest.state) + tree.tensor_names(rank_skeleton)
+        tensors = _fetch_tensors(storage, manifest, needed)
+        replicated = {name: tree.decode(skel, tensors) for name, skel in manifest.state.items()}
+        rank_local = {name: tree.decode(skel, tensors) for name, skel in rank_skeleton.items()}
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError) as exc:
+        if isinstance(exc, SpotrunError):
+            raise
+        # whatever a committed step holds, not decoding it is a verification failure
+        raise ManifestError(f"step {step}: cannot decode the state its manifest describes: {exc!r}") from exc
     return LoadedStep(manifest=manifest, replicated=replicated, rank_local=rank_local)
 
 
