@@ -21,6 +21,9 @@ from spotrun.checkpoint.shard import sha256_hex
 from spotrun.errors import StateSerializationError
 from spotrun.storage import LocalStorage
 
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental",
+                                        "ignore:torch.quantize_per_tensor")
+
 #: Every dtype the installed torch exposes as an attribute of the ``torch`` module.
 ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 #: The dtypes the issue names, which must round-trip wherever this torch has them.

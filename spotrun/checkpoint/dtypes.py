@@ -8,7 +8,7 @@ Every dtype of the installed torch falls in exactly one of three classes:
 * **bytes**: every other dtype that torch can copy - complex32/64/128, uint16/32/64,
   float8_e4m3fnuz, float8_e5m2fnuz, float8_e8m0fnu, float4_e2m1fn_x2, bits8/16/1x8/2x4/4x2,
   and any dtype a newer torch adds. The shard holds the tensor's bytes as a 1-D uint8
-  tensor; the manifest's tensor record names the real dtype and shape and says
+  tensor (in memory order: little-endian on x86-64 and aarch64); the manifest's tensor record names the real dtype and shape and says
   ``"stored_as": "bytes"``; a reader reinterprets them with ``.view(dtype)``. This is
   bit-exact (NaN payloads, ``-0.0``, padding bits of packed types) and does not depend on
   which dtypes the installed safetensors knows (safetensors 0.8's torch wrapper writes
