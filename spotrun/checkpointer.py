@@ -30,6 +30,7 @@ from spotrun import control, dist, supervisor_watch
 from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.restore import LoadedStep, load_step, reject_step
 from spotrun.checkpoint.save import SaveContext, encode_state, save_step
+from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES, ShardLimits
 from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv, default_safety_margin_s
 from spotrun.save_meter import SaveMeter
 from spotrun.errors import (
@@ -78,6 +79,12 @@ class Checkpointer:
             included; when storage keeps failing the save fails after at most this long.
             An emergency save requested by the supervisor gets the smaller of this and the
             time left until the request's ``deadline_unix_s``.
+        max_file_size_bytes: most bytes of one shard file (default 4 GiB); a rank whose
+            tensors would pass it writes several files (a single larger tensor gets a file of
+            its own). One file's bytes are held in memory while it is written.
+        max_header_bytes: most bytes of one shard file's safetensors header (default
+            16 MiB; at most safetensors' limit of 100 MB, about a million small tensors);
+            a rank with more tensors writes several files.
 
     Raises:
         ConfigError: bad arguments or environment.
@@ -95,6 +102,8 @@ class Checkpointer:
         max_failed_periodic_saves: int = 3,
         storage: Storage | None = None,
         save_timeout_s: float = DEFAULT_SAVE_TIMEOUT_S,
+        max_file_size_bytes: int = DEFAULT_MAX_FILE_SIZE_BYTES,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     ) -> None:
         if not isinstance(state, dict) or not state:
             raise ConfigError("Checkpointer(state=...) needs a non-empty dict of name -> object")
@@ -104,6 +113,7 @@ class Checkpointer:
             raise ConfigError("interval_steps must be >= 0 and check_interval_steps >= 1")
         if not save_timeout_s > 0:
             raise ConfigError(f"save_timeout_s must be > 0, got {save_timeout_s}")
+        self._limits = ShardLimits(max_file_size_bytes=max_file_size_bytes, max_header_bytes=max_header_bytes)
         self._state = dict(state)
         self._rank_state = {**(rank_state or {}), "rng": RNGState()}
         self._env = WorkerEnv.from_environ()
@@ -115,6 +125,7 @@ class Checkpointer:
         self._run_id = self._env.run_id or uuid.uuid4().hex
         self._last_saved_step: int | None = None
         self._incarnation: int | None = None  # claimed by restore() or the first save
+        self._listed_manifests: dict[int, Any] = {}  # rank 0: manifests its listing parsed
         self._failed_periodic_saves = 0
         self._signal_name: str | None = None
         self._previous_handlers: dict[int, Any] = {}
@@ -265,17 +276,19 @@ class Checkpointer:
 
     def _candidate_steps(self) -> list[tuple[int, str]]:
         """(step, manifest key) of every complete step, newest first."""
-        steps = [(s.step, s.manifest_key) for s in catalog.list_steps(self._storage)
-                 if s.status == catalog.COMPLETE]
-        steps.sort(reverse=True)
+        complete = [s for s in catalog.list_steps(self._storage) if s.status == catalog.COMPLETE]
+        complete.sort(key=lambda s: s.step, reverse=True)
         chosen = self._env.resume_step
-        if chosen is not None and steps and steps[0][0] != chosen:
-            log.info("the supervisor chose step %d; the newest complete step is now %d", chosen, steps[0][0])
-        return steps
+        if chosen is not None and complete and complete[0].step != chosen:
+            log.info("the supervisor chose step %d; the newest complete step is now %d", chosen, complete[0].step)
+        # the newest one's manifest, parsed by the listing, is not parsed again to load it
+        self._listed_manifests = {s.step: s.manifest for s in complete[:1]}
+        return [(s.step, s.manifest_key) for s in complete]
 
     def _try_load(self, step: int, key: str) -> tuple[LoadedStep | None, dict | None]:
         try:
-            return load_step(self._storage, step, key, dist.rank(), dist.world_size()), None
+            manifest = self._listed_manifests.pop(step, None)
+            return load_step(self._storage, step, key, dist.rank(), dist.world_size(), manifest), None
         except (CorruptShardError, ManifestError) as exc:
             return None, {"corrupt": True, "message": str(exc)}
         except StorageError as exc:  # missing object, or the store failed after retries
@@ -387,7 +400,7 @@ class Checkpointer:
                     self._claim_incarnation(None, 0, after_newest=True, step=step)
                 context = SaveContext(reason=reason, run_id=self._run_id, incarnation=self._incarnation,
                                       step_time_s=self._meter.step_time_s)
-                saved = save_step(self._storage, step, replicated, rank_local, context)
+                saved = save_step(self._storage, step, replicated, rank_local, context, self._limits)
         except BaseException:
             self._meter.save_ended(step, reason, started_s, None)
             raise

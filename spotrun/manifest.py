@@ -1,23 +1,33 @@
 """The checkpoint manifest: versioned JSON, written last, whose presence commits a step.
 
-Format version 1 (``manifest.json`` inside ``step-NNNNNNNNN/``)::
+Format version 2 (``manifest.json`` inside ``step-NNNNNNNNN/``; one line of JSON)::
 
     {
-      "format": "spotrun-checkpoint", "format_version": 1,
+      "format": "spotrun-checkpoint", "format_version": 2,
       "step": 200, "reason": "periodic",
       "created_unix_s": 1764488000.5, "world_size": 2,
       "run_id": "...", "incarnation": 1, "spotrun_version": "0.1.0", "torch_version": "2.13.0",
-      "files":   [{"path": "rank-00000.safetensors", "rank": 0, "size_bytes": 123, "sha256": "..."}],
+      "files":   [{"path": "rank-00000.safetensors", "rank": 0, "size_bytes": 123, "sha256": "..."},
+                  {"path": "rank-00000.part-00001.safetensors", "rank": 0, ...}],
       "tensors": {"model/w": {"file": "rank-00000.safetensors", "dtype": "float32",
-                              "shape": [4, 4], "offsets": null}},
+                              "shape": [4, 4], "offsets": null},
+                  "model/scales": {"file": "rank-00000.part-00001.safetensors",
+                                   "dtype": "float8_e8m0fnu", "shape": [8],
+                                   "offsets": null, "stored_as": "bytes"}},
       "aliases": {"model/head.weight": "model/emb.weight"},
       "state": {...skeleton of the replicated state...},
       "rank_state": [{...skeleton of rank 0's own state...}, ...],
       "timing": {"write_s": 1.9, "step_time_s": 0.41}
     }
 
-``offsets`` is ``null`` for whole tensors (the only kind format 1 writes); it is reserved
-for shards of one global tensor. ``timing`` (optional, may be ``null``; added in spotrun
+``offsets`` is ``null`` for whole tensors (the only kind written so far); it is reserved
+for shards of one global tensor. ``stored_as`` (new in format 2; absent in format 1, which
+stored every tensor natively) is absent or ``null`` when the shard holds the tensor under its own
+safetensors dtype, or ``"bytes"`` when it holds the tensor's bytes as a 1-D ``uint8``
+tensor of ``numel * itemsize`` elements, to be viewed as ``dtype`` and reshaped to
+``shape`` (see :mod:`spotrun.checkpoint.dtypes`). A rank's tensors may be split over
+several files (format 1 readers already read any number of files per rank; the format
+changed for ``stored_as``). ``timing`` (optional, may be ``null``; added in spotrun
 0.1 without a format change, older manifests lack it) records how long the slowest rank
 took to stage and write its shard and how long a training step took: the supervisor of a
 restarted job estimates an emergency save from it before the job has saved again. Readers refuse a newer ``format_version`` with a clear
@@ -28,14 +38,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from spotrun.errors import ManifestError
 
 FORMAT_NAME = "spotrun-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
+#: ``TensorRecord.stored_as`` of a tensor kept as its raw bytes (a 1-D uint8 tensor).
+STORED_AS_BYTES = "bytes"
 
 
 @dataclass(frozen=True)
@@ -64,12 +76,15 @@ class TensorRecord:
         dtype: torch dtype name without ``torch.`` (``"float32"``).
         shape: global shape.
         offsets: per-dimension offset of this piece in the global tensor; ``None`` = whole.
+        stored_as: ``None`` when the file holds the tensor under its own dtype,
+            :data:`STORED_AS_BYTES` when it holds its bytes (a 1-D uint8 tensor).
     """
 
     file: str
     dtype: str
     shape: list[int]
     offsets: list[int] | None = None
+    stored_as: str | None = None
 
 
 @dataclass(frozen=True)
@@ -112,9 +127,18 @@ class Manifest:
         return sum(f.size_bytes for f in self.files)
 
     def to_json(self) -> bytes:
-        """Serialise to UTF-8 JSON (strict: no NaN tokens)."""
-        doc = {"format": FORMAT_NAME, **asdict(self)}
-        return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
+        """Serialise to UTF-8 JSON on one line (strict: no NaN tokens).
+
+        Built field by field and without indentation, so that json's C encoder does the
+        work: a manifest of a million tensors takes seconds, not minutes.
+        """
+        doc = {"format": FORMAT_NAME}
+        for item in fields(self):
+            doc[item.name] = getattr(self, item.name)
+        doc["files"] = [vars(f) for f in self.files]
+        doc["tensors"] = {name: _tensor_json(r) for name, r in self.tensors.items()}
+        doc["timing"] = None if self.timing is None else vars(self.timing)
+        return json.dumps(doc, sort_keys=True, allow_nan=False).encode("utf-8")
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str = "manifest") -> "Manifest":
@@ -142,6 +166,13 @@ class Manifest:
             return _parse_v1(doc)
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{where} is malformed: {exc!r}") from exc
+
+
+def _tensor_json(record: TensorRecord) -> dict[str, Any]:
+    doc = {"file": record.file, "dtype": record.dtype, "shape": record.shape, "offsets": record.offsets}
+    if record.stored_as is not None:  # left out when null: a million records, 20 bytes each
+        doc["stored_as"] = record.stored_as
+    return doc
 
 
 def _reject_constant(name: str) -> float:
@@ -178,15 +209,7 @@ def _parse_v1(doc: dict[str, Any]) -> Manifest:
     file_paths = {f.path for f in files}
     tensors = {}
     for name, raw in doc["tensors"].items():
-        record = TensorRecord(
-            file=_str(raw["file"], f"tensors[{name}].file"),
-            dtype=_str(raw["dtype"], f"tensors[{name}].dtype"),
-            shape=[_int(d, f"tensors[{name}].shape[]") for d in raw["shape"]],
-            offsets=None if raw.get("offsets") is None else [_int(o, "offsets[]") for o in raw["offsets"]],
-        )
-        if record.file not in file_paths:
-            raise ValueError(f"tensor {name!r} is in {record.file!r}, which is not among the files")
-        tensors[name] = record
+        tensors[name] = _tensor_record(name, raw, file_paths)
     aliases = {_str(k, "aliases key"): _str(v, "aliases value") for k, v in doc.get("aliases", {}).items()}
     for alias, target in aliases.items():
         if target not in tensors:
@@ -194,6 +217,8 @@ def _parse_v1(doc: dict[str, Any]) -> Manifest:
     rank_state = doc["rank_state"]
     if not isinstance(rank_state, list) or len(rank_state) != world_size:
         raise ValueError(f"rank_state must list {world_size} entries (one per rank)")
+    if not isinstance(doc["state"], dict) or not all(isinstance(r, dict) for r in rank_state):
+        raise ValueError("state and every rank_state entry must be JSON objects")
     created = doc.get("created_unix_s", 0.0)
     if not isinstance(created, (int, float)) or not math.isfinite(created):
         raise ValueError(f"created_unix_s must be a number, got {created!r}")
@@ -214,6 +239,28 @@ def _parse_v1(doc: dict[str, Any]) -> Manifest:
         format_version=doc["format_version"],
         timing=_timing(doc.get("timing")),
     )
+
+
+def _tensor_record(name: str, raw: dict[str, Any], file_paths: set[str]) -> TensorRecord:
+    """One entry of ``tensors`` (checked without building a message per field: a manifest
+    may list millions)."""
+    file, dtype, shape, offsets = raw["file"], raw["dtype"], raw["shape"], raw.get("offsets")
+    if type(file) is not str or type(dtype) is not str:
+        raise ValueError(f"tensors[{name}].file and .dtype must be strings, got {raw!r}")
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"tensors[{name}].shape must list integers >= 0, got {shape!r}")
+    if offsets is not None:
+        offsets = [_int(o, f"tensors[{name}].offsets[]") for o in offsets]
+    if file not in file_paths:
+        raise ValueError(f"tensor {name!r} is in {file!r}, which is not among the files")
+    return TensorRecord(file=file, dtype=dtype, shape=shape, offsets=offsets,
+                        stored_as=_stored_as(raw.get("stored_as"), name))
+
+
+def _stored_as(value: Any, name: str) -> str | None:
+    if value is not None and value != STORED_AS_BYTES:
+        raise ValueError(f"tensors[{name}].stored_as must be null or {STORED_AS_BYTES!r}, got {value!r}")
+    return value
 
 
 def _seconds(value: Any, name: str) -> float:

@@ -46,3 +46,15 @@ def test_a_rank_whose_write_fails_fails_the_save_on_every_rank(tmp_path):
     rows = torchrun(ck, "fail-rank1")
     assert all(r["error"] and "rank(s) [1]" in r["error"] and "injected" in r["error"] for r in rows)
     assert not list((ck / "step-000000004").glob("manifest*"))
+
+
+def test_5_split_shards_on_two_ranks_load_back_exactly(tmp_path):
+    """With small shard limits every rank writes several files (replicated tensors spread
+    over the ranks, each rank's own tensors with them) and every rank loads back exactly."""
+    ck = tmp_path / "ck"
+    rows = torchrun(ck, "split")
+    assert [(r["replicated_exact"], r["own_exact"]) for r in rows] == [(True, True)] * 2
+    manifest = json.loads(manifest_path(ck, 5).read_text())
+    files_per_rank = [sum(f["rank"] == r for f in manifest["files"]) for r in range(2)]
+    assert min(files_per_rank) > 1
+    assert {t["file"] for t in manifest["tensors"].values()} == {f["path"] for f in manifest["files"]}

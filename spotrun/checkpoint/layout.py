@@ -3,6 +3,7 @@
     <root>/incarnations/incarnation-000000003.json     one per start of the job (fencing)
     <root>/step-000001200/rank-00000.i000000003.safetensors
     <root>/step-000001200/rank-00001.i000000003.safetensors
+    <root>/step-000001200/rank-00001.i000000003.part-00001.safetensors   (more of rank 1's tensors, when split)
     <root>/step-000001200/manifest.i000000003.json      (written last; commits the step)
 
 Every file a writer creates carries its incarnation, so two incarnations of a job (a new
@@ -75,6 +76,21 @@ def shard_name(rank: int, incarnation: int | None) -> str:
     if incarnation is None:
         return f"rank-{rank:05d}.safetensors"
     return f"rank-{rank:05d}.{_tag(incarnation)}.safetensors"
+
+
+def shard_part_name(rank: int, incarnation: int | None, part: int) -> str:
+    """File name of part ``part`` (0, 1, ...) of the shard that ``rank`` of ``incarnation`` writes.
+
+    Part 0 is :func:`shard_name` itself; part ``k >= 1`` inserts ``.part-0000k`` before
+    the extension: ``rank-00001.i000000003.part-00002.safetensors``.
+    """
+    if part < 0:
+        raise ValueError(f"part must be >= 0, got {part}")
+    base = shard_name(rank, incarnation)
+    if part == 0:
+        return base
+    stem, dot, extension = base.rpartition(".")
+    return f"{stem}.part-{part:05d}{dot}{extension}"
 
 
 def file_key(step: int, path: str) -> str:

@@ -4,7 +4,10 @@ and rebuild the state dicts.
 Nothing is applied to the training objects here: a caller first loads everything
 (so a corrupt shard is found before any model is touched), then applies it. Each file
 is fetched once and its size and SHA-256 are checked against the manifest before it
-is parsed; tensors are checked against the recorded dtype and shape.
+is parsed; tensors are checked against the recorded dtype and shape, and tensors stored
+as raw bytes are viewed as their recorded dtype (:mod:`spotrun.checkpoint.dtypes`). A
+step this reader cannot decode (a dtype this torch lacks, bytes that do not fit the
+record) fails verification like a bad checksum: :class:`CorruptShardError`.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from typing import Any
 import torch
 
 from spotrun.checkpoint.layout import REJECTED_PREFIX, file_key
-from spotrun.checkpoint.shard import decode_shard, dtype_name
-from spotrun.errors import CorruptShardError, ManifestError, StateMismatchError
+from spotrun.checkpoint.dtypes import from_stored
+from spotrun.checkpoint.shard import decode_shard
+from spotrun.errors import CorruptShardError, ManifestError, SpotrunError, StateMismatchError
 from spotrun.manifest import Manifest
 from spotrun.state import tree
 from spotrun.storage.base import Storage
@@ -52,16 +56,22 @@ def read_manifest(storage: Storage, key: str) -> Manifest:
     return Manifest.from_json(storage.get(key), where=f"{storage.uri}/{key}")
 
 
-def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int) -> LoadedStep:
+def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int,
+              manifest: Manifest | None = None) -> LoadedStep:
     """Load everything ``rank`` needs from ``step`` (its manifest under ``key``, as the
-    catalog found it), verifying every file it reads.
+    catalog found it; ``manifest``: that manifest if already parsed), verifying every
+    file it reads.
+
+    ``manifest``: the step's manifest when the caller has already read it (a listing
+    parsed it; a manifest of a million tensors takes seconds to parse), else it is read.
 
     Raises:
         StateMismatchError: the step was saved at another world size.
         CorruptShardError: a file's size, checksum, or a tensor's dtype/shape is wrong.
         ManifestError, ObjectNotFoundError, StorageError: as the reads raise them.
     """
-    manifest = read_manifest(storage, key)
+    if manifest is None:
+        manifest = read_manifest(storage, key)
     if manifest.step != step:
         raise ManifestError(f"{storage.uri}/{key} says step {manifest.step}, not {step}")
     if manifest.world_size != world_size:
@@ -71,10 +81,16 @@ def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int)
             f"with {manifest.world_size} rank(s), or point --checkpoint-uri elsewhere"
         )
     rank_skeleton = manifest.rank_state[rank]
-    needed = tree.tensor_names(manifest.state) + tree.tensor_names(rank_skeleton)
-    tensors = _fetch_tensors(storage, manifest, needed)
-    replicated = {name: tree.decode(skel, tensors) for name, skel in manifest.state.items()}
-    rank_local = {name: tree.decode(skel, tensors) for name, skel in rank_skeleton.items()}
+    try:
+        needed = tree.tensor_names(manifest.state) + tree.tensor_names(rank_skeleton)
+        tensors = _fetch_tensors(storage, manifest, needed)
+        replicated = {name: tree.decode(skel, tensors) for name, skel in manifest.state.items()}
+        rank_local = {name: tree.decode(skel, tensors) for name, skel in rank_skeleton.items()}
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError) as exc:
+        if isinstance(exc, SpotrunError):
+            raise
+        # whatever a committed step holds, not decoding it is a verification failure
+        raise ManifestError(f"step {step}: cannot decode the state its manifest describes: {exc!r}") from exc
     return LoadedStep(manifest=manifest, replicated=replicated, rank_local=rank_local)
 
 
@@ -113,16 +129,9 @@ def _fetch_tensors(storage: Storage, manifest: Manifest, names: list[str]) -> di
 
 
 def _checked(content: dict[str, torch.Tensor], name: str, manifest: Manifest, key: str) -> torch.Tensor:
-    record = manifest.tensors[name]
     if name not in content:
         raise CorruptShardError(f"{key}: tensor {name!r} is missing")
-    tensor = content[name]
-    if dtype_name(tensor.dtype) != record.dtype or list(tensor.shape) != record.shape:
-        raise CorruptShardError(
-            f"{key}: tensor {name!r} is {dtype_name(tensor.dtype)}{list(tensor.shape)}, "
-            f"manifest says {record.dtype}{record.shape}"
-        )
-    return tensor
+    return from_stored(content[name], manifest.tensors[name], where=f"{key}: tensor {name!r}")
 
 
 def reject_step(storage: Storage, key: str, reason: str) -> None:

@@ -4,7 +4,8 @@ Sequence on every rank (all ranks call :func:`save_step` for the same step)::
 
     encode state -> check every rank has the same replicated structure (1 gather)
     -> plan who writes which replicated tensor -> stage: copy own tensors to CPU
-    -> write own shard -> gather file records and per-rank state (1 gather)
+    -> write own shard (one file, or several when it passes ShardLimits)
+    -> gather file records and per-rank state (1 gather)
     -> rank 0 checks no newer incarnation started, writes manifest.i<N>.json with
     put_if_absent -> broadcast the outcome
 
@@ -29,11 +30,12 @@ from typing import Any
 import torch
 
 from spotrun import __version__, dist
-from spotrun.checkpoint.layout import file_key, manifest_key, shard_name
+from spotrun.checkpoint.layout import file_key, manifest_key, shard_part_name
 from spotrun.checkpoint import catalog, fencing
+from spotrun.checkpoint.dtypes import dtype_name, tensor_record, to_stored
 from spotrun.checkpoint.plan import assign_by_bytes
 from spotrun.checkpoint.restore import reject_step
-from spotrun.checkpoint.shard import encode_shard, sha256_hex, tensor_record
+from spotrun.checkpoint.shard import ShardLimits, encode_shard, sha256_hex, split_into_parts
 from spotrun.errors import (
     CheckpointSaveError,
     CommitUnsupportedError,
@@ -110,7 +112,7 @@ def _structure_digest(encoded: EncodedState) -> str:
     layout = {
         "skeleton": encoded.skeleton,
         "aliases": encoded.aliases,
-        "tensors": {n: [str(t.dtype), list(t.shape)] for n, t in sorted(encoded.tensors.items())},
+        "tensors": {n: (dtype_name(t.dtype), t.shape) for n, t in encoded.tensors.items()},  # sort_keys sorts
     }
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
 
@@ -123,7 +125,9 @@ class StagedShard:
         step: training step.
         rank: writer rank.
         incarnation: the writer's incarnation (part of every file name it writes).
-        tensors: name -> contiguous CPU copy (pinned when copied from CUDA).
+        tensors: name -> contiguous CPU copy (pinned when copied from CUDA), in its stored
+            form (:func:`spotrun.checkpoint.dtypes.to_stored`: raw bytes for dtypes that
+            safetensors does not store natively).
         owner: replicated tensor name -> rank that writes it (the whole plan).
     """
 
@@ -147,22 +151,34 @@ def stage(encoded: EncodedState, step: int, rank: int, world_size: int, incarnat
     """Copy the tensors this rank writes to CPU; returns once the copies are complete."""
     sizes = {n: t.numel() * t.element_size() for n, t in encoded.tensors.items()}
     owner = assign_by_bytes(sizes, world_size)
-    mine = {n: _copy_to_cpu(t) for n, t in encoded.tensors.items() if owner[n] == rank}
-    mine.update({n: _copy_to_cpu(t) for n, t in encoded.rank_tensors.items()})
+    mine = {n: _copy_to_cpu(to_stored(t)) for n, t in encoded.tensors.items() if owner[n] == rank}
+    mine.update({n: _copy_to_cpu(to_stored(t)) for n, t in encoded.rank_tensors.items()})
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return StagedShard(step=step, rank=rank, incarnation=incarnation, tensors=mine, owner=owner)
 
 
-def write_shard(storage: Storage, staged: StagedShard) -> FileRecord:
-    """Serialise and store this rank's shard; returns its manifest record."""
-    path = shard_name(staged.rank, staged.incarnation)
-    data = encode_shard(
-        staged.tensors,
-        {"format": "spotrun-checkpoint", "step": staged.step, "rank": staged.rank},
-    )
-    storage.put(file_key(staged.step, path), data)
-    return FileRecord(path=path, rank=staged.rank, size_bytes=len(data), sha256=sha256_hex(data))
+def write_shard(storage: Storage, staged: StagedShard, parts: list[list[str]]) -> list[FileRecord]:
+    """Serialise and store this rank's shard, one file per part, one file at a time.
+
+    Args:
+        parts: names of ``staged.tensors``, one list per file
+            (:func:`~spotrun.checkpoint.shard.split_into_parts`).
+
+    Returns:
+        The manifest records of the files, in the order of ``parts``.
+    """
+    records = []
+    for part, names in enumerate(parts):
+        path = shard_part_name(staged.rank, staged.incarnation, part)
+        data = encode_shard(
+            {n: staged.tensors[n] for n in names},
+            {"format": "spotrun-checkpoint", "step": staged.step, "rank": staged.rank, "part": part},
+        )
+        storage.put(file_key(staged.step, path), data)
+        records.append(FileRecord(path=path, rank=staged.rank, size_bytes=len(data), sha256=sha256_hex(data)))
+        del data  # one file's bytes in memory at a time
+    return records
 
 
 @dataclass(frozen=True)
@@ -203,8 +219,12 @@ def save_step(
     replicated: dict[str, Any],
     rank_local: dict[str, Any],
     context: SaveContext,
+    limits: ShardLimits | None = None,
 ) -> SavedStep:
     """Save and commit ``step`` on every rank (collective: all ranks must call it).
+
+    ``limits`` (default :class:`~spotrun.checkpoint.shard.ShardLimits`) says when a rank's
+    shard is split into several files.
 
     Returns:
         The committed manifest (rank 0 only) and the step's size in bytes (every rank,
@@ -260,12 +280,16 @@ def save_step(
     try:
         write_started_s = time.monotonic()
         staged = stage(encoded, step, rank, world_size, context.incarnation)
-        record = write_shard(storage, staged)
+        parts = split_into_parts(staged.tensors, limits or ShardLimits())
+        records = write_shard(storage, staged, parts)
+        file_of = {n: record.path for record, names in zip(records, parts) for n in names}
         report.update(
             write_s=time.monotonic() - write_started_s,
-            file=record.__dict__,
+            files=[record.__dict__ for record in records],
+            # the file of each replicated tensor this rank wrote (rank 0 builds their records)
+            replicated_files={r.path: [n for n in names if n in encoded.tensors] for r, names in zip(records, parts)},
             rank_state=encoded.rank_skeleton,
-            rank_tensors={n: tensor_record(t, record.path).__dict__ for n, t in encoded.rank_tensors.items()},
+            rank_tensors={n: vars(tensor_record(t, file_of[n])) for n, t in encoded.rank_tensors.items()},
         )
     except Exception as exc:  # any failure is reported, so that no rank waits alone at the gather
         write_error, report = exc, {"ok": False, "error": _describe(exc)}
@@ -282,7 +306,7 @@ def save_step(
     manifest = None
     if rank == 0:
         try:
-            manifest = _build_manifest(step, encoded, staged.owner, reports, context, world_size)
+            manifest = _build_manifest(step, encoded, reports, context, world_size)
             fencing.check_not_fenced(storage, context.incarnation)
             storage.put_if_absent(manifest_key(step, context.incarnation), manifest.to_json())
         except Exception as exc:  # reported through the broadcast, so no rank waits for it
@@ -293,7 +317,8 @@ def save_step(
         error = FencedError if outcome.get("fenced") else CheckpointSaveError
         raise error(f"commit of step {step} failed on rank 0: {outcome['error']}",
                     retryable=outcome["retryable"])
-    return SavedStep(manifest=manifest, size_bytes=sum(rep["file"]["size_bytes"] for rep in reports))
+    return SavedStep(manifest=manifest,
+                     size_bytes=sum(f["size_bytes"] for rep in reports for f in rep["files"]))
 
 
 def _clear_the_way(storage: Storage, step: int, incarnation: int) -> str | None:
@@ -328,20 +353,18 @@ def _describe(exc: Exception) -> str:
 def _build_manifest(
     step: int,
     encoded: EncodedState,
-    owner: dict[str, int],
     reports: list[dict[str, Any]],
     context: SaveContext,
     world_size: int,
 ) -> Manifest:
-    tensors: dict[str, TensorRecord] = {
-        n: tensor_record(t, shard_name(owner[n], context.incarnation)) for n, t in encoded.tensors.items()
-    }
+    file_of = {n: path for rep in reports for path, names in rep["replicated_files"].items() for n in names}
+    tensors: dict[str, TensorRecord] = {n: tensor_record(t, file_of[n]) for n, t in encoded.tensors.items()}
     for rep in reports:
         tensors.update({n: TensorRecord(**r) for n, r in rep["rank_tensors"].items()})
     return Manifest(
         step=step,
         world_size=world_size,
-        files=[FileRecord(**rep["file"]) for rep in reports],
+        files=[FileRecord(**f) for rep in reports for f in rep["files"]],
         tensors=tensors,
         state=encoded.skeleton,
         rank_state=[rep["rank_state"] for rep in reports],

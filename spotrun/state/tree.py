@@ -7,8 +7,10 @@ module converts between a nested Python value and that pair:
 every tensor is replaced by ``{"__tensor__": name}``; ``decode(skeleton, tensors)``
 rebuilds the value. Types survive the round trip: dicts with ``int`` keys (optimizer
 state), tuples (``betas``), non-finite floats. Anything else - a function, a numpy
-array, a ``torch.dtype`` - raises :class:`~spotrun.errors.StateSerializationError`
-naming its key, so a save fails before a single byte is written.
+array, a ``torch.dtype``, a tensor of a dtype that cannot be checkpointed (quantized,
+see :mod:`spotrun.checkpoint.dtypes`) - raises
+:class:`~spotrun.errors.StateSerializationError` naming its key, so a save fails before a
+single byte is written.
 
 Skeleton tags (a dict with exactly one of these keys is a tagged value):
     ``{"__tensor__": name}``      a tensor stored under ``name``
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from spotrun.checkpoint.dtypes import check_storable
 from spotrun.errors import ManifestError, StateSerializationError
 
 _TAGS = ("__tensor__", "__tuple__", "__dict__", "__float__")
@@ -58,6 +61,7 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
             raise StateSerializationError(
                 f"state value {path!r} is a {value.layout} tensor; only dense tensors can be saved"
             )
+        check_storable(value, path)
         if path in tensors:
             raise StateSerializationError(f"two tensors would be stored under the name {path!r}")
         tensors[path] = value

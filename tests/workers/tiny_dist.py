@@ -1,7 +1,10 @@
 """torchrun worker for test_distributed_save: a replicated state small enough that rank 1
 owns none of its tensors, saved and loaded through the collective save path.
 
-Usage: torchrun --nproc-per-node 2 tiny_dist.py CKPT_DIR save|load|fail-rank1 OUT_DIR
+Mode ``split``: many small tensors of several dtypes (replicated and per rank) saved with
+small ShardLimits, so every rank writes several files, then loaded back on every rank.
+
+Usage: torchrun --nproc-per-node 2 tiny_dist.py CKPT_DIR save|load|fail-rank1|split OUT_DIR
 (each rank writes its JSON result to OUT_DIR/rank-R.json)
 """
 
@@ -14,6 +17,7 @@ import torch.distributed as dist
 
 from spotrun.checkpoint.restore import load_committed
 from spotrun.checkpoint.save import SaveContext, save_step
+from spotrun.checkpoint.shard import ShardLimits
 from spotrun.errors import CheckpointSaveError, StorageError
 from spotrun.storage import LocalStorage
 
@@ -47,5 +51,21 @@ elif mode == "fail-rank1":
         report({"rank": rank, "error": None})
     except CheckpointSaveError as exc:
         report({"rank": rank, "error": str(exc)})
+elif mode == "split":
+    def many(seed):
+        gen = torch.Generator().manual_seed(seed)
+        state = {f"t{i}": torch.randn(1 + i % 9, generator=gen) for i in range(300)}
+        state.update({f"s{i}": torch.randn(4, generator=gen).to(torch.float8_e8m0fnu) for i in range(40)})
+        return state
+    replicated = {"model": many(0)}
+    own = {"mine": many(100 + rank)}
+    save_step(storage, 5, replicated, own, context, ShardLimits(max_file_size_bytes=4096, max_header_bytes=4096))
+    loaded = load_committed(storage, 5, rank, dist.get_world_size())
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(
+            a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+    report({"rank": rank, "replicated_exact": same(loaded.replicated["model"], replicated["model"]),
+            "own_exact": same(loaded.rank_local["mine"], own["mine"])})
 dist.barrier()  # no rank tears gloo down while a peer still receives
 dist.destroy_process_group()
