@@ -31,6 +31,7 @@ from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.restore import LoadedStep, load_step, reject_step
 from spotrun.checkpoint.save import SaveContext, encode_state, save_step
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES, ShardLimits
+from spotrun.manifest import Manifest
 from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv, default_safety_margin_s
 from spotrun.save_meter import SaveMeter
 from spotrun.errors import (
@@ -183,8 +184,12 @@ class Checkpointer:
                 training starts, so the first save does not fail hours later).
             NoCheckpointError: complete steps exist but none of them loads.
         """
-        step = self._restore()
-        self._check_serialisable()
+        step, manifest = self._restore()
+        self._check_serialisable()  # refused before this start leaves any trace on the root
+        self._claim_incarnation(step if manifest else None, manifest.incarnation + 1 if manifest else 0)
+        if dist.rank() == 0:
+            log.info("%s (incarnation %d)", f"restored step {step} from {self._storage.uri}" if manifest
+                     else f"no checkpoint under {self._storage.uri}: starting from step 0", self._incarnation)
         return step
 
     def _claim_incarnation(self, resumed_step: int | None, at_least: int, *, after_newest: bool = False,
@@ -227,7 +232,8 @@ class Checkpointer:
             dist.rank(),
         )
 
-    def _restore(self) -> int:
+    def _restore(self) -> tuple[int, Manifest | None]:
+        """Load the newest loadable complete step: (its step and manifest), or (0, None)."""
         listing: dict = {}
         if dist.rank() == 0:
             try:
@@ -248,11 +254,7 @@ class Checkpointer:
                 timing = loaded.manifest.timing
                 self._meter.restored(timing.step_time_s if timing is not None else None)
                 self._run_id = self._env.run_id or loaded.manifest.run_id or self._run_id
-                self._claim_incarnation(step, loaded.manifest.incarnation + 1)
-                if dist.rank() == 0:
-                    log.info("restored step %d from %s (incarnation %d)", step, self._storage.uri,
-                             self._incarnation)
-                return step
+                return step, loaded.manifest
             older = candidates[index + 1] if index + 1 < len(candidates) else None
             if dist.rank() == 0:
                 log.warning(
@@ -268,11 +270,7 @@ class Checkpointer:
                 f"no complete checkpoint under {self._storage.uri} could be loaded "
                 f"(tried steps {candidates}); see the log for each failure"
             )
-        self._claim_incarnation(None, 0)
-        if dist.rank() == 0:
-            log.info("no checkpoint under %s: starting from step 0 (incarnation %d)",
-                     self._storage.uri, self._incarnation)
-        return 0
+        return 0, None
 
     def _candidate_steps(self) -> list[tuple[int, str]]:
         """(step, manifest key) of every complete step, newest first."""
