@@ -126,7 +126,7 @@ def test_cloud_notice_saves_exits_143_and_resumes_exactly(reference, tmp_path, p
         # After the commit: after the manifest was written, and after the supervisor found the
         # step complete on storage (its log line, stamped to the millisecond, rounded down).
         assert posts[0].received_unix_s > created_unix_s
-        assert posts[0].received_unix_s >= manifest_path.stat().st_mtime
+        assert posts[0].received_unix_s >= manifest_file.stat().st_mtime
         assert posts[0].received_unix_s >= log_time_unix_s(text, f"emergency checkpoint of step {step} is complete")
 
     rows_before = len(read_log(log_file))
