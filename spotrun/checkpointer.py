@@ -45,6 +45,7 @@ from spotrun.errors import (
     StateMismatchError,
     StorageError,
 )
+from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState
 from spotrun.state.rng import RNGState
 from spotrun.state.stateful import load_into, state_of
 from spotrun.storage import Storage, open_storage
@@ -68,7 +69,10 @@ class Checkpointer:
         uri: checkpoint root; default ``$SPOTRUN_CHECKPOINT_URI``, else ``./checkpoints``.
         interval_steps: save every this many steps in :meth:`end_of_step`; 0 = never.
         rank_state: name -> object whose state differs per rank (saved by each rank).
-            Every rank's RNGs (Python, NumPy, torch CPU, each CUDA device) are always saved.
+            Every rank's RNGs (Python, NumPy, torch CPU, each CUDA device) are always saved,
+            and the settings that decide its arithmetic (intra-op threads, torch version, CPU
+            capability, GPU models; :mod:`spotrun.state.numerics`): a restore logs a warning
+            when they differ from the writer's. Names ``rng`` and ``numerics`` are reserved.
         check_interval_steps: look for a save request every this many steps (1 = every
             step; each check is one 1-element all-reduce).
         handle_signals: turn SIGTERM/SIGINT into an emergency-save request (main thread
@@ -108,15 +112,16 @@ class Checkpointer:
     ) -> None:
         if not isinstance(state, dict) or not state:
             raise ConfigError("Checkpointer(state=...) needs a non-empty dict of name -> object")
-        if "rng" in (rank_state or {}):
-            raise ConfigError("rank_state name 'rng' is reserved for the RNG states spotrun saves")
+        for reserved in ("rng", NUMERICS_STATE_NAME):
+            if reserved in (rank_state or {}):
+                raise ConfigError(f"rank_state name {reserved!r} is reserved for the state spotrun saves itself")
         if interval_steps < 0 or check_interval_steps < 1:
             raise ConfigError("interval_steps must be >= 0 and check_interval_steps >= 1")
         if not save_timeout_s > 0:
             raise ConfigError(f"save_timeout_s must be > 0, got {save_timeout_s}")
         self._limits = ShardLimits(max_file_size_bytes=max_file_size_bytes, max_header_bytes=max_header_bytes)
         self._state = dict(state)
-        self._rank_state = {**(rank_state or {}), "rng": RNGState()}
+        self._rank_state = {**(rank_state or {}), NUMERICS_STATE_NAME: NumericsState(), "rng": RNGState()}
         self._env = WorkerEnv.from_environ()
         self._storage = storage or open_storage(uri or self._env.checkpoint_uri or DEFAULT_CHECKPOINT_URI)
         self.interval_steps = interval_steps
@@ -305,6 +310,8 @@ class Checkpointer:
                 )
             load_into(name, obj, loaded.replicated[name])
         for name, obj in self._rank_state.items():  # RNG last: nothing may draw after it
+            if name == NUMERICS_STATE_NAME and name not in loaded.rank_local:
+                continue  # written before spotrun recorded these settings
             if name not in loaded.rank_local:
                 raise StateMismatchError(f"checkpoint lacks this rank's state {name!r}")
             load_into(name, obj, loaded.rank_local[name])

@@ -131,7 +131,12 @@ def _fetch_tensors(storage: Storage, manifest: Manifest, names: list[str]) -> di
 def _checked(content: dict[str, torch.Tensor], name: str, manifest: Manifest, key: str) -> torch.Tensor:
     if name not in content:
         raise CorruptShardError(f"{key}: tensor {name!r} is missing")
-    return from_stored(content[name], manifest.tensors[name], where=f"{key}: tensor {name!r}")
+    tensor = from_stored(content[name], manifest.tensors[name], where=f"{key}: tensor {name!r}")
+    # The parser's tensors are views into its read buffers (16-byte aligned, at offsets that
+    # depend on the heap). An optimizer keeps what it is given, so a copy in torch's own
+    # allocation (64-byte aligned, own storage) makes restored state lie in memory like the
+    # state of an uninterrupted run, whatever a kernel's vector loop makes of alignment.
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def reject_step(storage: Storage, key: str, reason: str) -> None:

@@ -81,7 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cap on the training text, in bytes (default: %(default)s)")
     p.add_argument("--step-sleep-s", type=float, default=0.0,
                    help="pause after every step, in seconds, to slow a run down for tests (default: %(default)s)")
+    p.add_argument("--intra-op-threads", type=int, default=None,
+                   help="torch intra-op threads per process (default: $OMP_NUM_THREADS, else on CPU the "
+                        "CPUs of this process divided by the processes on this node); a resume is "
+                        "bit-identical to an uninterrupted run only with the same count")
     args = p.parse_args(argv)
+    if args.intra_op_threads is not None and args.intra_op_threads < 1:
+        p.error("--intra-op-threads must be at least 1")
     if args.warmup_steps is None:
         args.warmup_steps = args.steps // 10
     for name in ("steps", "batch_size", "log_interval"):
@@ -275,15 +281,38 @@ def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None
         ckpt.close()
 
 
+def intra_op_threads(requested: int | None, rt: Runtime) -> tuple[int | None, str]:
+    """How many intra-op threads this process uses, and why: (count or None to leave
+    torch's choice, reason for the log).
+
+    ``requested`` (``--intra-op-threads``) first, then ``$OMP_NUM_THREADS`` (torchrun sets 1
+    when a node runs several processes), then on CPU the CPUs this process may use divided
+    by the processes on this node (``$LOCAL_WORLD_SIZE``), at least 1.
+    """
+    if requested is not None:
+        return requested, "--intra-op-threads"
+    from_env = os.environ.get("OMP_NUM_THREADS", "")
+    if from_env.isdigit() and int(from_env) > 0:
+        return int(from_env), "OMP_NUM_THREADS"
+    if rt.device.type != "cpu":
+        return None, "torch's default"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cpus // local_processes), f"{cpus} CPU(s) / {local_processes} process(es) on this node"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (0 on completion and after a requested save)."""
     args = parse_args(argv)
     rt = setup_runtime()
     logging.basicConfig(level=logging.INFO if rt.rank == 0 else logging.WARNING, stream=sys.stderr,
                         format=f"[rank {rt.rank}] %(asctime)s %(message)s")
-    if rt.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    threads, source = intra_op_threads(args.intra_op_threads, rt)
+    if threads is not None:
+        # Always through torch.set_num_threads, also for a count from $OMP_NUM_THREADS: it
+        # switches MKL's dynamic thread choice off, so both ways compute the same.
+        torch.set_num_threads(threads)
+    log.info("intra-op threads: %d per process (%s)", torch.get_num_threads(), source)
     metrics = None
     if args.log_file and rt.rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.log_file)), exist_ok=True)

@@ -26,7 +26,8 @@ local root, ``s3://bucket/prefix-drill-reference/<random>`` for ``s3://bucket/pr
 last). Then step E + 1 of the real root and of the scratch root are compared bit for bit
 for every rank (:mod:`spotrun.supervisor.drill_reference`): the replicated state and each
 rank's own state, every RNG included. Any difference means the job does not resume exactly
-(state spotrun does not save, or nondeterminism) and fails the drill. The scratch root is
+(state spotrun does not save, settings that differ between the runs, or nondeterminism) and
+fails the drill; the report names the likeliest of these (:mod:`spotrun.supervisor.drill_cause`). The scratch root is
 deleted afterwards unless ``keep_reference``. The reference run may take ``restart_timeout_s``
 plus twice phase 1's duration. It is the same command, so whatever else the job writes (a
 metrics log, say) gets the reference run's steps as well.
@@ -53,7 +54,7 @@ from spotrun.drill_fakes import FakeAws, FakeAzure, FakeGcp, FakeServer
 from spotrun.env import STOP_AT_STEP
 from spotrun.errors import ConfigError, SpotrunError
 from spotrun.storage import Storage, open_storage
-from spotrun.supervisor import drill_reference, process
+from spotrun.supervisor import drill_cause, drill_reference, process
 from spotrun.supervisor.config import storage_options
 from spotrun.supervisor.drill_options import (  # noqa: F401  (re-exported: the drill's public names)
     CLOUD_LEAD_S,
@@ -328,16 +329,8 @@ def _run_reference(config: DrillConfig, storage: Storage, scratch: ScratchRoot, 
     if differences:
         report.problems.append(
             f"step {target} after the resume is not bit-identical to an uninterrupted run: {len(differences)} "
-            f"value(s) differ, first {differences[0]}; " + _likely_cause(differences, report.start_step)
+            f"value(s) differ, first {differences[0]}; " + drill_cause.likely_cause(differences, report.start_step)
         )
-
-
-def _likely_cause(differences: list[drill_reference.Difference], start_step: int | None) -> str:
-    only_rngs = all(d.key.startswith("rank ") and "/rng/" in d.key for d in differences)
-    if only_rngs and start_step is None:
-        return ("only RNG states differ and both runs started fresh: the job likely does not seed every "
-                "generator at start (Python random, NumPy, torch); seed them, or drill from an existing checkpoint")
-    return "the job has state spotrun does not save and restore, or is not deterministic"
 
 
 # --- helpers -----------------------------------------------------------------------

@@ -18,7 +18,7 @@ import shutil
 import struct
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,15 +52,21 @@ class Difference:
             difference over the elements that are not NaN in either (0.0 when only the bits
             differ, e.g. ``-0.0`` vs ``0.0``); ``None`` for other values or when no
             finite difference exists.
+        max_relative_diff: ``max_abs_diff`` relative to the value's scale (the largest
+            magnitude in the reference tensor, or of the two floats); ``None`` where
+            ``max_abs_diff`` is or the scale is 0. About 1e-7 for float32 values that were
+            rounded differently once. Not part of equality.
     """
 
     key: str
     what: str
     max_abs_diff: float | None = None
+    max_relative_diff: float | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         """The difference as JSON values."""
-        return {"key": self.key, "what": self.what, "max_abs_diff": self.max_abs_diff}
+        return {"key": self.key, "what": self.what, "max_abs_diff": self.max_abs_diff,
+                "max_relative_diff": self.max_relative_diff}
 
     def __str__(self) -> str:
         extra = "" if self.max_abs_diff is None else f", max abs difference {self.max_abs_diff:.3g}"
@@ -235,7 +241,10 @@ def _compare(a: Any, b: Any, path: str, out: list[Difference]) -> None:
     elif isinstance(a, float):
         if struct.pack("<d", a) != struct.pack("<d", b):
             gap = abs(a - b)
-            out.append(Difference(path, f"{a!r} vs {b!r}", gap if math.isfinite(gap) else None))
+            if math.isfinite(gap):
+                out.append(Difference(path, f"{a!r} vs {b!r}", gap, _relative(gap, max(abs(a), abs(b)))))
+            else:
+                out.append(Difference(path, f"{a!r} vs {b!r}"))
     elif a != b:
         out.append(Difference(path, f"{_describe(a)} vs {_describe(b)}"))
 
@@ -249,13 +258,22 @@ def _compare_tensors(a: torch.Tensor, b: torch.Tensor, path: str) -> Difference 
     if torch.equal(a_bytes, b_bytes):
         return None
     differing = int((a_bytes != b_bytes).any(dim=1).sum())
-    max_abs_diff = None
+    max_abs_diff = max_relative_diff = None
     if a.is_floating_point():
-        gap = (a.detach().cpu().double() - b.detach().cpu().double()).abs().reshape(-1)
+        reference = b.detach().cpu().double().reshape(-1)
+        gap = (a.detach().cpu().double().reshape(-1) - reference).abs()
         gap = gap[~torch.isnan(gap)]
         if gap.numel() and math.isfinite(float(gap.max())):
             max_abs_diff = float(gap.max())
-    return Difference(path, f"{differing} of {a.numel()} element(s) differ", max_abs_diff)
+            finite = reference[torch.isfinite(reference)].abs()
+            max_relative_diff = _relative(max_abs_diff, float(finite.max()) if finite.numel() else 0.0)
+    return Difference(path, f"{differing} of {a.numel()} element(s) differ", max_abs_diff, max_relative_diff)
+
+
+def _relative(gap: float, scale: float) -> float | None:
+    if scale > 0:
+        return gap / scale
+    return 0.0 if gap == 0 else None  # a value that should be 0 is not: no scale to compare with
 
 
 def _element_bytes(tensor: torch.Tensor) -> torch.Tensor:
