@@ -6,11 +6,14 @@ emergency commit), and restarting both resumes exactly.
 
 The reference is an uninterrupted run of the same 2-node topology: a single-node 2-rank run
 is not bit-identical to it, because torchrun sets OMP_NUM_THREADS=1 only when a node runs
-several processes, so the two topologies use different intra-op thread counts.
+several processes, so the two topologies use different intra-op thread counts (here 2 per
+process, as every checkpoint records; the machine's load does not matter, see
+tests/test_determinism.py).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import sys
@@ -19,6 +22,8 @@ import uuid
 import pytest
 import torch
 
+from spotrun.checkpoint.restore import load_committed
+from spotrun.storage import open_storage
 from tests.trainrun import (
     TRAIN_ARGS,
     final_tensors,
@@ -76,7 +81,8 @@ def node_logs(log_prefix) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One uninterrupted 2-node run: per-step losses and final tensors."""
+    """One uninterrupted 2-node run: per-step losses, final tensors, each rank's recorded
+    numerics settings (one process per node: as many intra-op threads as CPUs)."""
     root = tmp_path_factory.mktemp("reference")
     started: list = []
     try:
@@ -87,7 +93,10 @@ def reference(tmp_path_factory):
             kill_tree(proc)
     losses = last_loss_per_step(root / "train.jsonl")
     assert sorted(losses) == list(range(1, STEPS + 1))
-    return losses, final_tensors(str(root / "ck"), STEPS)
+    numerics = [load_committed(open_storage(str(root / "ck")), STEPS, rank, NODES).rank_local["numerics"]
+                for rank in range(NODES)]
+    assert [n["intra_op_threads"] for n in numerics] == [len(os.sched_getaffinity(0))] * NODES
+    return losses, final_tensors(str(root / "ck"), STEPS), numerics
 
 
 def test_notice_to_one_node_saves_both_and_resumes_exactly(reference, tmp_path, processes):
@@ -119,7 +128,10 @@ def test_notice_to_one_node_saves_both_and_resumes_exactly(reference, tmp_path, 
         assert f"resuming from step {step} " in text
     assert read_log(log_file)[rows_before]["step"] == step + 1
 
-    ref_losses, ref_tensors = reference
+    ref_losses, ref_tensors, ref_numerics = reference
+    for checkpoint in (step, STEPS):  # both launches computed with the reference's settings
+        assert [load_committed(open_storage(ck), checkpoint, rank, NODES).rank_local["numerics"]
+                for rank in range(NODES)] == ref_numerics
     assert last_loss_per_step(log_file) == ref_losses
     got = final_tensors(ck, STEPS)
     assert sorted(got) == sorted(ref_tensors)

@@ -291,9 +291,11 @@ def intra_op_threads(requested: int | None, rt: Runtime) -> tuple[int | None, st
     """
     if requested is not None:
         return requested, "--intra-op-threads"
-    from_env = os.environ.get("OMP_NUM_THREADS", "")
-    if from_env.isdigit() and int(from_env) > 0:
-        return int(from_env), "OMP_NUM_THREADS"
+    from_env = os.environ.get("OMP_NUM_THREADS")
+    if from_env is not None:
+        if from_env.strip().isdigit() and int(from_env) > 0:
+            return int(from_env), "OMP_NUM_THREADS"
+        return None, f"OMP_NUM_THREADS={from_env!r}, left to torch"
     if rt.device.type != "cpu":
         return None, "torch's default"
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,10 +1,9 @@
 """The settings of one rank that decide the order of floating-point operations.
 
 Floating-point addition is not associative, so a run is bit-identical to another only when
-both split and order their sums the same way. On one machine with one build of torch that
-is decided by the settings recorded here; the machine's load is not among them (measured:
-the OpenMP team sizes, MKL's thread counts and the results stay the same under load, see
-the README's "When a resume is bit-exact").
+both split and order their sums the same way. That is decided by the settings recorded
+here; the machine's load is not among them (the README's "When a resume is bit-exact" says
+what was measured).
 
 Saved with every checkpoint as part of each rank's own state (JSON values only). On
 restore a rank compares the saved settings with its own and logs a warning naming each
@@ -56,12 +55,12 @@ def current_numerics() -> dict[str, Any]:
 
 def describe_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """One sentence per setting that differs, e.g. ``"intra_op_threads: 2 in the
-    checkpoint, 1 here (set the same thread count ...)"``; empty when all agree.
+    checkpoint, 1 here - set the same thread count ..."``; empty when all agree.
 
     Keys present on one side only are ignored (written by another spotrun version).
     """
     return [
-        f"{key}: {saved[key]!r} in the checkpoint, {current[key]!r} here ({_WHAT_TO_SET.get(key, 'make them equal')})"
+        f"{key}: {saved[key]!r} in the checkpoint, {current[key]!r} here - {_WHAT_TO_SET.get(key, 'make them equal')}"
         for key in sorted(set(saved) & set(current))
         if saved[key] != current[key]
     ]

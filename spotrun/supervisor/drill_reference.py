@@ -70,6 +70,8 @@ class Difference:
 
     def __str__(self) -> str:
         extra = "" if self.max_abs_diff is None else f", max abs difference {self.max_abs_diff:.3g}"
+        if self.max_relative_diff is not None:
+            extra += f" ({self.max_relative_diff:.2g} of its scale)"
         return f"{self.key}: {self.what}{extra}"
 
 
