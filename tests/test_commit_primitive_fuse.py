@@ -29,6 +29,7 @@ import pytest
 
 from spotrun.storage import local as local_backend
 from spotrun.supervisor.preflight import check_storage
+from tests.test_commit_primitive import error_line, spotrun_cli
 from tests.trainrun import preempt_and_resume_exactly
 
 #: The Debian package of libfuse 3 (mfusepy, a test extra, binds it with ctypes).
@@ -97,16 +98,6 @@ def fuse_available() -> None:
     reason = _fuse_unavailable()
     if reason is not None:
         pytest.skip(f"cannot mount a FUSE filesystem: {reason}")
-
-
-def spotrun_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spotrun", *args], capture_output=True, text=True,
-                          timeout=120, stdin=subprocess.DEVNULL)
-
-
-def error_line(stderr: str) -> str:
-    [line] = [line for line in stderr.splitlines() if line.startswith("spotrun: error: ")]
-    return line
 
 
 def files_under(root) -> list[str]:

@@ -21,7 +21,7 @@ import pytest
 from spotrun.supervisor import process
 from tests import trainrun
 from tests.test_supervisor import FAKE, WAIT_S, spotrun_run  # noqa: F401  (fixture)
-from tests.trainrun import ls_json, read_log, start_supervised, torchrun_command, wait_for_step
+from tests.trainrun import ls_json, start_supervised, torchrun_command, wait_for_step
 
 
 def wait_until_gone(infos: list[process.ProcInfo], timeout_s: float) -> list[process.ProcInfo]:
@@ -122,13 +122,7 @@ def _assert_emergency_then_exact_resume(reference, tmp_path, processes, ck, log_
     the end, bit-identical to the uninterrupted reference run."""
     emergency = [row for row in ls_json(ck) if row["reason"] == "emergency"]
     assert len(emergency) == 1 and emergency[0]["status"] == "complete" and emergency[0]["step"] >= 12, emergency
-    logged_before_restart = len(read_log(log_file))
-    proc = start_supervised(ck, command, log_path=tmp_path / "second.log")
-    processes.append(proc)
-    assert proc.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-3000:]
-    assert read_log(log_file)[logged_before_restart]["step"] == emergency[0]["step"] + 1
-    ref_losses, ref_tensors, _ = reference
-    trainrun.assert_same_as_reference(ref_losses, ref_tensors, ck, log_file, trainrun.REFERENCE_STEPS)
+    trainrun.restart_resumes_exactly(reference, tmp_path, processes, ck, log_file, command, emergency[0]["step"])
 
 
 @pytest.mark.slow

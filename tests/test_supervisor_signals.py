@@ -19,7 +19,7 @@ import pytest
 from spotrun.supervisor.signals import parse_notice_signals, signal_name, terminating_signals
 from tests import trainrun
 from tests.test_supervisor import FAKE, FAST, WAIT_S, spotrun_run, steps_on  # noqa: F401  (fixture)
-from tests.trainrun import ls_json, read_log, start_supervised, torchrun_command, wait_for_step
+from tests.trainrun import ls_json, start_supervised, torchrun_command, wait_for_step
 
 PREEMPTED = 143
 
@@ -129,10 +129,4 @@ def test_2_usr1_to_supervisor_is_a_notice(reference, tmp_path, processes):
     assert len(emergency) == 1 and emergency[0]["status"] == "complete" and emergency[0]["step"] >= step
     assert "preemption notice: SIGUSR1" in (tmp_path / "first.log").read_text()
 
-    logged_before_restart = len(read_log(log_file))
-    proc = start_supervised(ck, command, log_path=tmp_path / "second.log")
-    processes.append(proc)
-    assert proc.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-3000:]
-    assert read_log(log_file)[logged_before_restart]["step"] == emergency[0]["step"] + 1
-    ref_losses, ref_tensors, _ = reference
-    trainrun.assert_same_as_reference(ref_losses, ref_tensors, ck, log_file, trainrun.REFERENCE_STEPS)
+    trainrun.restart_resumes_exactly(reference, tmp_path, processes, ck, log_file, command, emergency[0]["step"])

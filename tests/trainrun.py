@@ -188,3 +188,16 @@ def preempt_and_resume_exactly(reference, checkpoint_uri: str, tmp_path: pathlib
     assert resumed == list(range(emergency_step + 1, REFERENCE_STEPS + 1))
     assert_same_as_reference(*reference[:2], checkpoint_uri, log_file, REFERENCE_STEPS)
     return emergency_step
+
+
+def restart_resumes_exactly(reference, tmp_path: pathlib.Path, processes: list, checkpoint_uri: str,
+                            log_file: pathlib.Path, command: list[str], resumed_step: int) -> None:
+    """Run ``command`` again under a supervisor: it must resume at ``resumed_step + 1``, finish
+    (exit 0) and end bit-identical to the uninterrupted ``reference`` run."""
+    logged_before_restart = len(read_log(log_file))
+    proc = start_supervised(checkpoint_uri, command, log_path=tmp_path / "second.log")
+    processes.append(proc)
+    assert proc.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    assert read_log(log_file)[logged_before_restart]["step"] == resumed_step + 1
+    ref_losses, ref_tensors, _ = reference
+    assert_same_as_reference(ref_losses, ref_tensors, checkpoint_uri, log_file, REFERENCE_STEPS)
