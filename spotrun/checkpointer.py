@@ -27,24 +27,14 @@ import uuid
 from typing import Any
 
 from spotrun import control, dist, supervisor_watch
-from spotrun.checkpoint import catalog, fencing
-from spotrun.checkpoint.restore import LoadedStep, load_step, reject_step
+from spotrun.checkpoint import resume
+from spotrun.checkpoint.restore import LoadedStep
 from spotrun.checkpoint.save import SaveContext, encode_state, save_step
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES, ShardLimits
 from spotrun.manifest import Manifest
 from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv, default_safety_margin_s
 from spotrun.save_meter import SaveMeter
-from spotrun.errors import (
-    CheckpointSaveError,
-    CommitUnsupportedError,
-    ConfigError,
-    CorruptShardError,
-    ManifestError,
-    NoCheckpointError,
-    SpotrunError,
-    StateMismatchError,
-    StorageError,
-)
+from spotrun.errors import CheckpointSaveError, ConfigError, StateMismatchError
 from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState
 from spotrun.state.rng import RNGState
 from spotrun.state.stateful import load_into, state_of
@@ -131,7 +121,6 @@ class Checkpointer:
         self._run_id = self._env.run_id or uuid.uuid4().hex
         self._last_saved_step: int | None = None
         self._incarnation: int | None = None  # claimed by restore() or the first save
-        self._listed_manifests: dict[int, Any] = {}  # rank 0: manifests its listing parsed
         self._failed_periodic_saves = 0
         self._signal_name: str | None = None
         self._previous_handlers: dict[int, Any] = {}
@@ -191,43 +180,13 @@ class Checkpointer:
         """
         step, manifest = self._restore()
         self._check_serialisable()  # refused before this start leaves any trace on the root
-        self._claim_incarnation(step if manifest else None, manifest.incarnation + 1 if manifest else 0)
+        self._incarnation = resume.claim_incarnation(
+            self._storage, resumed_step=step if manifest else None, run_id=self._run_id,
+            at_least=max(self._env.incarnation, manifest.incarnation + 1 if manifest else 0))
         if dist.rank() == 0:
             log.info("%s (incarnation %d)", f"restored step {step} from {self._storage.uri}" if manifest
                      else f"no checkpoint under {self._storage.uri}: starting from step 0", self._incarnation)
         return step
-
-    def _claim_incarnation(self, resumed_step: int | None, at_least: int, *, after_newest: bool = False,
-                           step: int | None = None) -> None:
-        """Rank 0 claims the next incarnation on the root (fencing older writers); every
-        rank learns the number. A collective.
-
-        ``after_newest``: this start restored nothing (a save without :meth:`restore`); it
-        counts as resumed from the newest complete step, so the steps already committed
-        stay valid and only later commits of older incarnations are fenced. ``step``: the
-        step being saved then (a failure is then that save's :class:`CheckpointSaveError`).
-        """
-        claimed: dict = {}
-        if dist.rank() == 0:
-            try:
-                if after_newest:
-                    newest = catalog.newest_complete(self._storage)
-                    resumed_step = newest.step if newest else None
-                    at_least = newest.manifest.incarnation + 1 if newest else 0
-                record = fencing.claim(self._storage, resumed_step=resumed_step, run_id=self._run_id,
-                                       at_least=max(at_least, self._env.incarnation))
-                claimed = {"incarnation": record.incarnation}
-            except (SpotrunError, OSError) as exc:  # told to every rank, so none waits alone
-                claimed = {"error": f"{type(exc).__name__}: {exc}",
-                           "retryable": not isinstance(exc, CommitUnsupportedError)}
-        claimed = dist.broadcast_json(claimed)
-        if "error" in claimed:
-            problem = f"cannot record this start under {self._storage.uri}: {claimed['error']}"
-            if step is not None:
-                raise CheckpointSaveError(f"save of step {step} failed on rank 0: {problem} - nothing was committed",
-                                          retryable=claimed["retryable"])
-            raise StorageError(5, problem)
-        self._incarnation = claimed["incarnation"]
 
     def _check_serialisable(self) -> None:
         """Fail before training starts, not at the first save hours later."""
@@ -239,63 +198,16 @@ class Checkpointer:
 
     def _restore(self) -> tuple[int, Manifest | None]:
         """Load the newest loadable complete step: (its step and manifest), or (0, None)."""
-        listing: dict = {}
-        if dist.rank() == 0:
-            try:
-                listing = {"steps": self._candidate_steps()}
-            except (SpotrunError, OSError) as exc:  # told to every rank, so none waits alone
-                listing = {"error": f"{type(exc).__name__}: {exc}"}
-        listing = dist.broadcast_json(listing)
-        if "error" in listing:
-            raise StorageError(5, f"cannot list checkpoints under {self._storage.uri}: {listing['error']}")
-        candidates = [step for step, _key in listing["steps"]]
-        for index, (step, key) in enumerate(listing["steps"]):
-            loaded, problem = self._try_load(step, key)
-            problems = dist.all_gather_json(problem)
-            failed = {r: p["message"] for r, p in enumerate(problems) if p is not None}
-            if not failed:
-                self._apply(loaded)
-                self._last_saved_step = step
-                timing = loaded.manifest.timing
-                self._meter.restored(timing.step_time_s if timing is not None else None)
-                self._run_id = self._env.run_id or loaded.manifest.run_id or self._run_id
-                return step, loaded.manifest
-            older = candidates[index + 1] if index + 1 < len(candidates) else None
-            if dist.rank() == 0:
-                log.warning(
-                    "checkpoint step %d failed verification (%s); falling back to %s",
-                    step,
-                    "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items())),
-                    f"step {older}" if older is not None else "nothing older",
-                )
-                if any(p["corrupt"] for p in problems if p is not None):
-                    reject_step(self._storage, key, "; ".join(failed.values()))
-        if candidates:
-            raise NoCheckpointError(
-                f"no complete checkpoint under {self._storage.uri} could be loaded "
-                f"(tried steps {candidates}); see the log for each failure"
-            )
-        return 0, None
-
-    def _candidate_steps(self) -> list[tuple[int, str]]:
-        """(step, manifest key) of every complete step, newest first."""
-        complete = [s for s in catalog.list_steps(self._storage) if s.status == catalog.COMPLETE]
-        complete.sort(key=lambda s: s.step, reverse=True)
-        chosen = self._env.resume_step
-        if chosen is not None and complete and complete[0].step != chosen:
-            log.info("the supervisor chose step %d; the newest complete step is now %d", chosen, complete[0].step)
-        # the newest one's manifest, parsed by the listing, is not parsed again to load it
-        self._listed_manifests = {s.step: s.manifest for s in complete[:1]}
-        return [(s.step, s.manifest_key) for s in complete]
-
-    def _try_load(self, step: int, key: str) -> tuple[LoadedStep | None, dict | None]:
-        try:
-            manifest = self._listed_manifests.pop(step, None)
-            return load_step(self._storage, step, key, dist.rank(), dist.world_size(), manifest), None
-        except (CorruptShardError, ManifestError) as exc:
-            return None, {"corrupt": True, "message": str(exc)}
-        except StorageError as exc:  # missing object, or the store failed after retries
-            return None, {"corrupt": False, "message": f"{type(exc).__name__}: {exc}"}
+        loaded = resume.load_newest(self._storage, supervisor_step=self._env.resume_step)
+        if loaded is None:
+            return 0, None
+        self._apply(loaded)
+        step = loaded.manifest.step
+        self._last_saved_step = step
+        timing = loaded.manifest.timing
+        self._meter.restored(timing.step_time_s if timing is not None else None)
+        self._run_id = self._env.run_id or loaded.manifest.run_id or self._run_id
+        return step, loaded.manifest
 
     def _apply(self, loaded: LoadedStep) -> None:
         extra = sorted(set(loaded.replicated) - set(self._state))
@@ -402,7 +314,9 @@ class Checkpointer:
             with self._storage.deadline(self.save_timeout_s if timeout_s is None else timeout_s):
                 if self._incarnation is None:  # saving without restore(): this start claims now,
                     encode_state(replicated, rank_local, dist.rank())  # once the state can be saved
-                    self._claim_incarnation(None, 0, after_newest=True, step=step)
+                    self._incarnation = resume.claim_incarnation(
+                        self._storage, resumed_step=None, at_least=self._env.incarnation, run_id=self._run_id,
+                        after_newest=True, saving_step=step)
                 context = SaveContext(reason=reason, run_id=self._run_id, incarnation=self._incarnation,
                                       step_time_s=self._meter.step_time_s)
                 saved = save_step(self._storage, step, replicated, rank_local, context, self._limits)
