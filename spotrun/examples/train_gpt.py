@@ -304,7 +304,8 @@ def intra_op_threads(requested: int | None, rt: Runtime) -> tuple[int | None, st
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (0 on completion and after a requested save)."""
+    """Entry point; returns the process exit code (0 on completion and after a requested save,
+    1 when a newer start of the job took over the checkpoint root)."""
     args = parse_args(argv)
     rt = setup_runtime()
     logging.basicConfig(level=logging.INFO if rt.rank == 0 else logging.WARNING, stream=sys.stderr,
@@ -323,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         train(args, rt, metrics)
         if dist.is_initialized():
             dist.barrier()  # no rank tears gloo down while a peer still receives the last collective
+    except spotrun.FencedError as exc:  # a newer start of this job owns the checkpoints: this copy is an orphan
+        log.error("stopping: %s", exc)
+        return 1
     finally:
         if metrics is not None:
             metrics.close()
