@@ -258,7 +258,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     steps = list_steps(storage)
     if not steps:  # like ls: a root that does not exist is an error, an empty one is not
         if isinstance(storage, LocalStorage) and not os.path.isdir(storage.uri):
-            raise ObjectNotFoundError(errno.ENOENT, f"no such directory: {storage.uri}")
+            what = "not a directory" if os.path.exists(storage.uri) else "no such directory"
+            raise ObjectNotFoundError(errno.ENOENT, f"{what}: {storage.uri}")
         if not isinstance(storage, LocalStorage) and not storage.list(""):
             raise ObjectNotFoundError(errno.ENOENT, f"nothing is stored under {storage.uri} (no such prefix)")
     if args.json:
