@@ -13,6 +13,7 @@ import ast
 import contextlib
 import json
 import os
+import re
 import pathlib
 import shutil
 import socket
@@ -221,13 +222,16 @@ def _strace_works() -> str | None:
     return None
 
 
+_STRACE_PID = re.compile(r"^\d+\s+")
+
+
 def _network_syscalls(trace: str) -> list[str]:
     """strace lines of socket syscalls that could reach another host: every socket() but
     AF_UNIX, every connect or addressed send to a non-AF_UNIX address, and any connect to
     nscd (libc's name-service cache, where host lookups go first)."""
     found = []
     for line in trace.splitlines():
-        call = line.partition(" ")[2]
+        call = _STRACE_PID.sub("", line, count=1)  # "1102  socket(...)": pids are padded to 5
         if call.startswith("socket(") and not call.startswith("socket(AF_UNIX"):
             found.append(line)
         elif call.startswith("connect(") and ("sa_family=AF_UNIX" not in call or "nscd" in call):
@@ -235,6 +239,15 @@ def _network_syscalls(trace: str) -> list[str]:
         elif call.startswith(("sendto(", "sendmsg(")) and "sa_family=" in call and "sa_family=AF_UNIX" not in call:
             found.append(line)
     return found
+
+
+@pytest.mark.parametrize("pid", ["123", "1102 ", "15957", "4194304"])
+def test_8_strace_lines_are_read_whatever_the_pid_width(pid):
+    """strace pads pids to 5 columns ("1102  socket(...)"): a 4-digit pid must not hide a call."""
+    trace = (f"{pid} socket(AF_INET, SOCK_STREAM|SOCK_CLOEXEC, IPPROTO_IP) = 3\n"
+             f"{pid} socket(AF_UNIX, SOCK_STREAM, 0) = 4\n"
+             f"{pid} connect(3, {{sa_family=AF_INET, sin_port=htons(9)}}, 16) = -1 ECONNREFUSED\n")
+    assert len(_network_syscalls(trace)) == 2
 
 
 @pytest.mark.parametrize("dmi", ["generic", "missing"])
@@ -269,7 +282,7 @@ def test_8_the_observers_see_a_connection_attempt(tmp_path):
                             "-o", str(trace_path), sys.executable, "-c", _CONNECT, str(port)],
                            check=True, timeout=RUN_TIMEOUT_S)
             flagged = _network_syscalls(trace_path.read_text())
-            assert any(line.partition(" ")[2].startswith("socket(AF_INET") for line in flagged), flagged
+            assert any(_STRACE_PID.sub("", line, count=1).startswith("socket(AF_INET") for line in flagged), flagged
             assert any(f"sin_port=htons({port})" in line for line in flagged), flagged
 
 
