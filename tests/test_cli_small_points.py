@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.test_supervisor import FAKE, WAIT_S, alive, spotrun_run, steps_on  # noqa: F401  (fixture)
+from tests.test_supervisor import FAKE, WAIT_S, alive, sigterm_ignored_until_stopped, spotrun_run, steps_on  # noqa: F401  (fixture)
 
 
 @pytest.fixture
@@ -85,12 +85,7 @@ def test_6_uncooperative_tree_is_stopped_within_the_grace_period(spotrun_run, tm
          "--safety-margin-s", str(margin_s), "--stop-timeout-s", str(stop_timeout_s)],
         [sys.executable, FAKE / "ignorer.py", state],
     )
-    run.wait_until(lambda: (state / "pids").exists(), "the worker and its grandchild started")
-    worker_pid, grandchild_pid = map(int, (state / "pids").read_text().split())
-    sent = time.monotonic()
-    run.proc.send_signal(signal.SIGTERM)
-    assert run.wait() == 142, run.log()
-    waited_s = time.monotonic() - sent
+    worker_pid, grandchild_pid, waited_s = sigterm_ignored_until_stopped(run, state)
     assert waited_s >= grace_s - margin_s, "the command was stopped before the save deadline"
     assert waited_s < stop_timeout_s, f"the stop took {waited_s:.1f} s: it waited for --stop-timeout-s"
     assert not alive(worker_pid) and not alive(grandchild_pid)

@@ -126,14 +126,21 @@ def test_sigterm_requests_a_save_and_exits_143_once_it_committed(spotrun_run, tm
     assert (saved.status, saved.reason) == ("complete", "emergency")
 
 
-def test_worker_that_never_saves_is_stopped_at_the_deadline_with_no_process_left(spotrun_run, tmp_path, state):
-    run = spotrun_run(["--checkpoint-uri", str(tmp_path / "ckpt"), *FAST], [sys.executable, FAKE / "ignorer.py", state])
+def sigterm_ignored_until_stopped(run, state) -> tuple[int, int, float]:
+    """SIGTERM to a supervisor whose worker (tests/fake_workers/ignorer.py) and its grandchild
+    ignore it: the supervisor must stop them and exit 142. Returns (worker pid, grandchild
+    pid, seconds from the SIGTERM to the exit)."""
     run.wait_until(lambda: (state / "pids").exists(), "the worker and its grandchild started")
     worker_pid, grandchild_pid = map(int, (state / "pids").read_text().split())
     sent = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait() == 142, run.log()
-    waited_s = time.monotonic() - sent
+    return worker_pid, grandchild_pid, time.monotonic() - sent
+
+
+def test_worker_that_never_saves_is_stopped_at_the_deadline_with_no_process_left(spotrun_run, tmp_path, state):
+    run = spotrun_run(["--checkpoint-uri", str(tmp_path / "ckpt"), *FAST], [sys.executable, FAKE / "ignorer.py", state])
+    worker_pid, grandchild_pid, waited_s = sigterm_ignored_until_stopped(run, state)
 
     assert (state / "request-seen").exists(), "the save request never reached the worker"
     assert waited_s >= GRACE_S - MARGIN_S, "the command was stopped before the save deadline"

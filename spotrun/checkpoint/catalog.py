@@ -107,11 +107,18 @@ def newest_complete(storage: Storage, *, below: int | None = None) -> StepInfo |
 
 
 def inspect_step(storage: Storage, step: int, fences: Fences | None = None) -> StepInfo | None:
-    """What one step directory holds (``None`` when it is empty or absent)."""
-    objects = storage.list(f"{step_dir(step)}/")
+    """What one step directory holds (``None`` when it is empty or absent).
+
+    The incarnation records are read (``fences`` ``None``) only when the step has a manifest.
+    """
+    prefix = f"{step_dir(step)}/"
+    objects = storage.list(prefix)
     if not objects:
         return None
-    return _inspect(storage, step, objects, read_fences(storage) if fences is None else fences)
+    if fences is None:
+        has_manifest = any(parse_manifest_name(o.key[len(prefix):])[0] for o in objects)
+        fences = read_fences(storage) if has_manifest else Fences()
+    return _inspect(storage, step, objects, fences)
 
 
 def committed(storage: Storage, step: int) -> StepInfo:

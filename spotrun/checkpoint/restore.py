@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import REJECTED_PREFIX, file_key
 from spotrun.checkpoint.dtypes import from_stored
 from spotrun.checkpoint.shard import decode_shard
@@ -59,8 +60,7 @@ def read_manifest(storage: Storage, key: str) -> Manifest:
 def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int,
               manifest: Manifest | None = None) -> LoadedStep:
     """Load everything ``rank`` needs from ``step`` (its manifest under ``key``, as the
-    catalog found it; ``manifest``: that manifest if already parsed), verifying every
-    file it reads.
+    catalog found it), verifying every file it reads.
 
     ``manifest``: the step's manifest when the caller has already read it (a listing
     parsed it; a manifest of a million tensors takes seconds to parse), else it is read.
@@ -102,8 +102,6 @@ def load_committed(storage: Storage, step: int, rank: int, world_size: int) -> L
         ObjectNotFoundError: the step is not complete.
         Everything :func:`load_step` raises.
     """
-    from spotrun.checkpoint import catalog
-
     return load_step(storage, step, catalog.committed(storage, step).manifest_key, rank, world_size)
 
 

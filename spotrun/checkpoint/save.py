@@ -128,14 +128,12 @@ class StagedShard:
         tensors: name -> contiguous CPU copy (pinned when copied from CUDA), in its stored
             form (:func:`spotrun.checkpoint.dtypes.to_stored`: raw bytes for dtypes that
             safetensors does not store natively).
-        owner: replicated tensor name -> rank that writes it (the whole plan).
     """
 
     step: int
     rank: int
     incarnation: int
     tensors: dict[str, torch.Tensor]
-    owner: dict[str, int]
 
 
 def _copy_to_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -155,7 +153,7 @@ def stage(encoded: EncodedState, step: int, rank: int, world_size: int, incarnat
     mine.update({n: _copy_to_cpu(to_stored(t)) for n, t in encoded.rank_tensors.items()})
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    return StagedShard(step=step, rank=rank, incarnation=incarnation, tensors=mine, owner=owner)
+    return StagedShard(step=step, rank=rank, incarnation=incarnation, tensors=mine)
 
 
 def write_shard(storage: Storage, staged: StagedShard, parts: list[list[str]]) -> list[FileRecord]:
@@ -332,9 +330,8 @@ def _clear_the_way(storage: Storage, step: int, incarnation: int) -> str | None:
     that step again. Manifests of older incarnations that are fenced are ignored: this
     incarnation commits under its own names and overwrites nothing.
     """
-    fences = fencing.read_fences(storage)
-    fencing.check_not_fenced(storage, incarnation, fences)
-    info = catalog.inspect_step(storage, step, fences)
+    fencing.check_not_fenced(storage, incarnation)
+    info = catalog.inspect_step(storage, step)
     if info is None or info.manifest_key is None:
         return None
     if info.status == catalog.COMPLETE:

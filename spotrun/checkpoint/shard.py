@@ -21,7 +21,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from spotrun.checkpoint.dtypes import dtype_name, tensor_record  # noqa: F401  (re-exported)
 from spotrun.errors import ConfigError, CorruptShardError, StateSerializationError
 from spotrun.manifest import FileRecord
 
