@@ -60,25 +60,41 @@ def any_rank_each(flags: list[bool]) -> list[bool]:
     return [bool(v) for v in value.tolist()]
 
 
-def all_gather_json(value: Any) -> list[Any]:
+def all_gather_json(value: Any, group: Any = None) -> list[Any]:
     """Every rank's JSON-serialisable ``value``, indexed by rank.
 
     Values travel as JSON text (the transport is torch's object collective); nothing
     but JSON is ever accepted, so no arbitrary object is unpickled on receipt.
+    ``group``: the process group (default: the default group); a background thread uses
+    its own group (:func:`new_background_group`), so its collectives never interleave
+    with the training thread's.
     """
     text = json.dumps(value, allow_nan=False)
     if not is_distributed():
         return [json.loads(text)]
     gathered: list[str | None] = [None] * world_size()
-    dist.all_gather_object(gathered, text)
+    dist.all_gather_object(gathered, text, group=group)
     return [json.loads(t) for t in gathered]  # type: ignore[arg-type]
 
 
-def broadcast_json(value: Any, src: int = 0) -> Any:
-    """Rank ``src``'s JSON-serialisable ``value`` on every rank."""
+def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
+    """Rank ``src``'s (global rank) JSON-serialisable ``value`` on every rank of ``group``."""
     text = json.dumps(value, allow_nan=False)
     if not is_distributed():
         return json.loads(text)
     box = [text if rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return json.loads(box[0])  # type: ignore[arg-type]
+
+
+def new_background_group() -> Any:
+    """A gloo process group over all ranks for a background thread's collectives
+    (collective: every rank must call it, in the same order); ``None`` without a process group.
+
+    Collectives of one group must be issued in the same order on every rank; a thread that
+    shares the training thread's group could interleave with its all-reduces. gloo runs on
+    CPU whatever the training backend, so JSON collectives need no device.
+    """
+    if not is_distributed():
+        return None
+    return dist.new_group(backend="gloo")

@@ -95,3 +95,8 @@ class FencedError(CheckpointSaveError):
     incarnation may no longer commit. Nothing was committed; the process should stop."""
 
     retryable = False
+
+
+class SaveAbortedError(CheckpointSaveError):
+    """A background save was abandoned on purpose (an emergency save of a newer step
+    replaced it); nothing of it was committed."""

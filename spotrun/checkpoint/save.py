@@ -1,6 +1,6 @@
 """Saving one step: stage (copy to CPU), write this rank's shard, commit with a manifest.
 
-Sequence on every rank (all ranks call :func:`save_step` for the same step)::
+Sequence on every rank (all ranks call :func:`commit_save` for the same step)::
 
     encode state -> check every rank has the same replicated structure (1 gather)
     -> plan who writes which replicated tensor -> stage: copy own tensors to CPU
@@ -14,8 +14,10 @@ A failure on any rank is reported through the gathers, so every rank raises
 collective that others skipped; no manifest is written, so the step never commits and
 the previous complete step stays the resume point.
 
-Staging and writing are separate (:class:`StagedShard`), so the write can move to a
-background thread while training continues.
+Preparing (:func:`prepare_save`: encode, pick this rank's tensors, copy them into staging
+buffers for a background save) and committing (:func:`commit_save`: the collectives, the
+write, the manifest) are separate, so the commit can run on a background thread, with its
+own process group, while training continues.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,10 +39,12 @@ from spotrun.checkpoint.dtypes import dtype_name, tensor_record, to_stored
 from spotrun.checkpoint.plan import assign_by_bytes
 from spotrun.checkpoint.restore import reject_step
 from spotrun.checkpoint.shard import ShardLimits, encode_shard, sha256_hex, split_into_parts
+from spotrun.checkpoint.staging import StagingBuffers
 from spotrun.errors import (
     CheckpointSaveError,
     CommitUnsupportedError,
     FencedError,
+    SaveAbortedError,
     SpotrunError,
     StateMismatchError,
 )
@@ -117,64 +122,120 @@ def _structure_digest(encoded: EncodedState) -> str:
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
 
 
+class SaveProgress:
+    """Bytes written so far by this rank's part of a save (read by another thread to
+    estimate when a save in flight will commit).
+
+    Attributes:
+        bytes_total: bytes this rank writes (0 until known).
+        bytes_done: bytes written so far.
+        started_monotonic_s: when the write began (``time.monotonic``), ``None`` before.
+    """
+
+    def __init__(self) -> None:
+        self.bytes_total = 0
+        self.bytes_done = 0
+        self.started_monotonic_s: float | None = None
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_done += nbytes
+
+    def remaining_s(self) -> float | None:
+        """Seconds the rest of the write should take at the rate seen so far; ``None``
+        before any byte was written."""
+        if self.started_monotonic_s is None or self.bytes_done <= 0:
+            return None
+        elapsed_s = time.monotonic() - self.started_monotonic_s
+        return max(0.0, (self.bytes_total - self.bytes_done) * elapsed_s / self.bytes_done)
+
+
 @dataclass
-class StagedShard:
-    """This rank's part of a step, copied off the training tensors.
+class PreparedSave:
+    """This rank's part of a step, ready to be written (by this thread or a background one).
 
     Attributes:
         step: training step.
-        rank: writer rank.
-        incarnation: the writer's incarnation (part of every file name it writes).
-        tensors: name -> contiguous CPU copy (pinned when copied from CUDA), in its stored
-            form (:func:`spotrun.checkpoint.dtypes.to_stored`: raw bytes for dtypes that
-            safetensors does not store natively).
+        rank, world_size: of the writer.
+        encoded: the encoded state (its tensors are the live ones).
+        tensors: name -> tensor this rank writes, in stored form
+            (:func:`spotrun.checkpoint.dtypes.to_stored`): host copies in staging buffers
+            for a background save, or the live tensors themselves for a synchronous one
+            (written straight from their memory; nothing may change them until the save ends).
+        error: the state could not be encoded on this rank (reported to every rank by
+            :func:`commit_save`, which then raises it here).
     """
 
     step: int
     rank: int
-    incarnation: int
+    world_size: int
+    encoded: EncodedState | None
     tensors: dict[str, torch.Tensor]
+    error: SpotrunError | None = None
 
 
-def _copy_to_cpu(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.device.type == "cuda":
-        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-        out.copy_(t, non_blocking=True)
-        return out
-    return t.contiguous().clone()
+def prepare_save(
+    step: int,
+    replicated: dict[str, Any],
+    rank_local: dict[str, Any],
+    *,
+    staging: StagingBuffers | None = None,
+) -> PreparedSave:
+    """Encode the state and pick the tensors this rank writes (no collective).
 
-
-def stage(encoded: EncodedState, step: int, rank: int, world_size: int, incarnation: int) -> StagedShard:
-    """Copy the tensors this rank writes to CPU; returns once the copies are complete."""
+    With ``staging`` the tensors are copied into its reused host buffers (returns once
+    the copies are complete: training may then change the live tensors); without, the
+    save writes from the live tensors (a GPU tensor through a bounded host buffer).
+    Never raises for bad state: the error travels in :attr:`PreparedSave.error` so that
+    :func:`commit_save` tells every rank.
+    """
+    rank, world_size = dist.rank(), dist.world_size()
+    try:
+        encoded = encode_state(replicated, rank_local, rank)
+    except SpotrunError as exc:
+        return PreparedSave(step, rank, world_size, None, {}, error=exc)
     sizes = {n: t.numel() * t.element_size() for n, t in encoded.tensors.items()}
     owner = assign_by_bytes(sizes, world_size)
-    mine = {n: _copy_to_cpu(to_stored(t)) for n, t in encoded.tensors.items() if owner[n] == rank}
-    mine.update({n: _copy_to_cpu(to_stored(t)) for n, t in encoded.rank_tensors.items()})
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return StagedShard(step=step, rank=rank, incarnation=incarnation, tensors=mine)
+    mine = {n: to_stored(t.detach()) for n, t in encoded.tensors.items() if owner[n] == rank}
+    mine.update({n: to_stored(t.detach()) for n, t in encoded.rank_tensors.items()})
+    if staging is not None:
+        mine = staging.stage(mine)
+    return PreparedSave(step, rank, world_size, encoded, mine)
 
 
-def write_shard(storage: Storage, staged: StagedShard, parts: list[list[str]]) -> list[FileRecord]:
+def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cpu":
+        return t.to("cpu")
+    return t.contiguous()
+
+
+def write_shard(storage: Storage, prepared: PreparedSave, incarnation: int, parts: list[list[str]],
+                *, abort: threading.Event | None = None, progress: SaveProgress | None = None) -> list[FileRecord]:
     """Serialise and store this rank's shard, one file per part, one file at a time.
 
     Args:
-        parts: names of ``staged.tensors``, one list per file
+        parts: names of ``prepared.tensors``, one list per file
             (:func:`~spotrun.checkpoint.shard.split_into_parts`).
+        abort: when set, the write stops at the next chunk (:class:`SaveAbortedError`).
+        progress: updated as bytes are written.
 
     Returns:
         The manifest records of the files, in the order of ``parts``.
     """
     records = []
     for part, names in enumerate(parts):
-        path = shard_part_name(staged.rank, staged.incarnation, part)
+        if abort is not None and abort.is_set():
+            raise SaveAbortedError(f"save of step {prepared.step} abandoned")
+        path = shard_part_name(prepared.rank, incarnation, part)
         data = encode_shard(
-            {n: staged.tensors[n] for n in names},
-            {"format": "spotrun-checkpoint", "step": staged.step, "rank": staged.rank, "part": part},
+            {n: _host_contiguous(prepared.tensors[n]) for n in names},
+            {"format": "spotrun-checkpoint", "step": prepared.step, "rank": prepared.rank, "part": part},
         )
-        storage.put(file_key(staged.step, path), data)
-        records.append(FileRecord(path=path, rank=staged.rank, size_bytes=len(data), sha256=sha256_hex(data)))
+        storage.put(file_key(prepared.step, path), data)
+        if progress is not None:
+            progress.add(len(data))
+        records.append(FileRecord(path=path, rank=prepared.rank, size_bytes=len(data), sha256=sha256_hex(data)))
         del data  # one file's bytes in memory at a time
     return records
 
@@ -219,10 +280,33 @@ def save_step(
     context: SaveContext,
     limits: ShardLimits | None = None,
 ) -> SavedStep:
-    """Save and commit ``step`` on every rank (collective: all ranks must call it).
+    """Save and commit ``step`` on every rank, synchronously, from the live tensors
+    (collective: all ranks must call it): :func:`prepare_save` then :func:`commit_save`.
+
+    Raises:
+        Everything :func:`commit_save` raises.
+    """
+    return commit_save(storage, prepare_save(step, replicated, rank_local), context, limits)
+
+
+def commit_save(
+    storage: Storage,
+    prepared: PreparedSave,
+    context: SaveContext,
+    limits: ShardLimits | None = None,
+    *,
+    group: Any = None,
+    abort: threading.Event | None = None,
+    progress: SaveProgress | None = None,
+) -> SavedStep:
+    """Write this rank's shard of ``prepared`` and commit the step (collective on ``group``:
+    every rank calls it for the same step; a background thread passes its own group).
 
     ``limits`` (default :class:`~spotrun.checkpoint.shard.ShardLimits`) says when a rank's
-    shard is split into several files.
+    shard is split into several files. ``abort`` (set on every rank) abandons the save:
+    nothing is committed and every rank raises :class:`SaveAbortedError` (unless rank 0
+    had already committed, in which case the save succeeds everywhere). ``progress`` is
+    updated as bytes are written.
 
     Returns:
         The committed manifest (rank 0 only) and the step's size in bytes (every rank,
@@ -232,26 +316,31 @@ def save_step(
         StateSerializationError: a state value cannot be stored (before anything is written).
         StateMismatchError: ranks disagree on the replicated state's structure.
         FencedError: a newer incarnation of the job started on this root; nothing committed.
+        SaveAbortedError: ``abort`` was set; nothing committed.
         CheckpointSaveError: writing or committing failed on some rank; nothing committed.
     """
-    rank, world_size = dist.rank(), dist.world_size()
-    local_error: SpotrunError | None = None
-    try:
-        encoded = encode_state(replicated, rank_local, rank)
-        first: dict[str, Any] = {"digest": _structure_digest(encoded)}
+    rank, world_size = prepared.rank, prepared.world_size
+    step = prepared.step
+    local_error: SpotrunError | None = prepared.error
+    first: dict[str, Any]
+    if local_error is not None:
+        first = {"error": f"{type(local_error).__name__}: {local_error}", "fenced": False}
+    else:
+        encoded = prepared.encoded
+        assert encoded is not None
+        first = {"digest": _structure_digest(encoded)}
         if rank == 0:
             try:
                 first["committed"] = _clear_the_way(storage, step, context.incarnation)
-            except FencedError:
-                raise
+            except FencedError as exc:  # reported to the other ranks so none waits alone
+                local_error, first = exc, {"error": f"{type(exc).__name__}: {exc}", "fenced": True}
             except (SpotrunError, OSError) as exc:
-                raise CheckpointSaveError(
+                local_error = CheckpointSaveError(
                     f"save of step {step} failed on rank 0: {_describe(exc)} - nothing was committed"
-                ) from exc
-    except SpotrunError as exc:  # reported to the other ranks so none waits alone
-        local_error, first = exc, {"error": f"{type(exc).__name__}: {exc}",
-                                   "fenced": isinstance(exc, FencedError)}
-    firsts = dist.all_gather_json(first)
+                )
+                local_error.__cause__ = exc
+                first = {"error": f"{type(local_error).__name__}: {local_error}", "fenced": False}
+    firsts = dist.all_gather_json(first, group=group)
     if local_error is not None:
         raise local_error
     if firsts[0].get("fenced"):
@@ -273,13 +362,16 @@ def save_step(
             f"replicated state differs in structure between rank 0 and rank(s) {differing}; "
             "state passed to Checkpointer(state=...) must be identical on every rank (as in DDP)"
         )
+    assert encoded is not None
     report: dict[str, Any] = {"ok": True}
     write_error: Exception | None = None
     try:
         write_started_s = time.monotonic()
-        staged = stage(encoded, step, rank, world_size, context.incarnation)
-        parts = split_into_parts(staged.tensors, limits or ShardLimits())
-        records = write_shard(storage, staged, parts)
+        parts = split_into_parts(prepared.tensors, limits or ShardLimits())
+        if progress is not None:
+            progress.bytes_total = sum(t.numel() * t.element_size() for t in prepared.tensors.values())
+            progress.started_monotonic_s = write_started_s
+        records = write_shard(storage, prepared, context.incarnation, parts, abort=abort, progress=progress)
         file_of = {n: record.path for record, names in zip(records, parts) for n in names}
         report.update(
             write_s=time.monotonic() - write_started_s,
@@ -290,12 +382,16 @@ def save_step(
             rank_tensors={n: vars(tensor_record(t, file_of[n])) for n, t in encoded.rank_tensors.items()},
         )
     except Exception as exc:  # any failure is reported, so that no rank waits alone at the gather
-        write_error, report = exc, {"ok": False, "error": _describe(exc)}
-        log.error("rank %d failed to write its shard of step %d: %s", rank, step, report["error"])
-    reports = dist.all_gather_json(report)
+        write_error, report = exc, {"ok": False, "error": _describe(exc),
+                                    "aborted": isinstance(exc, SaveAbortedError)}
+        if not isinstance(exc, SaveAbortedError):
+            log.error("rank %d failed to write its shard of step %d: %s", rank, step, report["error"])
+    reports = dist.all_gather_json(report, group=group)
     failed = {r: rep["error"] for r, rep in enumerate(reports) if not rep["ok"]}
     if failed:
-        raise CheckpointSaveError(
+        error = SaveAbortedError if all(rep.get("aborted") for rep in reports if not rep["ok"]) \
+            else CheckpointSaveError
+        raise error(
             f"save of step {step} failed on rank(s) {sorted(failed)}: "
             + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
             + " - nothing was committed"
@@ -310,7 +406,7 @@ def save_step(
         except Exception as exc:  # reported through the broadcast, so no rank waits for it
             outcome = {"ok": False, "error": _describe(exc), "fenced": isinstance(exc, FencedError),
                        "retryable": not isinstance(exc, (FencedError, CommitUnsupportedError))}
-    outcome = dist.broadcast_json(outcome)
+    outcome = dist.broadcast_json(outcome, group=group)
     if not outcome["ok"]:
         error = FencedError if outcome.get("fenced") else CheckpointSaveError
         raise error(f"commit of step {step} failed on rank 0: {outcome['error']}",

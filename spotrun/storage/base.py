@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from spotrun.errors import ConfigError
+from spotrun.errors import ConfigError, StorageError
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,33 @@ class ObjectInfo:
     key: str
     size_bytes: int
     mtime_s: float
+
+
+class ByteSource(abc.ABC):
+    """An object's bytes, produced on demand, for :meth:`Storage.put_stream`.
+
+    A checkpoint shard is a header followed by tensors' bytes: a source copies the
+    requested range out of them, so the object is never built whole in memory.
+    """
+
+    @property
+    @abc.abstractmethod
+    def size_bytes(self) -> int:
+        """The object's size in bytes."""
+
+    @abc.abstractmethod
+    def readinto(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` (a writable byte view) with bytes ``[offset, offset + len(out))``.
+
+        Thread-safe: backends call it for different ranges from several threads at once.
+
+        Raises:
+            SaveAbortedError: the save this source belongs to was abandoned.
+        """
+
+
+#: ``on_chunk(offset, data)``: called by :meth:`Storage.put_stream` for every chunk.
+ChunkCallback = Callable[[int, memoryview], None]
 
 
 def _check_key(key: str) -> str:
@@ -98,6 +125,38 @@ class Storage(abc.ABC):
         """
         self._put_if_absent(_check_key(key), memoryview(data).cast("B"))
 
+    def put_stream(self, key: str, source: ByteSource, *, chunk_bytes: int,
+                   on_chunk: ChunkCallback | None = None) -> None:
+        """Store ``source``'s bytes under ``key``, replacing any old object, atomically (as
+        :meth:`put`), holding a bounded buffer rather than the object in memory.
+
+        Args:
+            chunk_bytes: the bytes are read from ``source`` in chunks that start at multiples
+                of this (the last may be shorter); backends whose transfer unit differs
+                (S3 parts) keep their units multiples of it or split them at its multiples.
+            on_chunk: called once with ``(offset, bytes)`` of every chunk of the object that
+                ends up stored, before the call returns; possibly from several threads and
+                in any order (a retried S3 part may call it again with the same bytes).
+                A checksum of the object is built from it while the bytes are in cache.
+
+        Raises:
+            StorageError: the write failed; nothing is visible under ``key``.
+            Whatever ``source.readinto`` or ``on_chunk`` raise (the write is abandoned).
+        """
+        if chunk_bytes < 1:
+            raise ConfigError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self._put_stream(_check_key(key), source, chunk_bytes, on_chunk)
+
+    def read_into(self, key: str, offset: int, views: Sequence[memoryview]) -> None:
+        """Read bytes ``[offset, offset + total)`` of the object into ``views`` in order
+        (scatter: ``total`` is the sum of their lengths), with no whole-object buffer.
+
+        Raises:
+            ObjectNotFoundError: no such key.
+            StorageError: the read failed, or the object ends before the range does.
+        """
+        self._read_into(_check_key(key), offset, [memoryview(v).cast("B") for v in views])
+
     def get(self, key: str) -> bytes:
         """Return the whole object.
 
@@ -139,6 +198,28 @@ class Storage(abc.ABC):
         return len(infos)
 
     # --- hooks for backends ---------------------------------------------------
+
+    def _put_stream(self, key: str, source: ByteSource, chunk_bytes: int,
+                    on_chunk: ChunkCallback | None) -> None:
+        """Default: build the object in memory, then :meth:`_put` (backends override)."""
+        data = bytearray(source.size_bytes)
+        view = memoryview(data)
+        for start in range(0, len(data), chunk_bytes):
+            chunk = view[start : start + chunk_bytes]
+            source.readinto(start, chunk)
+            if on_chunk is not None:
+                on_chunk(start, chunk)
+        self._put(key, view)
+
+    def _read_into(self, key: str, offset: int, views: list[memoryview]) -> None:
+        """Default: :meth:`_get` the whole object, then copy the range (backends override)."""
+        data = memoryview(self._get(key))
+        total = sum(len(v) for v in views)
+        if offset < 0 or offset + total > len(data):
+            raise StorageError(5, f"read of {key}: bytes {offset}-{offset + total} are past its end ({len(data)})")
+        for view in views:
+            view[:] = data[offset : offset + len(view)]
+            offset += len(view)
 
     @abc.abstractmethod
     def _put(self, key: str, data: memoryview) -> None: ...
