@@ -5,9 +5,11 @@
 builds a float32 model and its AdamW state after one optimizer step (``--state-mib`` MiB of
 tensors in all: parameters, ``exp_avg``, ``exp_avg_sq``), prepares the action (objects built,
 modules imported, a small warm-up save elsewhere), then measures the action alone with
-:mod:`tests.peak_memory` and prints one JSON line: ``{"action", "state_bytes", "before_bytes",
-"peak_bytes", "after_bytes", "extra_bytes"}`` (or ``{"action", "error"}`` and exit status 3 when the
-action cannot run here). One process per measurement: nothing another action freed or kept counts.
+:mod:`tests.peak_memory` and prints one JSON line per measurement: ``{"action", "state_bytes",
+"before_bytes", "peak_bytes", "after_bytes", "extra_bytes"}`` (or ``{"action", "error"}`` and exit
+status 3 when the action cannot run here). One process per tool: nothing another tool freed or
+kept counts (a save and then a restore of the same tool share one, each measured from its own
+trimmed baseline).
 
 ``benchmarks/checkpoint_vs_peers.py`` runs the same way for its peers (:func:`run_child`).
 """
@@ -41,8 +43,9 @@ def build_training_state(state_bytes: int, *, layers: int = DEFAULT_LAYERS,
     torch.manual_seed(seed)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gradients: dict[tuple, torch.Tensor] = {}  # one per shape, shared: allocating 1x the model costs seconds
     for p in model.parameters():
-        p.grad = p.detach() * 1e-2
+        p.grad = gradients.setdefault(tuple(p.shape), torch.full_like(p, 1e-3))
     optimizer.step()
     for p in model.parameters():
         p.grad = None  # gradients are not saved state
@@ -103,26 +106,40 @@ def _committed_steps(root: str) -> list[int]:
     return [info.step for info in catalog.list_steps(LocalStorage(root)) if info.status == catalog.COMPLETE]
 
 
-def known_allocation(model, optimizer, root: str) -> PeakMemory:
+def known_allocation(model, optimizer, root: str) -> dict[str, PeakMemory]:
     """Calibration: a new tensor as large as the state, filled (every page touched)."""
     size = state_tensor_bytes(model, optimizer)
     _, peak = measure(lambda: torch.ones(size // 4, dtype=torch.float32))
-    return peak
+    return {"known-allocation": peak}
 
 
-def spotrun_sync_save(model, optimizer, root: str) -> PeakMemory:
+def spotrun_sync_save(model, optimizer, root: str) -> dict[str, PeakMemory]:
     """``Checkpointer.save`` of the state as an emergency save (synchronous, durable)."""
     _warm_up(root)
-    ckpt = _checkpointer({"model": model, "optimizer": optimizer}, os.path.join(root, "ck"))
+    directory = os.path.join(root, "ck")
+    ckpt = _checkpointer({"model": model, "optimizer": optimizer}, directory)
     ckpt.restore()
     _, peak = measure(lambda: ckpt.save(1, reason="emergency"))
     ckpt.close()
-    if _committed_steps(os.path.join(root, "ck")) != [1]:
+    if _committed_steps(directory) != [1]:
         raise RuntimeError("the measured save did not commit step 1")
-    return peak
+    return {"spotrun-sync-save": peak}
 
 
-def spotrun_background_save(model, optimizer, root: str) -> PeakMemory:
+def spotrun_save_and_restore(model, optimizer, root: str) -> dict[str, PeakMemory]:
+    """:func:`spotrun_sync_save`, then ``Checkpointer.restore`` of that step into the live
+    model and optimizer, cold (measured from a new baseline: the save's garbage is not counted)."""
+    peaks = spotrun_sync_save(model, optimizer, root)
+    directory = os.path.join(root, "ck")
+    ckpt = _checkpointer({"model": model, "optimizer": optimizer}, directory)
+    evict_from_page_cache(directory)
+    step, peaks["spotrun-restore"] = measure(ckpt.restore)
+    if step != 1:
+        raise RuntimeError(f"restore returned step {step}, not 1")
+    return peaks
+
+
+def spotrun_background_save(model, optimizer, root: str) -> dict[str, PeakMemory]:
     """Two background periodic saves (the first allocates the staging buffers, the second
     reuses them), each from ``end_of_step`` until ``wait_for_save`` returns."""
     if not background_saves_available():
@@ -141,33 +158,21 @@ def spotrun_background_save(model, optimizer, root: str) -> PeakMemory:
     ckpt.close()
     if _committed_steps(os.path.join(root, "ck")) != [1, 2]:
         raise RuntimeError("the measured background saves did not commit steps 1 and 2")
-    return peak
+    return {"spotrun-background-save": peak}
 
 
-def spotrun_restore(model, optimizer, root: str) -> PeakMemory:
-    """``Checkpointer.restore`` of a saved step into the live model and optimizer, cold."""
-    directory = os.path.join(root, "ck")
-    ckpt = _checkpointer({"model": model, "optimizer": optimizer}, directory)
-    ckpt.restore()
-    ckpt.save(1)
-    evict_from_page_cache(directory)
-    step, peak = measure(ckpt.restore)
-    if step != 1:
-        raise RuntimeError(f"restore returned step {step}, not 1")
-    return peak
-
-
-#: Action name -> function(model, optimizer, scratch root) -> PeakMemory.
-ACTIONS: dict[str, Callable[..., PeakMemory]] = {
+#: Action name -> function(model, optimizer, scratch root) -> {measurement name: PeakMemory}.
+ACTIONS: dict[str, Callable[..., dict[str, PeakMemory]]] = {
     "known-allocation": known_allocation,
     "spotrun-sync-save": spotrun_sync_save,
+    "spotrun-save-and-restore": spotrun_save_and_restore,
     "spotrun-background-save": spotrun_background_save,
-    "spotrun-restore": spotrun_restore,
 }
 
 
-def run_child(actions: dict[str, Callable[..., PeakMemory]], argv: list[str] | None = None) -> int:
-    """Parse ``ACTION --state-mib N --root DIR``, build the state, run the action, print JSON."""
+def run_child(actions: dict[str, Callable[..., dict[str, PeakMemory]]], argv: list[str] | None = None) -> int:
+    """Parse ``ACTION --state-mib N --root DIR``, build the state, run the action, print one
+    JSON line per measurement it makes."""
     parser = argparse.ArgumentParser(description="measure one action's peak extra memory")
     parser.add_argument("action", choices=sorted(actions))
     parser.add_argument("--state-mib", type=float, required=True)
@@ -176,13 +181,14 @@ def run_child(actions: dict[str, Callable[..., PeakMemory]], argv: list[str] | N
     model, optimizer = build_training_state(int(args.state_mib * MIB))
     state_bytes = state_tensor_bytes(model, optimizer)
     try:
-        peak = actions[args.action](model, optimizer, args.root)
+        peaks = actions[args.action](model, optimizer, args.root)
     except (NotImplementedError, PeakMemoryUnavailable) as exc:
         print(json.dumps({"action": args.action, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return 3
-    print(json.dumps({"action": args.action, "state_bytes": state_bytes, "before_bytes": peak.before_bytes,
-                      "peak_bytes": peak.peak_bytes, "after_bytes": peak.after_bytes,
-                      "extra_bytes": peak.extra_bytes}), flush=True)
+    for name, peak in peaks.items():
+        print(json.dumps({"action": name, "state_bytes": state_bytes, "before_bytes": peak.before_bytes,
+                          "peak_bytes": peak.peak_bytes, "after_bytes": peak.after_bytes,
+                          "extra_bytes": peak.extra_bytes}), flush=True)
     return 0
 
 

@@ -46,9 +46,9 @@ def probe(action: str, root) -> dict:
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
         env={k: v for k, v in os.environ.items() if not k.startswith("SPOTRUN_")},
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"probe {action} printed no result (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
-    result = json.loads(lines[-1])
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert results, f"probe {action} printed no result (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    result = results[-1]
     assert "error" not in result, f"probe {action} could not run: {result['error']}"
     assert proc.returncode == 0, proc.stderr[-3000:]
     return result
