@@ -80,6 +80,12 @@ class Samples:
                                   usage.ru_utime - token[1].ru_utime, usage.ru_stime - token[1].ru_stime))
         return token
 
+    def low(self, figure: str) -> float:
+        return min(row[0] for row in self.rows[figure])
+
+    def high(self, figure: str) -> float:
+        return max(row[0] for row in self.rows[figure])
+
     def median(self, figure: str, column: int = 0) -> float | None:
         values = [row[column] for row in self.rows.get(figure, [])]
         return statistics.median(values) if values else None
@@ -171,20 +177,31 @@ def main(argv: list[str] | None = None) -> int:
         width = model[0].weight.shape[0]
         print(f"load average {os.getloadavg()[0]:.1f}; state: {state_bytes / MIB:.1f} MiB ({len(model)} Linear layers {width}x{width}, float32, "
               f"AdamW after one step); {os.cpu_count()} CPUs; files under {root}", flush=True)
-        samples, missing = run_local(model, optimizer, root, args.rounds)
+        phases: dict[str, float] = {}
+
+        def phase(name: str, fn):
+            phase_started = time.perf_counter()
+            result = fn()
+            phases[name] = time.perf_counter() - phase_started
+            return result
+
+        samples, missing = phase("local rounds", lambda: run_local(model, optimizer, root, args.rounds))
         if args.profile:
-            profile_spotrun(model, optimizer, root)
+            phase("profile", lambda: profile_spotrun(model, optimizer, root))
         del model, optimizer
-        memory = {} if args.no_memory else run_memory(args.size_mib, root)
-        tiny = None if args.no_tiny else scenarios.tiny_tensors(f"{root}/tiny", args.tiny_count, args.rounds)
-        world2 = None if args.no_world2 else scenarios.world2(root, args.world2_size_mib, args.rounds)
-        s3 = scenarios.s3(args.s3_size_mib, args.rounds) if args.s3 else None
+        memory = {} if args.no_memory else phase("memory", lambda: run_memory(args.size_mib, root))
+        tiny = None if args.no_tiny else phase(
+            "tiny tensors", lambda: scenarios.tiny_tensors(f"{root}/tiny", args.tiny_count, args.rounds))
+        world2 = None if args.no_world2 else phase(
+            "world size 2", lambda: scenarios.world2(root, args.world2_size_mib, args.rounds))
+        s3 = phase("S3", lambda: scenarios.s3(args.s3_size_mib, args.rounds)) if args.s3 else None
         report.print_all(report.Results(
             state_bytes=state_bytes, rounds=args.rounds, samples=samples, missing=missing, memory=memory,
             tiny=tiny, tiny_count=args.tiny_count, world2=world2, world2_mib=args.world2_size_mib, s3=s3,
         ))
-        print(f"\n(whole run: {time.perf_counter() - started:.0f} s; load average now {os.getloadavg()[0]:.1f} "
-              f"on {os.cpu_count()} CPUs)")
+        print(f"\n(whole run: {time.perf_counter() - started:.0f} s: "
+              + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in phases.items())
+              + f"; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

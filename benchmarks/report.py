@@ -51,7 +51,7 @@ def _ratio(value: float | None, base: float | None) -> str:
 def _local_table(r: Results) -> None:
     s = r.samples
     print(f"\n{'figure (median of %d rounds)' % r.rounds:<44} {'seconds':>8} {'x DCP':>7} {'x limit':>7}"
-          f" {'faults':>8} {'user s':>7} {'sys s':>6}")
+          f" {'faults':>8} {'user s':>7} {'sys s':>6}  {'min..max s':>13}")
     for section, dcp_figure, limit_figure, rows in SECTIONS:
         print(f"{section} (DCP: {dcp_figure}; limit: {limit_figure})")
         dcp, limit = s.median(dcp_figure), s.median(limit_figure)
@@ -62,7 +62,8 @@ def _local_table(r: Results) -> None:
                 print(f"  {figure:<42} n/a ({why})")
                 continue
             print(f"  {figure:<42} {value:8.3f} {_ratio(value, dcp)} {_ratio(value, limit)}"
-                  f" {s.median(figure, 1) / 1000:7.0f}k {s.median(figure, 2):7.2f} {s.median(figure, 3):6.2f}")
+                  f" {s.median(figure, 1) / 1000:7.0f}k {s.median(figure, 2):7.2f} {s.median(figure, 3):6.2f}"
+                  f"  {s.low(figure):6.3f}..{s.high(figure):.3f}")
 
 
 def _memory_table(r: Results) -> None:
