@@ -6,6 +6,7 @@ scatter reads, past-the-end errors) is in tests/test_storage_contract.py.
 
 from __future__ import annotations
 
+import signal
 import threading
 import tracemalloc
 import urllib.parse
@@ -157,6 +158,41 @@ def test_put_stream_holds_at_most_max_concurrency_parts(s3_bucket, max_concurren
     assert parts.most <= max_concurrency
     assert peak_bytes < (max_concurrency + 1) * PART_BYTES
     assert storage.get("obj") == data
+
+
+class InterruptingSource(BytesSource):
+    """Sends SIGINT to the main thread when part 2 is read, and returns only once the main
+    thread has taken it (as Ctrl-C arriving while the parts are uploading)."""
+
+    def __init__(self, data: bytes, interrupted: threading.Event) -> None:
+        super().__init__(data)
+        self._interrupted = interrupted
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        if offset == PART_BYTES:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            assert self._interrupted.wait(timeout=60), "the main thread never took the SIGINT"
+        super().readinto(offset, out)
+
+
+def test_ctrl_c_during_put_stream_aborts_the_upload(s3_bucket):
+    interrupted = threading.Event()
+
+    def on_sigint(signum, frame):
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    storage = storage_at(s3_bucket.endpoint_url, s3_bucket.name, max_concurrency=2)
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            storage.put_stream("obj", InterruptingSource(payload(4 * PART_BYTES), interrupted),
+                               chunk_bytes=MIB)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert interrupted.is_set()
+    assert storage.exists("obj") is False
+    assert open_uploads(s3_bucket) == []
 
 
 # --- requests made -------------------------------------------------------------------
