@@ -180,6 +180,8 @@ def upload_stream(
         chunk_bytes: ``on_chunk`` sees chunks of this size (the last may be shorter).
         on_chunk: ``on_chunk(offset, view)`` for every chunk, once, from the thread of the
             chunk's part, before that part is uploaded (a retried part is not re-read).
+            ``view`` is a read-only view of a part buffer that is reused: valid only until
+            ``on_chunk`` returns.
         part_size_bytes: wanted bytes per part; see :func:`stream_part_size`.
         max_concurrency: parts read and uploaded at the same time; so also the most part
             buffers held at once.
