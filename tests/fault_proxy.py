@@ -21,6 +21,11 @@ or -- when the rule picks it -- injects a fault instead of forwarding:
   request uses answers (not in :data:`ALL_KINDS`);
 * ``IGNORE_CONDITION``: forwards the request without its ``If-None-Match``/``If-Match``
   headers, as a store that silently ignores conditional writes (not in :data:`ALL_KINDS`).
+* ``CUT_REQUEST``: reads half of the request's body, then closes the connection: the link
+  broke while the client was still sending (an upload cut mid-stream; not in :data:`ALL_KINDS`).
+* ``TRUNCATED_BODY``: forwards the request, then relays the answer's status, headers and
+  full ``Content-Length`` but only half of its body before closing the connection: a
+  download cut mid-stream (not in :data:`ALL_KINDS`).
 
 A ``fraction`` is kept exactly, spread evenly with a seeded phase: of the matching
 requests, in the order they arrive, request ``n`` fails when ``floor((n + phase) *
@@ -52,9 +57,12 @@ DROP = "drop"
 LOST_RESPONSE = "lost-response"
 NOT_IMPLEMENTED = "not-implemented"
 IGNORE_CONDITION = "ignore-condition"
+CUT_REQUEST = "cut-request"
+TRUNCATED_BODY = "truncated-body"
 #: The kinds a rule mixes by default: failures that happen before the server acts.
 ALL_KINDS = (SLOW_DOWN, INTERNAL, DROP)
-_KNOWN_KINDS = (*ALL_KINDS, LOST_RESPONSE, NOT_IMPLEMENTED, IGNORE_CONDITION)
+_KNOWN_KINDS = (*ALL_KINDS, LOST_RESPONSE, NOT_IMPLEMENTED, IGNORE_CONDITION, CUT_REQUEST,
+                TRUNCATED_BODY)
 
 _ERRORS = {
     SLOW_DOWN: (503, "SlowDown", "Please reduce your request rate."),
@@ -259,12 +267,19 @@ def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler
         _conn: http.client.HTTPConnection | None = None
 
         def _handle(self) -> None:
-            body = self._read_body()
             headers = {name.lower(): value for name, value in self.headers.items()}
             request = Request(self.command, self.path, headers)
             kind = proxy.decide(request)
+            if kind == CUT_REQUEST:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0) // 2)
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            body = self._read_body()
             if kind == IGNORE_CONDITION:
                 self._forward(body, drop_headers=_CONDITION_HEADERS)
+            elif kind == TRUNCATED_BODY:
+                self._forward(body, truncate=True)
             elif kind in (DROP, LOST_RESPONSE):
                 if kind == LOST_RESPONSE:
                     self._relay(body)
@@ -291,7 +306,8 @@ def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler
                     self.rfile.readline()  # CRLF after each chunk
             return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-        def _forward(self, body: bytes, drop_headers: frozenset[str] = frozenset()) -> None:
+        def _forward(self, body: bytes, drop_headers: frozenset[str] = frozenset(),
+                     truncate: bool = False) -> None:
             response, payload = self._relay(body, drop_headers)
             self.send_response_only(response.status, response.reason)
             for name, value in response.getheaders():
@@ -301,7 +317,12 @@ def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler
             length = response.getheader("Content-Length") if self.command == "HEAD" else None
             self.send_header("Content-Length", length or str(len(payload)))
             self.end_headers()
-            if self.command != "HEAD":
+            if truncate:
+                self.wfile.write(payload[: len(payload) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+            elif self.command != "HEAD":
                 self.wfile.write(payload)
 
         def _relay(self, body: bytes, drop_headers: frozenset[str] = frozenset()

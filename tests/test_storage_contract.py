@@ -30,13 +30,15 @@ from spotrun.errors import (
     ConfigError,
     ObjectExistsError,
     ObjectNotFoundError,
+    SaveAbortedError,
     StorageError,
     StoragePermissionError,
 )
 from spotrun.storage import LocalStorage, open_storage
-from spotrun.storage.s3 import S3Options, S3Storage, make_client
+from spotrun.storage.s3 import S3Options, S3Storage, make_client, parse_s3_uri
 from spotrun.storage.s3_errors import is_retryable, translate
 from spotrun.storage.s3_retry import RetryPolicy
+from tests.byte_sources import BytesSource, ChunkRecorder
 from tests.rgw_server import rgw_bucket, rgw_endpoint  # noqa: F401 - fixtures are used by name
 from tests.s3_server import (  # noqa: F401 - fixtures are used by name
     failing_http_server,
@@ -213,6 +215,90 @@ class TestStorageContract:
         assert storage.stat("big.safetensors").size_bytes == LARGE_BYTES
         assert storage.get("big.safetensors") == data
 
+    # --- put_stream and read_into ----------------------------------------------------
+
+    @pytest.mark.parametrize(
+        ("size_bytes", "chunk_bytes"),
+        [(0, 64), (1000, 64), (LARGE_BYTES, MIB), (LARGE_BYTES, 3 * MIB + 1)],
+        ids=["empty", "small", "large", "large-odd-chunks"],
+    )
+    def test_put_stream_stores_the_source_and_shows_every_chunk_once(
+            self, storage, size_bytes, chunk_bytes):
+        data = payload(size_bytes, seed=3)
+        chunks = ChunkRecorder()
+        storage.put_stream("step-1/shard", BytesSource(data), chunk_bytes=chunk_bytes, on_chunk=chunks)
+        assert storage.get("step-1/shard") == data
+        assert storage.stat("step-1/shard").size_bytes == size_bytes
+        chunks.assert_covers_once(data, chunk_bytes)
+
+    def test_put_stream_replaces_an_existing_object(self, storage):
+        storage.put("k", b"old content")
+        storage.put_stream("k", BytesSource(b"new"), chunk_bytes=2)
+        assert storage.get("k") == b"new"
+
+    @pytest.mark.parametrize("size_bytes", [1000, LARGE_BYTES], ids=["small", "large"])
+    @pytest.mark.parametrize("failure", ["source-save-aborted", "source-keyboard-interrupt",
+                                         "on-chunk-error"])
+    def test_put_stream_failure_leaves_nothing(self, storage, failure, size_bytes):
+        """A source or on_chunk that raises in the middle: the old object stays, a new key
+        stays absent, no multipart upload is left open, and the error is the caller's own."""
+        data = payload(size_bytes, seed=4)
+        errors = {
+            "source-save-aborted": SaveAbortedError("an emergency save replaced this one"),
+            "source-keyboard-interrupt": KeyboardInterrupt(),
+            "on-chunk-error": RuntimeError("checksum worker died"),
+        }
+        error = errors[failure]
+        storage.put("k", b"old content")
+        for key in ("k", "fresh"):
+            if failure == "on-chunk-error":
+                source, on_chunk = BytesSource(data), ChunkRecorder(fail_at=size_bytes // 2, error=error)
+            else:
+                source, on_chunk = BytesSource(data, fail_at=size_bytes // 2, error=error), None
+            with pytest.raises(type(error)) as info:
+                storage.put_stream(key, source, chunk_bytes=256 * 1024, on_chunk=on_chunk)
+            assert info.value is error
+        assert storage.get("k") == b"old content"
+        assert storage.exists("fresh") is False
+        assert [info.key for info in storage.list()] == ["k"]
+        assert open_uploads_of(storage) == []
+
+    def test_read_into_scatters_a_range_into_several_views(self, storage):
+        data = payload(LARGE_BYTES, seed=5)
+        storage.put("big", data)
+        sizes = [MIB + 7, 0, 5 * MIB, 3, 2 * MIB]  # crosses 5 MiB boundaries (S3 parts here)
+        views = [memoryview(bytearray(n)) for n in sizes]
+        offset = 4 * MIB + 1
+        storage.read_into("big", offset, views)
+        assert b"".join(bytes(v) for v in views) == data[offset : offset + sum(sizes)]
+
+    def test_read_into_ranges_at_the_end(self, storage):
+        data = payload(LARGE_BYTES, seed=6)
+        storage.put("big", data)
+        whole = bytearray(LARGE_BYTES)
+        storage.read_into("big", 0, [memoryview(whole)])
+        assert whole == data
+        tail = [bytearray(60), bytearray(40)]
+        storage.read_into("big", LARGE_BYTES - 100, tail)
+        assert b"".join(tail) == data[-100:]
+        storage.read_into("big", LARGE_BYTES, [])  # an empty range at the very end
+        storage.put("small", b"0123456789")
+        last = bytearray(3)
+        storage.read_into("small", 7, [last])
+        assert last == b"789"
+
+    @pytest.mark.parametrize(("offset", "length"), [(990, 11), (1001, 1), (0, 1001), (2000, 0)],
+                             ids=["crossing-the-end", "after-the-end", "whole-plus-one", "empty-after-the-end"])
+    def test_read_into_past_the_end_is_an_error(self, storage, offset, length):
+        storage.put("obj", payload(1000))
+        with pytest.raises(StorageError) as info:
+            storage.read_into("obj", offset, [bytearray(length)])
+        assert not isinstance(info.value, ObjectNotFoundError)
+
+    def test_read_into_missing_key_is_not_found(self, storage):
+        with pytest.raises(ObjectNotFoundError):
+            storage.read_into("no/such/key", 0, [bytearray(10)])
+
     def test_bad_keys_are_rejected(self, storage):
         for key in ["", "/abs", "dir/", "a//b", "a/../b", "./a", ".."]:
             for operation in (
@@ -228,6 +314,15 @@ class TestStorageContract:
             with pytest.raises(ConfigError):
                 storage.list(prefix)
         assert storage.list() == []
+
+
+def open_uploads_of(storage: Any) -> list[dict]:
+    """Multipart uploads left open under an S3 storage's root ([] for other backends)."""
+    if not isinstance(storage, S3Storage):
+        return []
+    _, root = parse_s3_uri(storage.uri)
+    uploads = storage.client.list_multipart_uploads(Bucket=storage.bucket, Prefix=root)
+    return uploads.get("Uploads", [])
 
 
 # --- S3: multipart, ranged reads, layout -------------------------------------------

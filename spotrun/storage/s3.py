@@ -9,10 +9,14 @@ option, else ``AWS_REGION``, else ``AWS_DEFAULT_REGION`` or the profile's region
 
 How the :class:`~spotrun.storage.base.Storage` contract is met:
 
-* ``put`` is a single ``PutObject`` below ``multipart_threshold_bytes``, else a parallel
-  multipart upload that is aborted on any failure (:mod:`spotrun.storage.s3_transfer`).
-  S3 makes an object visible only when its ``PutObject``/``CompleteMultipartUpload``
-  succeeds, so readers never see a partial object.
+* ``put`` and ``put_stream`` are a single ``PutObject`` below ``multipart_threshold_bytes``,
+  else a parallel multipart upload that is aborted on any failure, the source's own
+  included (:mod:`spotrun.storage.s3_transfer`). S3 makes an object visible only when its
+  ``PutObject``/``CompleteMultipartUpload`` succeeds, so readers never see a partial
+  object. ``put_stream`` holds at most ``max_concurrency`` part buffers at once.
+* ``read_into`` and ``get`` are ranged ``GET`` requests of at most ``part_size_bytes``, in
+  parallel, pinned to the first answer's ETag (:mod:`spotrun.storage.s3_download`);
+  ``read_into`` reads the bodies straight into the caller's buffers.
 * ``put_if_absent`` is always one conditional ``PutObject`` (``IfNoneMatch="*"``),
   whatever the size (up to S3's single-PUT limit of 5 GiB; larger is refused); S3
   answers ``412`` to every writer but the first. It never uses a multipart upload: a
@@ -41,8 +45,8 @@ import urllib3.exceptions
 from botocore.exceptions import BotoCoreError, ClientError
 
 from spotrun.errors import CommitUnsupportedError, ConfigError, ObjectExistsError, StorageError
-from spotrun.storage import s3_transfer
-from spotrun.storage.base import ObjectInfo, Storage
+from spotrun.storage import s3_download, s3_transfer
+from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, Storage
 from spotrun.storage.s3_config import S3Options, make_client, parse_s3_uri
 from spotrun.storage.s3_errors import (
     is_conditional_conflict,
@@ -179,21 +183,32 @@ class S3Storage(Storage):
     # --- hooks ------------------------------------------------------------------
 
     def _put(self, key: str, data: memoryview) -> None:
+        if len(data) >= self._options.multipart_threshold_bytes:
+            self._put_stream(key, s3_transfer.MemorySource(data), self._options.part_size_bytes, None)
+            return
+        what = self._what("put", key)
+        call = self._caller(what)
+        body = bytes(data)
+        with self._translated(what):
+            call(
+                lambda: self._client.put_object(Bucket=self._bucket, Key=self._key(key), Body=body),
+                what,
+            )
+
+    def _put_stream(self, key: str, source: ByteSource, chunk_bytes: int,
+                    on_chunk: ChunkCallback | None) -> None:
         what = self._what("put", key)
         call = self._caller(what)
         with self._translated(what):
-            if len(data) >= self._options.multipart_threshold_bytes:
-                s3_transfer.upload_multipart(
-                    self._client, call, bucket=self._bucket, key=self._key(key), data=data,
-                    **self._transfer_kwargs(),
+            if source.size_bytes >= self._options.multipart_threshold_bytes:
+                s3_transfer.upload_stream(
+                    self._client, call, bucket=self._bucket, key=self._key(key), source=source,
+                    chunk_bytes=chunk_bytes, on_chunk=on_chunk, **self._transfer_kwargs(),
                 )
             else:
-                body = bytes(data)
-                call(
-                    lambda: self._client.put_object(
-                        Bucket=self._bucket, Key=self._key(key), Body=body
-                    ),
-                    what,
+                s3_transfer.put_from_source(
+                    self._client, call, bucket=self._bucket, key=self._key(key), source=source,
+                    chunk_bytes=chunk_bytes, on_chunk=on_chunk,
                 )
 
     def _put_if_absent(self, key: str, data: memoryview) -> None:
@@ -254,9 +269,26 @@ class S3Storage(Storage):
         what = self._what("get", key)
         call = self._caller(what)
         with self._translated(what):
-            return s3_transfer.download(
+            return s3_download.download(
                 self._client, call, bucket=self._bucket, key=self._key(key),
                 **self._transfer_kwargs(),
+            )
+
+    def _read_into(self, key: str, offset: int, views: list[memoryview]) -> None:
+        what = self._what("read", key)
+        total = sum(len(v) for v in views)
+        if offset < 0:
+            raise StorageError(errno.EINVAL, f"{what}: negative offset {offset}")
+        if total == 0:  # nothing to fetch; the object must still exist and reach offset
+            size = self._stat(key).size_bytes
+            if offset > size:
+                raise StorageError(errno.EIO, f"{what}: offset {offset} is past its end ({size} bytes)")
+            return
+        call = self._caller(what)
+        with self._translated(what):
+            s3_download.read_into(
+                self._client, call, bucket=self._bucket, key=self._key(key), offset=offset,
+                views=views, **self._transfer_kwargs(),
             )
 
     def _stat(self, key: str) -> ObjectInfo:

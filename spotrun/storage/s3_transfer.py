@@ -1,40 +1,44 @@
-"""Parallel transfers of large objects: multipart upload and ranged download.
+"""Parallel multipart uploads that stream from a byte source, and the part runner that
+the ranged downloads (:mod:`spotrun.storage.s3_download`) share.
 
-Both run their parts on a :class:`~concurrent.futures.ThreadPoolExecutor` (a boto3
-client is thread-safe) and retry each part on its own, under one shared deadline.
+Parts run on a :class:`~concurrent.futures.ThreadPoolExecutor` (a boto3 client is
+thread-safe) and each is retried on its own, under one shared deadline. Each part's
+thread reads its bytes from the source into a part buffer, hands every chunk to the
+caller's ``on_chunk`` (checksums), then uploads the buffer itself: a ``bytearray``
+body, which botocore signs and urllib3 sends with one ``sendall`` and no copy (a
+``bytes`` body would be wrapped in a ``BytesIO`` and sent 16 KiB at a time). Buffers
+are reused from part to part; at most ``max_concurrency`` exist at once.
 
-A multipart upload that fails in any way -- a part, the completion, or an exception
-such as ``KeyboardInterrupt`` in the caller -- is aborted (``AbortMultipartUpload``)
-before the error propagates, after the parts still in flight have finished, so no
-partial object becomes visible and no upload is left open to be billed (field case
-C07). A ranged download pins the object's ETag with ``IfMatch`` so that an object
-replaced in the middle of the read is reported instead of being returned half old,
-half new.
+A multipart upload that fails in any way -- a part, the completion, the source or
+``on_chunk`` raising (``SaveAbortedError``, ``KeyboardInterrupt``...) -- is aborted
+(``AbortMultipartUpload``) before the error propagates, after the parts still in flight
+have finished, so no partial object becomes visible and no upload is left open to be
+billed (field case C07).
 
 Errors leave this module as botocore raised them; :mod:`spotrun.storage.s3` translates.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from botocore.exceptions import ClientError, IncompleteReadError
+from botocore.exceptions import ClientError
 
-from spotrun.errors import StorageError
-from spotrun.storage.s3_errors import error_code, http_status, is_precondition_failed
+from spotrun.storage.base import ByteSource, ChunkCallback
+from spotrun.storage.s3_config import MIN_PART_SIZE_BYTES
+from spotrun.storage.s3_errors import error_code, http_status
 
 log = logging.getLogger(__name__)
 
 #: Runs one retried request: ``call(fn, what)`` -> what ``fn`` returned.
 CallWithRetry = Callable[[Callable[[], Any], str], Any]
 
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+#: Most parts one multipart upload may have (S3's limit).
+MAX_PARTS = 10_000
 
 
 def part_ranges(size_bytes: int, part_size_bytes: int) -> list[tuple[int, int]]:
@@ -48,11 +52,40 @@ def part_ranges(size_bytes: int, part_size_bytes: int) -> list[tuple[int, int]]:
     ]
 
 
+def stream_part_size(size_bytes: int, part_size_bytes: int, chunk_bytes: int) -> int:
+    """Bytes per part of a streamed multipart upload of ``size_bytes``.
+
+    ``part_size_bytes`` rounded up to a multiple of ``chunk_bytes``, and grown (still a
+    multiple) where needed so that the part is at least S3's 5 MiB minimum and the
+    object fits in :data:`MAX_PARTS` parts.
+    """
+    wanted = max(part_size_bytes, MIN_PART_SIZE_BYTES, -(-size_bytes // MAX_PARTS))
+    return -(-wanted // chunk_bytes) * chunk_bytes
+
+
+class MemorySource(ByteSource):
+    """A :class:`~spotrun.storage.base.ByteSource` over bytes already in memory.
+
+    Args:
+        data: the object's bytes (any contiguous byte view); not copied.
+    """
+
+    def __init__(self, data: memoryview) -> None:
+        self._data = memoryview(data).cast("B")
+
+    @property
+    def size_bytes(self) -> int:
+        return len(self._data)
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        out[:] = self._data[offset : offset + len(out)]
+
+
 class _Skipped(Exception):
     """A part not started because another part had already failed."""
 
 
-def _run_parts(executor: ThreadPoolExecutor, tasks: list[Callable[[], Any]]) -> list[Any]:
+def run_parts(executor: ThreadPoolExecutor, tasks: list[Callable[[], Any]]) -> list[Any]:
     """Run ``tasks`` on ``executor``; on the first failure start no more and re-raise it.
 
     Parts already running are waited for before the exception leaves, so that nothing
@@ -86,25 +119,72 @@ def _run_parts(executor: ThreadPoolExecutor, tasks: list[Callable[[], Any]]) -> 
         raise
 
 
-def upload_multipart(
+def fill_buffer(
+    source: ByteSource, buffer: bytearray, offset: int, chunk_bytes: int,
+    on_chunk: ChunkCallback | None,
+) -> None:
+    """Read bytes ``[offset, offset + len(buffer))`` of ``source`` into ``buffer``, chunk by
+    chunk (chunks start at multiples of ``chunk_bytes`` when ``offset`` does), passing each
+    chunk, read-only, to ``on_chunk`` right after it is read."""
+    view = memoryview(buffer)
+    for start in range(0, len(buffer), chunk_bytes):
+        piece = view[start : start + chunk_bytes]
+        source.readinto(offset + start, piece)
+        if on_chunk is not None:
+            on_chunk(offset + start, piece.toreadonly())
+
+
+class _PartBuffers:
+    """Full-size part buffers, reused; a buffer is taken by one part's thread at a time, so
+    no more exist than parts run at once. The last, shorter part gets a buffer of its own
+    size and a free full-size buffer, if any, is dropped for it (so the count stays bounded).
+    """
+
+    def __init__(self, part_size_bytes: int) -> None:
+        self._part_size_bytes = part_size_bytes
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size_bytes: int) -> bytearray:
+        with self._lock:
+            buffer = self._free.pop() if self._free else None
+        if buffer is None or size_bytes != len(buffer):
+            return bytearray(size_bytes)
+        return buffer
+
+    def give(self, buffer: bytearray) -> None:
+        if len(buffer) == self._part_size_bytes:
+            with self._lock:
+                self._free.append(buffer)
+
+
+def upload_stream(
     client: Any,
     call: CallWithRetry,
     *,
     bucket: str,
     key: str,
-    data: memoryview,
+    source: ByteSource,
+    chunk_bytes: int,
+    on_chunk: ChunkCallback | None,
     part_size_bytes: int,
     max_concurrency: int,
 ) -> None:
-    """Store ``data`` under ``key`` with a parallel multipart upload.
+    """Store ``source``'s bytes under ``key`` with a parallel multipart upload.
 
     Args:
         client: a boto3 S3 client.
         call: runs one request with retries, ``call(fn, what)``.
         bucket, key: where the object goes (``key`` is the full S3 key).
-        data: the object's bytes; part ``i`` is ``data[i*part_size_bytes:...]``.
-        part_size_bytes: bytes per part (S3 wants >= 5 MiB except the last).
-        max_concurrency: parts uploaded at the same time.
+        source: the object's bytes; read once per part, from that part's thread.
+        chunk_bytes: ``on_chunk`` sees chunks of this size (the last may be shorter).
+        on_chunk: ``on_chunk(offset, view)`` for every chunk, once, from the thread of the
+            chunk's part, before that part is uploaded (a retried part is not re-read).
+            ``view`` is a read-only view of a part buffer that is reused: valid only until
+            ``on_chunk`` returns.
+        part_size_bytes: wanted bytes per part; see :func:`stream_part_size`.
+        max_concurrency: parts read and uploaded at the same time; so also the most part
+            buffers held at once.
 
     The completion is unconditional on purpose: a conditional ``CompleteMultipartUpload``
     (``If-None-Match: *``) is not enforced by every store (Ceph RGW overwrites), so the
@@ -113,27 +193,32 @@ def upload_multipart(
     Raises:
         botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError: a request
             failed for good; the upload was aborted first.
+        Whatever ``source.readinto`` or ``on_chunk`` raised; the upload was aborted first.
     """
     what = f"s3://{bucket}/{key}"
+    part_bytes = stream_part_size(source.size_bytes, part_size_bytes, chunk_bytes)
+    ranges = part_ranges(source.size_bytes, part_bytes)
+    buffers = _PartBuffers(part_bytes)
     upload_id = call(
         lambda: client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"],
         f"create multipart upload {what}",
     )
 
     def upload_part(number: int, start: int, stop: int) -> dict[str, Any]:
-        def attempt() -> dict[str, Any]:
-            response = client.upload_part(
-                Bucket=bucket,
-                Key=key,
-                UploadId=upload_id,
-                PartNumber=number,
-                Body=bytes(data[start:stop]),
-            )
-            return {"PartNumber": number, "ETag": response["ETag"]}
+        buffer = buffers.take(stop - start)
+        try:
+            fill_buffer(source, buffer, start, chunk_bytes, on_chunk)
 
-        return call(attempt, f"upload part {number} of {what}")
+            def attempt() -> dict[str, Any]:
+                response = client.upload_part(
+                    Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=buffer
+                )
+                return {"PartNumber": number, "ETag": response["ETag"]}
 
-    ranges = part_ranges(len(data), part_size_bytes)
+            return call(attempt, f"upload part {number} of {what}")
+        finally:
+            buffers.give(buffer)
+
     tasks = [
         (lambda n=number, a=start, b=stop: upload_part(n, a, b))
         for number, (start, stop) in enumerate(ranges, start=1)
@@ -143,19 +228,39 @@ def upload_multipart(
             max_workers=max(1, min(max_concurrency, len(tasks))),
             thread_name_prefix="spotrun-s3-put",
         ) as executor:
-            parts = _run_parts(executor, tasks)
+            parts = run_parts(executor, tasks)
         call(
             lambda: client.complete_multipart_upload(
-                Bucket=bucket,
-                Key=key,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
+                Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
             ),
             f"complete multipart upload {what}",
         )
     except BaseException:
         _abort(client, call, bucket=bucket, key=key, upload_id=upload_id)
         raise
+
+
+def put_from_source(
+    client: Any,
+    call: CallWithRetry,
+    *,
+    bucket: str,
+    key: str,
+    source: ByteSource,
+    chunk_bytes: int,
+    on_chunk: ChunkCallback | None,
+) -> None:
+    """Store ``source``'s bytes under ``key`` with one ``PutObject`` (a small object): the
+    source is read, chunk by chunk, into one buffer that is the request's body.
+
+    Raises:
+        botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError: the request
+            failed for good.
+        Whatever ``source.readinto`` or ``on_chunk`` raised; nothing was sent.
+    """
+    buffer = bytearray(source.size_bytes)
+    fill_buffer(source, buffer, 0, chunk_bytes, on_chunk)
+    call(lambda: client.put_object(Bucket=bucket, Key=key, Body=buffer), f"put s3://{bucket}/{key}")
 
 
 def _abort(client: Any, call: CallWithRetry, *, bucket: str, key: str, upload_id: str) -> None:
@@ -176,82 +281,3 @@ def _abort(client: Any, call: CallWithRetry, *, bucket: str, key: str, upload_id
                   what, type(exc).__name__)
     else:
         log.info("aborted multipart upload of s3://%s/%s", bucket, key)
-
-
-def _read_range(
-    client: Any, *, bucket: str, key: str, start: int, stop: int, etag: str
-) -> bytes:
-    """One attempt at bytes ``[start, stop)`` of an object whose ETag must be ``etag``."""
-    response = client.get_object(
-        Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", IfMatch=etag
-    )
-    body = response["Body"].read()
-    if len(body) != stop - start:
-        raise IncompleteReadError(actual_bytes=len(body), expected_bytes=stop - start)
-    return body
-
-
-def download(
-    client: Any,
-    call: CallWithRetry,
-    *,
-    bucket: str,
-    key: str,
-    part_size_bytes: int,
-    max_concurrency: int,
-) -> bytes:
-    """Return the whole object, fetching it in parallel ranges when it spans several parts.
-
-    The first request asks for the first part; its ``Content-Range`` gives the total
-    size, so an object of at most one part costs a single request.
-
-    Raises:
-        botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError: a request
-            failed for good.
-        StorageError: the object was replaced while its parts were being read.
-    """
-    what = f"s3://{bucket}/{key}"
-
-    def first_attempt() -> tuple[bytes, int, str]:
-        try:
-            response = client.get_object(
-                Bucket=bucket, Key=key, Range=f"bytes=0-{part_size_bytes - 1}"
-            )
-        except ClientError as exc:
-            if error_code(exc) != "InvalidRange":
-                raise
-            # An empty object has no byte 0, so any range is unsatisfiable.
-            response = client.get_object(Bucket=bucket, Key=key)
-        body = response["Body"].read()
-        match = _CONTENT_RANGE.fullmatch(response.get("ContentRange") or "")
-        total = int(match.group(3)) if match else len(body)
-        return body, total, response["ETag"]
-
-    head, total_bytes, etag = call(first_attempt, f"get {what}")
-    if total_bytes <= len(head):
-        return head
-
-    buffer = bytearray(total_bytes)
-    buffer[: len(head)] = head
-    ranges = part_ranges(total_bytes, part_size_bytes)[1:]
-
-    def fetch(start: int, stop: int) -> None:
-        buffer[start:stop] = call(
-            lambda: _read_range(client, bucket=bucket, key=key, start=start, stop=stop, etag=etag),
-            f"get bytes {start}-{stop - 1} of {what}",
-        )
-
-    tasks = [(lambda a=start, b=stop: fetch(a, b)) for start, stop in ranges]
-    try:
-        with ThreadPoolExecutor(
-            max_workers=max(1, min(max_concurrency, len(tasks))),
-            thread_name_prefix="spotrun-s3-get",
-        ) as executor:
-            _run_parts(executor, tasks)
-    except ClientError as exc:
-        if is_precondition_failed(exc):
-            raise StorageError(
-                errno.EAGAIN, f"get {what}: the object was replaced while it was being read"
-            ) from exc
-        raise
-    return bytes(buffer)
