@@ -31,8 +31,6 @@ from spotrun.errors import CorruptShardError, ObjectTooShortError
 from spotrun.manifest import STORED_AS_BYTES, FileRecord, TensorRecord
 from spotrun.storage.base import Storage
 
-#: Chunks read and verified at the same time, per file.
-READ_CONCURRENCY = 4
 #: A chunk holding more tensors than this is read into a scratch buffer and copied from
 #: there (a view per tiny tensor costs more than copying its bytes).
 _SCATTER_MAX_PIECES = 16
@@ -186,7 +184,7 @@ def read_shard_into(
         for start, stop in ranges:
             read_chunk(start, stop)
     else:
-        with ThreadPoolExecutor(max_workers=min(READ_CONCURRENCY, len(ranges)),
+        with ThreadPoolExecutor(max_workers=min(storage.read_concurrency, len(ranges)),
                                 thread_name_prefix="spotrun-read") as pool:
             for future in [pool.submit(read_chunk, a, b) for a, b in ranges]:
                 future.result()

@@ -98,6 +98,11 @@ class Storage(abc.ABC):
         unknown (a backend that decides on first use)."""
         return None
 
+    @property
+    def read_concurrency(self) -> int:
+        """How many ``read_into`` calls a reader should keep in flight on this backend."""
+        return 4
+
     @contextlib.contextmanager
     def deadline(self, timeout_s: float) -> Iterator[None]:
         """Bound the operations this thread starts inside the block to ``timeout_s`` seconds.

@@ -262,6 +262,8 @@ class LocalStorage(Storage):
             raise _translate(exc, f"read {path}") from exc
         try:
             pending = [v for v in views if len(v)]
+            if not pending and offset > os.fstat(fd).st_size:
+                raise ObjectTooShortError(errno.EIO, f"read {path}: offset {offset} is past its end")
             first = 0
             while first < len(pending):
                 try:

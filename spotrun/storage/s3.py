@@ -44,7 +44,7 @@ from typing import Any
 import urllib3.exceptions
 from botocore.exceptions import BotoCoreError, ClientError
 
-from spotrun.errors import CommitUnsupportedError, ConfigError, ObjectExistsError, StorageError
+from spotrun.errors import CommitUnsupportedError, ConfigError, ObjectExistsError, ObjectTooShortError, StorageError
 from spotrun.storage import s3_download, s3_transfer
 from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, Storage
 from spotrun.storage.s3_config import S3Options, make_client, parse_s3_uri
@@ -120,6 +120,11 @@ class S3Storage(Storage):
     @property
     def commit_primitive(self) -> str:
         return "conditional PutObject (If-None-Match: *)"
+
+    @property
+    def read_concurrency(self) -> int:
+        """Ranged GETs a reader keeps in flight: ``max_concurrency``."""
+        return self._options.max_concurrency
 
     @property
     def bucket(self) -> str:
@@ -282,7 +287,7 @@ class S3Storage(Storage):
         if total == 0:  # nothing to fetch; the object must still exist and reach offset
             size = self._stat(key).size_bytes
             if offset > size:
-                raise StorageError(errno.EIO, f"{what}: offset {offset} is past its end ({size} bytes)")
+                raise ObjectTooShortError(errno.EIO, f"{what}: offset {offset} is past its end ({size} bytes)")
             return
         call = self._caller(what)
         with self._translated(what):

@@ -25,7 +25,7 @@ from typing import Any
 
 from botocore.exceptions import ClientError, IncompleteReadError
 
-from spotrun.errors import StorageError
+from spotrun.errors import ObjectTooShortError, StorageError
 from spotrun.storage.s3_errors import error_code, is_precondition_failed
 from spotrun.storage.s3_transfer import CallWithRetry, part_ranges, run_parts
 
@@ -45,7 +45,7 @@ def _object_size(response: dict[str, Any]) -> int | None:
 
 def _past_end(what: str, start: int, stop: int, size_bytes: int | None) -> StorageError:
     size = "?" if size_bytes is None else str(size_bytes)
-    return StorageError(
+    return ObjectTooShortError(
         errno.EIO, f"read of {what}: bytes {start}-{stop} are past its end ({size} bytes)"
     )
 
