@@ -16,6 +16,7 @@ fails the start.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -45,33 +46,35 @@ class _Piece:
     target: torch.Tensor | None  # 1-D uint8 view of the destination
 
 
-def _destination(record: TensorRecord, given: torch.Tensor | None, where: str) -> torch.Tensor:
-    """The tensor to read ``record``'s bytes into: ``given`` when it is a contiguous CPU
-    tensor of the recorded dtype and shape, else a new one."""
-    dtype = dtype_from_name(record.dtype)
+@functools.lru_cache(maxsize=None)
+def _dtype_info(name: str) -> tuple[torch.dtype | None, str | None]:
+    """(the dtype named ``name``, why it cannot be decoded or ``None``) - once per name."""
+    dtype = dtype_from_name(name)
     if dtype is None:
-        raise CorruptShardError(
-            f"{where}: dtype {record.dtype!r} is not a dtype torch {torch.__version__} has, so it "
-            "cannot be decoded (was the checkpoint written with a newer torch?)"
-        )
+        return None, (f"dtype {name!r} is not a dtype torch {torch.__version__} has, so it cannot "
+                      "be decoded (was the checkpoint written with a newer torch?)")
     reason = refusal(dtype)
-    if reason is not None:
-        raise CorruptShardError(f"{where}: dtype {record.dtype} cannot be decoded: {reason}")
-    if given is not None and given.device.type == "cpu" and given.dtype == dtype \
-            and list(given.shape) == record.shape and given.is_contiguous() and not given.is_conj() \
-            and not given.is_neg():
-        return given.detach()
-    return torch.empty(record.shape, dtype=dtype)
+    return dtype, None if reason is None else f"dtype {name} cannot be decoded: {reason}"
 
 
-def _expected_entry(record: TensorRecord) -> tuple[str, list[int], int]:
-    """(safetensors dtype code, shape, bytes) the file must hold for ``record``."""
-    dtype = dtype_from_name(record.dtype)
-    assert dtype is not None  # _destination refused it otherwise
+def _destination(record: TensorRecord, given: torch.Tensor | None, where: str) -> tuple[torch.Tensor, str, list[int], int]:
+    """The tensor to read ``record``'s bytes into - ``given`` when it is a contiguous CPU
+    tensor of the recorded dtype and shape, else a new one - and the safetensors dtype
+    code, shape and byte count the file must hold for it."""
+    dtype, problem = _dtype_info(record.dtype)
+    if problem is not None:
+        raise CorruptShardError(f"{where}: {problem}")
+    assert dtype is not None
     nbytes = math.prod(record.shape) * dtype.itemsize
     if record.stored_as == STORED_AS_BYTES:
-        return "U8", [nbytes], nbytes
-    return SAFETENSORS_CODES.get(dtype, "?"), record.shape, nbytes
+        code, shape = "U8", [nbytes]
+    else:
+        code, shape = SAFETENSORS_CODES.get(dtype, "?"), record.shape
+    if given is not None and given.dtype == dtype and given.device.type == "cpu" \
+            and list(given.shape) == record.shape and given.is_contiguous() and not given.is_conj() \
+            and not given.is_neg():
+        return given.detach(), code, shape, nbytes
+    return torch.empty(record.shape, dtype=dtype), code, shape, nbytes
 
 
 def read_shard_into(
@@ -121,17 +124,15 @@ def read_shard_into(
     tensors: dict[str, torch.Tensor] = {}
     pieces: list[_Piece] = []
     covered = 0
-    entries = sorted(((name, e) for name, e in header.items() if name != "__metadata__"),
-                     key=lambda item: _offsets(item[1], where, item[0])[0])
-    for name, entry in entries:
-        begin, end = _offsets(entry, where, name)
+    entries = sorted((_offsets(e, where, name), name, e) for name, e in header.items() if name != "__metadata__")
+    for (begin, end), name, entry in entries:
         if begin != covered:
             raise CorruptShardError(f"{where}: tensor {name!r} starts at {begin}, not at {covered}")
         covered = end
         target = None
         if name in wanted:
-            tensor = _destination(wanted[name], destinations.get(name), f"{where}: tensor {name!r}")
-            code, shape, nbytes = _expected_entry(wanted[name])
+            tensor, code, shape, nbytes = _destination(wanted[name], destinations.get(name),
+                                                       f"{where}: tensor {name!r}")
             if entry.get("dtype") != code or entry.get("shape") != shape or end - begin != nbytes:
                 raise CorruptShardError(
                     f"{where}: tensor {name!r} is stored as {entry.get('dtype')}{entry.get('shape')} "
