@@ -1,0 +1,519 @@
+"""Crash-consistency campaign: SIGKILL a checkpoint writer at every persistence point of
+its saves, restart after each kill, and check what a user relies on.
+
+Run by tests/test_crash_consistency.py as ``python -m tests.crash_campaign --backend
+local|s3 --mode sync|background --work DIR --result FILE [--bucket NAME]`` (a process of
+its own, so that it imports torch once and forks from a parent that has never started a
+thread). Every worker is a forked child:
+
+1. *base*: commits step 1 (the older complete step every later kill must leave alone).
+2. *dry run*: on a copy of the base, a writer restarts (``Checkpointer.restore``, which
+   claims its incarnation) and saves steps 2 and 3 - synchronously, or on the background
+   thread (``end_of_step`` with ``background_saves=True``, the live tensors changed while
+   the save is in flight) - while :mod:`tests.crash_points` only counts the persistence
+   points.
+3. for each point N: the same writer on a fresh copy of the base, SIGKILLed at point N
+   (it records, just before, every committed object's SHA-256); then a *restart* in a new
+   process checks that
+
+   * every step :func:`spotrun.checkpoint.catalog.list_steps` lists complete loads
+     (:func:`spotrun.checkpoint.restore.load_committed`) bit-exactly equal to what was
+     saved at that step, and no step is corrupt or fenced;
+   * every object committed before the kill is still there, byte for byte (hashes);
+   * ``Checkpointer.restore`` resumes from the newest complete step (at least the newest
+     one committed before the kill), with that step's exact state, and without a warning;
+   * a save of the next step after that - over whatever the killed incarnation left of a
+     save of the same step - commits and loads back exactly.
+
+The result file holds every point's name and problems; the test asserts and prints the
+figures. Sizes are small (a few hundred KiB, three shard files per save, several write
+calls per file, multipart uploads) so a whole campaign takes seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from tests.crash_points import LocalHooks, PointCounter, S3Hooks
+
+#: A child still running after this long is ended by SIGALRM (a hang is a failure, not a wait).
+CHILD_ALARM_S = 120
+#: Steps: the base commits BASE_STEP, each writer saves SAVED_STEPS after restoring it.
+BASE_STEP = 1
+SAVED_STEPS = (2, 3)
+KIB = 1024
+MIB = 1024 * KIB
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What a campaign saves, where, and how.
+
+    Attributes:
+        backend: ``local`` or ``s3``.
+        mode: ``sync`` (``Checkpointer.save``) or ``background`` (periodic saves on the
+            background thread).
+        bucket: the S3 bucket (``s3`` only).
+        work_dir: local scratch directory (local roots, snapshots, results).
+    """
+
+    backend: str
+    mode: str
+    work_dir: str
+    bucket: str | None = None
+
+    def uri(self, name: str) -> str:
+        """Where the root called ``name`` lives."""
+        if self.backend == "s3":
+            return f"s3://{self.bucket}/crash/{name}"
+        return os.path.join(self.work_dir, "roots", name)
+
+
+# --- the state saved at each step ---------------------------------------------------
+
+#: float32 elements of the two large tensors (each gets a shard file of its own with
+#: MAX_FILE_SIZE_BYTES) and bfloat16 elements of the third.
+WEIGHT_ELEMS, WEIGHT2_ELEMS, BIAS_ELEMS = 64 * KIB, 40 * KIB, 32 * KIB
+MAX_FILE_SIZE_BYTES = 200 * KIB
+#: Local writes go in chunks of this (several write calls per file) where LocalStorage
+#: takes the option; S3 files of at least MULTIPART_THRESHOLD_BYTES are multipart uploads
+#: (here the first file of each save; the others are single PutObjects).
+LOCAL_WRITE_CHUNK_BYTES = 64 * KIB
+MULTIPART_THRESHOLD_BYTES = 192 * KIB
+
+
+def expected_state(step: int) -> dict[str, dict[str, Any]]:
+    """The replicated state a writer saves at ``step`` (deterministic: the same bits in
+    every process), with several dtypes and special float bit patterns."""
+    g = torch.Generator().manual_seed(1000 + step)
+    specials = torch.tensor([0x7FC00001 + step, 0xFFC12345 - 2**32, -(2**31), 0x7F800000, step],
+                            dtype=torch.int32).view(torch.float32)  # NaN payloads, -0.0, inf, a denormal
+    return {
+        "model": {
+            "layer.weight": torch.randn(WEIGHT_ELEMS, generator=g),
+            "layer2.weight": torch.randn(WEIGHT2_ELEMS, generator=g),
+            "layer.bias": torch.randn(BIAS_ELEMS, generator=g).to(torch.bfloat16),
+            "counts": torch.randint(-(2**40), 2**40, (500,), generator=g, dtype=torch.int64),
+            "mask": torch.rand(333, generator=g) > 0.5,
+            "specials": specials,
+        },
+        "meta": {"step": step, "lr": 0.1 / step, "schedule": [step, "warm", None], "nested": {"1": -0.0}},
+    }
+
+
+def set_state(state: dict[str, dict[str, Any]], step: int) -> None:
+    """Make the live state (new tensor objects) what :func:`expected_state` says for ``step``."""
+    for name, value in expected_state(step).items():
+        state[name].clear()
+        state[name].update(value)
+
+
+def scribble(state: dict[str, dict[str, Any]]) -> None:
+    """Training goes on: change every live tensor in place (a staged save must not see it)."""
+    with torch.no_grad():
+        for tensor in state["model"].values():
+            if tensor.dtype == torch.bool:
+                tensor.logical_not_()
+            else:
+                tensor.view(torch.uint8).add_(1)
+
+
+def compare(actual: dict[str, Any], step: int, what: str) -> list[str]:
+    """Differences between ``actual`` (name -> state dict) and step ``step``'s saved state."""
+    expected = expected_state(step)
+    problems = []
+    if sorted(actual) != sorted(expected):
+        return [f"{what}: state names {sorted(actual)}, saved {sorted(expected)}"]
+    if actual["meta"] != expected["meta"]:
+        problems.append(f"{what}: meta {actual['meta']!r}, saved {expected['meta']!r}")
+    tensors, saved = actual["model"], expected["model"]
+    if sorted(tensors) != sorted(saved):
+        return problems + [f"{what}: tensors {sorted(tensors)}, saved {sorted(saved)}"]
+    for name, want in saved.items():
+        got = tensors[name]
+        if got.dtype != want.dtype or got.shape != want.shape:
+            problems.append(f"{what}: {name} is {got.dtype} {tuple(got.shape)}, saved {want.dtype} {tuple(want.shape)}")
+        elif not torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8)):
+            problems.append(f"{what}: {name} differs from step {step}'s saved bits")
+    return problems
+
+
+# --- storage ------------------------------------------------------------------------
+
+def make_storage(scenario: Scenario, uri: str, *, durable: bool = True):
+    """The writer's storage (``durable``: fsync on; S3: a client of its own, built as
+    spotrun builds it) or a checker's (fsync off; S3: a client of boto3's default
+    session, which the parent warmed up, so a child builds it in milliseconds)."""
+    if scenario.backend == "s3":
+        from spotrun.storage.s3 import S3Options, S3Storage, parse_s3_uri
+
+        options = {"part_size_bytes": 5 * MIB, "multipart_threshold_bytes": MULTIPART_THRESHOLD_BYTES,
+                   "max_concurrency": 2, "retry_deadline_s": 60.0}
+        if durable:
+            return S3Storage.from_uri(uri, **options)
+        return S3Storage(*parse_s3_uri(uri), S3Options(**options), client=_s3_client())
+    from spotrun.storage import LocalStorage
+
+    accepted = inspect.signature(LocalStorage).parameters
+    options = {"fsync": durable, "write_chunk_bytes": LOCAL_WRITE_CHUNK_BYTES}
+    return LocalStorage(uri, **{k: v for k, v in options.items() if k in accepted})
+
+
+def _s3_client():
+    """A client of boto3's default session; endpoint and fake credentials come from the
+    environment (``AWS_ENDPOINT_URL``); botocore's retries off, as spotrun's."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", config=Config(retries={"total_max_attempts": 1, "mode": "standard"},
+                                            request_checksum_calculation="when_required",
+                                            response_checksum_validation="when_required"))
+
+
+def preload(scenario: Scenario) -> None:
+    """Import in the parent what every child needs (and, for S3, load botocore's service
+    model into the default session), so that children start in milliseconds. Nothing here
+    starts a thread or opens a connection."""
+    import spotrun.checkpoint.catalog  # noqa: F401
+    import spotrun.checkpoint.restore  # noqa: F401
+    import spotrun.checkpoint.resume  # noqa: F401
+    import spotrun.checkpointer  # noqa: F401
+    import spotrun.storage.local  # noqa: F401
+
+    if scenario.backend == "s3":
+        import botocore.loaders
+        import botocore.session
+
+        import spotrun.storage.s3
+
+        # Every botocore session (spotrun builds one per client) shares one data loader, so
+        # the service model is parsed once here rather than in every child (0.4 s each).
+        loader = botocore.loaders.create_loader()
+        botocore.session.create_loader = lambda *args, **kwargs: loader
+        spotrun.storage.s3.make_client(spotrun.storage.s3.S3Options())
+        _s3_client()
+
+
+def copy_root(scenario: Scenario, source: str, dest: str) -> None:
+    """Copy every object of a root (a real copy, never links: a change must not reach the base)."""
+    if scenario.backend == "local":
+        shutil.copytree(source, dest)
+        return
+    client, bucket = _s3_client(), scenario.bucket
+    src_prefix, dest_prefix = source.split("/", 3)[3] + "/", dest.split("/", 3)[3] + "/"
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=src_prefix):
+        for obj in page.get("Contents", []):
+            client.copy_object(Bucket=bucket, Key=dest_prefix + obj["Key"][len(src_prefix):],
+                               CopySource={"Bucket": bucket, "Key": obj["Key"]})
+
+
+def remove_root(scenario: Scenario, uri: str) -> None:
+    """Delete a root, open multipart uploads included (moto keeps them in memory)."""
+    if scenario.backend == "local":
+        shutil.rmtree(uri, ignore_errors=True)
+        return
+    client, bucket, prefix = _s3_client(), scenario.bucket, uri.split("/", 3)[3] + "/"
+    for upload in client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []):
+        client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+
+
+def object_identities(scenario: Scenario, uri: str, storage, keys: list[str]) -> dict[str, str]:
+    """What identifies each object's content: local files, the SHA-256 of their bytes;
+    S3 objects, the store's own hash of their bytes (the ETag: MD5 of the object, or of
+    its parts' MD5s) with size and LastModified, all from one listing (a download per
+    object, twice per kill point, would double the campaign's requests)."""
+    import hashlib
+
+    from spotrun.errors import ObjectNotFoundError
+
+    if scenario.backend == "local":
+        found = {}
+        for key in keys:
+            try:
+                found[key] = "sha256 " + hashlib.sha256(storage.get(key)).hexdigest()
+            except ObjectNotFoundError:
+                found[key] = "missing"
+        return found
+    prefix = uri.split("/", 3)[3] + "/"
+    listed = {}
+    for page in _s3_client().get_paginator("list_objects_v2").paginate(Bucket=scenario.bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            listed[obj["Key"][len(prefix):]] = (f"etag {obj['ETag']} size {obj['Size']} "
+                                                f"modified {obj['LastModified'].isoformat()}")
+    return {key: listed.get(key, "missing") for key in keys}
+
+
+def committed_snapshot(scenario: Scenario, uri: str, storage) -> dict[str, Any]:
+    """Every committed object (each complete step's manifest and files, the incarnation
+    records) and what identifies its content."""
+    from spotrun.checkpoint import catalog
+    from spotrun.checkpoint.layout import INCARNATIONS_DIR, file_key
+
+    steps = {}
+    for info in catalog.list_steps(storage):
+        if info.status == catalog.COMPLETE:
+            steps[str(info.step)] = [info.manifest_key] + [file_key(info.step, f.path) for f in info.manifest.files]
+    keys = [key for files in steps.values() for key in files]
+    keys += [o.key for o in storage.list(f"{INCARNATIONS_DIR}/")]
+    return {"committed": steps, "identities": object_identities(scenario, uri, storage, keys)}
+
+
+# --- the writer ---------------------------------------------------------------------
+
+def background_supported() -> bool:
+    """Whether this spotrun's Checkpointer has background periodic saves (issue 9 item 3)."""
+    from spotrun import Checkpointer
+
+    return "background_saves" in inspect.signature(Checkpointer).parameters
+
+
+def _checkpointer(state, storage, **options):
+    from spotrun import Checkpointer
+
+    return Checkpointer(state, storage=storage, handle_signals=False, max_file_size_bytes=MAX_FILE_SIZE_BYTES,
+                        **options)
+
+
+def write_base(scenario: Scenario, storage) -> None:
+    state: dict[str, dict] = {"model": {}, "meta": {}}
+    set_state(state, BASE_STEP)
+    ckpt = _checkpointer(state, storage)
+    ckpt.save(BASE_STEP, reason="periodic")
+    ckpt.close()
+
+
+def run_writer(scenario: Scenario, storage) -> None:
+    """Restart from the base (claiming an incarnation), then save steps 2 and 3."""
+    state: dict[str, dict] = {"model": {}, "meta": {}}
+    if scenario.mode == "sync":
+        ckpt = _checkpointer(state, storage)
+        assert ckpt.restore() == BASE_STEP
+        for step in SAVED_STEPS:
+            set_state(state, step)
+            ckpt.save(step, reason="periodic")
+        ckpt.close()
+        return
+    ckpt = _checkpointer(state, storage, interval_steps=1, background_saves=True)
+    assert ckpt.restore() == BASE_STEP
+    for step in SAVED_STEPS:
+        set_state(state, step)
+        ckpt.end_of_step(step)  # stages the state and returns; the write runs in the background
+        scribble(state)  # while the save is in flight
+        ckpt.wait_for_save()
+    ckpt.close()
+
+
+def writer_child(scenario: Scenario, uri: str, kill_at: int | None, out_path: str) -> None:
+    """Writer on a fresh copy of the base; SIGKILLed at point ``kill_at`` (after writing
+    the committed objects' hashes to ``out_path``), or, in the dry run, writes the names
+    of every point and the final hashes there."""
+    copy_root(scenario, scenario.uri("base"), uri)
+    observer = make_storage(scenario, uri, durable=False)  # S3: its client is not hooked
+
+    def on_kill(index: int, name: str) -> None:
+        _write_json(out_path, {"index": index, "point": name, **committed_snapshot(scenario, uri, observer)})
+
+    counter = PointCounter(kill_at, on_kill)
+    if scenario.backend == "local":
+        LocalHooks(uri, counter).install()
+    else:
+        S3Hooks(counter, uri.split("/", 3)[3]).install()
+    run_writer(scenario, make_storage(scenario, uri))
+    if kill_at is None:
+        _write_json(out_path, {"points": counter.names, **committed_snapshot(scenario, uri, observer)})
+
+
+# --- the restart after a kill ---------------------------------------------------------
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+
+
+def check_restart(scenario: Scenario, uri: str, snapshot: dict[str, Any]) -> dict[str, Any]:
+    """What a new process finds after the kill; returns ``problems`` and the figures."""
+    from spotrun.checkpoint import catalog
+    from spotrun.checkpoint.restore import load_committed, load_step
+
+    storage = make_storage(scenario, uri, durable=False)
+    problems: list[str] = []
+    steps = catalog.list_steps(storage)
+    complete = [s.step for s in steps if s.status == catalog.COMPLETE]
+    for info in steps:
+        if info.status in (catalog.CORRUPT, catalog.FENCED):
+            problems.append(f"step {info.step} is {info.status} after the kill: {info.problem}")
+    for info in steps:
+        if info.status != catalog.COMPLETE:
+            continue
+        try:  # load_committed without its second listing: the manifest the listing found, read again
+            loaded = load_step(storage, info.step, info.manifest_key, 0, 1)
+            problems += compare(loaded.replicated, info.step, f"listed-complete step {info.step}")
+        except Exception as exc:  # noqa: BLE001 - a step listed complete must load
+            problems.append(f"step {info.step} is listed complete but does not load: {type(exc).__name__}: {exc}")
+    problems += _changed_since(scenario, uri, storage, snapshot, complete)
+
+    warnings = _Warnings()
+    logging.getLogger("spotrun").setLevel(logging.WARNING)
+    logging.getLogger("spotrun").addHandler(warnings)
+    state: dict[str, dict] = {"model": {}, "meta": {}}
+    ckpt = _checkpointer(state, storage)
+    restored = ckpt.restore()
+    newest_before = max((int(s) for s in snapshot["committed"]), default=0)
+    if restored != max(complete, default=0) or restored < newest_before:
+        problems.append(f"the restart resumed from step {restored}; complete steps {complete}, "
+                        f"newest committed before the kill {newest_before}")
+    problems += compare(state, restored, f"state restored from step {restored}")
+    following = restored + 1  # saved again over the killed incarnation's leftovers, when it was that step
+    set_state(state, following)
+    ckpt.save(following, reason="periodic")
+    ckpt.close()
+    try:
+        problems += compare(load_committed(storage, following, 0, 1).replicated, following,
+                            f"step {following} saved after the restart")
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"step {following} saved after the restart does not load: {type(exc).__name__}: {exc}")
+    problems += [f"the restart logged {m}" for m in warnings.messages]
+    return {"problems": problems, "complete": complete, "restored": restored}
+
+
+def _changed_since(scenario: Scenario, uri: str, storage, snapshot: dict[str, Any], complete: list[int]) -> list[str]:
+    problems = [f"step {step} was complete before the kill and is not now"
+                for step in snapshot["committed"] if int(step) not in complete]
+    before = snapshot["identities"]
+    now = object_identities(scenario, uri, storage, sorted(before))
+    problems += [f"committed {key} changed after the kill: {before[key]}, now {now[key]}"
+                 for key in sorted(before) if now[key] != before[key]]
+    return problems
+
+
+# --- forking ------------------------------------------------------------------------
+
+def _write_json(path: str, doc: Any) -> None:
+    with open(path + ".part", "w") as f:
+        json.dump(doc, f)
+    os.replace(path + ".part", path)
+
+
+def _read_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def in_child(work: Callable[[], None]) -> int:
+    """Run ``work`` in a forked child; its exit status (``-signal`` when killed by one)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            signal.alarm(CHILD_ALARM_S)
+            work()
+        except BaseException:  # noqa: BLE001 - reported through the exit status
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _checked_in_child(scenario: Scenario, uri: str, snapshot_path: str, result_path: str) -> dict[str, Any]:
+    def work() -> None:
+        try:
+            result = check_restart(scenario, uri, _read_json(snapshot_path))
+        except Exception as exc:  # noqa: BLE001
+            result = {"problems": [f"the restart failed: {type(exc).__name__}: {exc}"],
+                      "traceback": traceback.format_exc()}
+        _write_json(result_path, result)
+        remove_root(scenario, uri)
+
+    status = in_child(work)
+    if not os.path.exists(result_path):
+        return {"problems": [f"the restart process ended with status {status} and no result"]}
+    return _read_json(result_path)
+
+
+def campaign(scenario: Scenario) -> dict[str, Any]:
+    """Every kill point of one scenario; returns the figures and each point's problems."""
+    started_s = time.monotonic()
+    os.makedirs(os.path.join(scenario.work_dir, "roots"), exist_ok=True)
+    base = scenario.uri("base")
+    for name in ("base", "dry"):  # left by an earlier campaign in the same place
+        remove_root(scenario, scenario.uri(name))
+    status = in_child(lambda: write_base(scenario, make_storage(scenario, base)))
+    if status != 0:
+        raise RuntimeError(f"committing the base step failed (status {status})")
+    dry_out = os.path.join(scenario.work_dir, "dry.json")
+    status = in_child(lambda: writer_child(scenario, scenario.uri("dry"), None, dry_out))
+    if status != 0:
+        raise RuntimeError(f"the dry run failed (status {status})")
+    dry = _read_json(dry_out)
+    names: list[str] = dry["points"]
+    end_state = _checked_in_child(scenario, scenario.uri("dry"), dry_out, os.path.join(scenario.work_dir, "dry-check.json"))
+    points = []
+    for index in range(len(names)):
+        uri = scenario.uri(f"p{index:03d}")
+        snapshot_path = os.path.join(scenario.work_dir, f"p{index:03d}-snapshot.json")
+        status = in_child(lambda: writer_child(scenario, uri, index, snapshot_path))
+        if status != -signal.SIGKILL or not os.path.exists(snapshot_path):
+            points.append({"index": index, "name": names[index], "problems": [
+                f"the writer was not killed at point {index} (status {status}): the run passed fewer "
+                f"persistence points than the dry run's {len(names)}"]})
+            remove_root(scenario, uri)
+            continue
+        killed_at = _read_json(snapshot_path)["point"]
+        checked = _checked_in_child(scenario, uri, snapshot_path, os.path.join(scenario.work_dir, f"p{index:03d}-check.json"))
+        points.append({"index": index, "name": killed_at, "problems": checked["problems"],
+                       "complete": checked.get("complete"), "restored": checked.get("restored")})
+    remove_root(scenario, base)
+    return {
+        "backend": scenario.backend, "mode": scenario.mode,
+        "tried": len(points), "survived": sum(not p["problems"] for p in points),
+        "points": points, "end_state_problems": end_state["problems"],
+        "files_per_save": len(dry["committed"].get(str(SAVED_STEPS[-1]), {})) - 1,
+        "seconds": round(time.monotonic() - started_s, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=("local", "s3"), required=True)
+    parser.add_argument("--mode", choices=("sync", "background"), required=True)
+    parser.add_argument("--work", required=True, help="scratch directory")
+    parser.add_argument("--result", required=True, help="where the JSON result goes")
+    parser.add_argument("--bucket", help="S3 bucket (s3 only)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # before anything runs an operator: no thread pool exists when we fork
+    logging.basicConfig(level=logging.ERROR, format="%(process)d %(name)s: %(message)s")
+    scenario = Scenario(args.backend, args.mode, os.path.abspath(args.work), args.bucket)
+    preload(scenario)
+    _write_json(args.result, campaign(scenario))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
