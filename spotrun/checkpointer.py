@@ -34,7 +34,7 @@ from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HE
 from spotrun.manifest import Manifest
 from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv, default_safety_margin_s
 from spotrun.save_meter import SaveMeter
-from spotrun.errors import CheckpointSaveError, ConfigError, StateMismatchError
+from spotrun.errors import CheckpointSaveError, ConfigError, SpotrunError, StateMismatchError
 from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState
 from spotrun.state.rng import RNGState
 from spotrun.state.stateful import load_into, state_of
@@ -198,7 +198,8 @@ class Checkpointer:
 
     def _restore(self) -> tuple[int, Manifest | None]:
         """Load the newest loadable complete step: (its step and manifest), or (0, None)."""
-        loaded = resume.load_newest(self._storage, supervisor_step=self._env.resume_step)
+        loaded = resume.load_newest(self._storage, supervisor_step=self._env.resume_step,
+                                    destinations=self._restore_destinations())
         if loaded is None:
             return 0, None
         self._apply(loaded)
@@ -208,6 +209,16 @@ class Checkpointer:
         self._meter.restored(timing.step_time_s if timing is not None else None)
         self._run_id = self._env.run_id or loaded.manifest.run_id or self._run_id
         return step, loaded.manifest
+
+    def _restore_destinations(self) -> dict:
+        """The live tensors by encoded name, for a restore to read straight into (no copy
+        through fresh memory); empty when the state cannot be encoded (reported later)."""
+        try:
+            encoded = encode_state({name: state_of(obj) for name, obj in self._state.items()},
+                                   {name: state_of(obj) for name, obj in self._rank_state.items()}, dist.rank())
+        except SpotrunError:
+            return {}
+        return {**encoded.tensors, **encoded.rank_tensors}
 
     def _apply(self, loaded: LoadedStep) -> None:
         extra = sorted(set(loaded.replicated) - set(self._state))

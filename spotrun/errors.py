@@ -32,6 +32,10 @@ class ObjectExistsError(StorageError, FileExistsError):
     """A conditional put found the object already there (another writer committed first)."""
 
 
+class ObjectTooShortError(StorageError):
+    """A read asked for bytes past the end of the object (it is shorter than expected)."""
+
+
 class StoragePermissionError(StorageError, PermissionError):
     """The credentials in use may not perform this operation."""
 

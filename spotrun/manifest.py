@@ -1,14 +1,15 @@
 """The checkpoint manifest: versioned JSON, written last, whose presence commits a step.
 
-Format version 2 (``manifest.json`` inside ``step-NNNNNNNNN/``; one line of JSON)::
+Format version 3 (``manifest.i<incarnation>.json`` inside ``step-NNNNNNNNN/``; one line of JSON)::
 
     {
-      "format": "spotrun-checkpoint", "format_version": 2,
+      "format": "spotrun-checkpoint", "format_version": 3,
       "step": 200, "reason": "periodic",
       "created_unix_s": 1764488000.5, "world_size": 2,
       "run_id": "...", "incarnation": 1, "spotrun_version": "0.1.0", "torch_version": "2.13.0",
-      "files":   [{"path": "rank-00000.safetensors", "rank": 0, "size_bytes": 123, "sha256": "..."},
-                  {"path": "rank-00000.part-00001.safetensors", "rank": 0, ...}],
+      "files":   [{"path": "rank-00000.i000000001.safetensors", "rank": 0, "size_bytes": 123,
+                   "algorithm": "sha256-chunks", "chunk_bytes": 8388608, "digest": "..."},
+                  {"path": "rank-00000.i000000001.part-00001.safetensors", "rank": 0, ...}],
       "tensors": {"model/w": {"file": "rank-00000.safetensors", "dtype": "float32",
                               "shape": [4, 4], "offsets": null},
                   "model/scales": {"file": "rank-00000.part-00001.safetensors",
@@ -32,6 +33,12 @@ changed for ``stored_as``). ``timing`` (optional, may be ``null``; added in spot
 took to stage and write its shard and how long a training step took: the supervisor of a
 restarted job estimates an emergency save from it before the job has saved again. Readers refuse a newer ``format_version`` with a clear
 error instead of guessing.
+
+Format 3 changed only the file checksum: formats 1 and 2 record ``"sha256"`` (of the whole
+file); format 3 records ``"algorithm": "sha256-chunks"``, ``"chunk_bytes"`` and ``"digest"``
+(SHA-256 over the SHA-256 digests of the file's chunks, so that writers hash chunks in
+parallel while writing and readers verify them in parallel while reading:
+:mod:`spotrun.checkpoint.stream`). Every format is still read.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from typing import Any
 from spotrun.errors import ManifestError
 
 FORMAT_NAME = "spotrun-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 #: ``TensorRecord.stored_as`` of a tensor kept as its raw bytes (a 1-D uint8 tensor).
 STORED_AS_BYTES = "bytes"
@@ -58,13 +65,30 @@ class FileRecord:
         path: path relative to the step directory.
         rank: the rank that wrote it.
         size_bytes: exact size in bytes.
-        sha256: hex SHA-256 of the whole file.
+        digest: hex checksum of the file, by ``algorithm``.
+        algorithm: ``"sha256"`` (SHA-256 of the whole file; formats 1 and 2) or
+            ``"sha256-chunks"`` (format 3: SHA-256 of the concatenated SHA-256 digests of
+            the file's consecutive ``chunk_bytes`` chunks; :mod:`spotrun.checkpoint.stream`).
+        chunk_bytes: the chunk size of ``"sha256-chunks"``, ``None`` for ``"sha256"``.
     """
 
     path: str
     rank: int
     size_bytes: int
-    sha256: str
+    digest: str
+    algorithm: str = "sha256"
+    chunk_bytes: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as a JSON object (format 1/2 spelling for ``"sha256"``)."""
+        if self.algorithm == "sha256":
+            return {"path": self.path, "rank": self.rank, "size_bytes": self.size_bytes, "sha256": self.digest}
+        return {"path": self.path, "rank": self.rank, "size_bytes": self.size_bytes,
+                "algorithm": self.algorithm, "chunk_bytes": self.chunk_bytes, "digest": self.digest}
+
+
+#: Checksum algorithms a reader verifies.
+CHECKSUM_ALGORITHMS = frozenset({"sha256", "sha256-chunks"})
 
 
 @dataclass(frozen=True)
@@ -135,7 +159,7 @@ class Manifest:
         doc = {"format": FORMAT_NAME}
         for item in fields(self):
             doc[item.name] = getattr(self, item.name)
-        doc["files"] = [vars(f) for f in self.files]
+        doc["files"] = [f.to_json() for f in self.files]
         doc["tensors"] = {name: _tensor_json(r) for name, r in self.tensors.items()}
         doc["timing"] = None if self.timing is None else vars(self.timing)
         return json.dumps(doc, sort_keys=True, allow_nan=False).encode("utf-8")
@@ -198,14 +222,7 @@ def _parse_v1(doc: dict[str, Any]) -> Manifest:
         path = _str(raw["path"], "files[].path")
         if path.startswith("/") or ".." in path.split("/"):
             raise ValueError(f"file path {path!r} escapes the step directory")
-        files.append(
-            FileRecord(
-                path=path,
-                rank=_int(raw["rank"], "files[].rank"),
-                size_bytes=_int(raw["size_bytes"], "files[].size_bytes"),
-                sha256=_str(raw["sha256"], "files[].sha256"),
-            )
-        )
+        files.append(_file_record(raw, path))
     file_paths = {f.path for f in files}
     tensors = {}
     for name, raw in doc["tensors"].items():
@@ -239,6 +256,19 @@ def _parse_v1(doc: dict[str, Any]) -> Manifest:
         format_version=doc["format_version"],
         timing=_timing(doc.get("timing")),
     )
+
+
+def _file_record(raw: dict[str, Any], path: str) -> FileRecord:
+    rank, size_bytes = _int(raw["rank"], "files[].rank"), _int(raw["size_bytes"], "files[].size_bytes")
+    if "sha256" in raw:  # formats 1 and 2
+        return FileRecord(path=path, rank=rank, size_bytes=size_bytes, digest=_str(raw["sha256"], "files[].sha256"))
+    algorithm = _str(raw["algorithm"], "files[].algorithm")
+    if algorithm not in CHECKSUM_ALGORITHMS:
+        raise ValueError(f"file {path!r} has checksum algorithm {algorithm!r}; this spotrun knows "
+                         f"{sorted(CHECKSUM_ALGORITHMS)}")
+    chunk_bytes = _int(raw["chunk_bytes"], "files[].chunk_bytes", 1) if algorithm != "sha256" else None
+    return FileRecord(path=path, rank=rank, size_bytes=size_bytes, digest=_str(raw["digest"], "files[].digest"),
+                      algorithm=algorithm, chunk_bytes=chunk_bytes)
 
 
 def _tensor_record(name: str, raw: dict[str, Any], file_paths: set[str]) -> TensorRecord:

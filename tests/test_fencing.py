@@ -38,6 +38,10 @@ class HookedStorage(LocalStorage):
         self.hook(key)
         super()._put_if_absent(key, data)
 
+    def _put_stream(self, key, source, chunk_bytes, on_chunk):
+        self.hook(key)
+        super()._put_stream(key, source, chunk_bytes, on_chunk)
+
 
 def make(storage) -> tuple[spotrun.Checkpointer, dict]:
     weights = {"w": torch.zeros(32)}

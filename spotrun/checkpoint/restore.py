@@ -23,6 +23,7 @@ import torch
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import REJECTED_PREFIX, file_key
 from spotrun.checkpoint.dtypes import from_stored
+from spotrun.checkpoint.reader import read_shard_into
 from spotrun.checkpoint.shard import decode_shard
 from spotrun.errors import CorruptShardError, ManifestError, SpotrunError, StateMismatchError
 from spotrun.manifest import Manifest
@@ -58,12 +59,17 @@ def read_manifest(storage: Storage, key: str) -> Manifest:
 
 
 def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int,
-              manifest: Manifest | None = None) -> LoadedStep:
+              manifest: Manifest | None = None,
+              destinations: dict[str, torch.Tensor] | None = None) -> LoadedStep:
     """Load everything ``rank`` needs from ``step`` (its manifest under ``key``, as the
     catalog found it), verifying every file it reads.
 
     ``manifest``: the step's manifest when the caller has already read it (a listing
     parsed it; a manifest of a million tensors takes seconds to parse), else it is read.
+    ``destinations``: tensor name (as encoded: ``model/layer.weight``) -> the live tensor
+    that will hold it; files of format 3 are read straight into those that are contiguous
+    CPU tensors of the recorded dtype and shape (:mod:`spotrun.checkpoint.reader`), which
+    then hold the checkpoint's values even when a later file fails verification.
 
     Raises:
         StateMismatchError: the step was saved at another world size.
@@ -83,7 +89,7 @@ def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int,
     rank_skeleton = manifest.rank_state[rank]
     try:
         needed = tree.tensor_names(manifest.state) + tree.tensor_names(rank_skeleton)
-        tensors = _fetch_tensors(storage, manifest, needed)
+        tensors = _fetch_tensors(storage, manifest, needed, destinations or {})
         replicated = {name: tree.decode(skel, tensors) for name, skel in manifest.state.items()}
         rank_local = {name: tree.decode(skel, tensors) for name, skel in rank_skeleton.items()}
     except (KeyError, IndexError, ValueError, TypeError, AttributeError) as exc:
@@ -105,7 +111,8 @@ def load_committed(storage: Storage, step: int, rank: int, world_size: int) -> L
     return load_step(storage, step, catalog.committed(storage, step).manifest_key, rank, world_size)
 
 
-def _fetch_tensors(storage: Storage, manifest: Manifest, names: list[str]) -> dict[str, torch.Tensor]:
+def _fetch_tensors(storage: Storage, manifest: Manifest, names: list[str],
+                   destinations: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     records = {f.path: f for f in manifest.files}
     stored_name = {n: manifest.aliases.get(n, n) for n in names}
     by_file: dict[str, list[str]] = {}
@@ -117,12 +124,19 @@ def _fetch_tensors(storage: Storage, manifest: Manifest, names: list[str]) -> di
     loaded: dict[str, torch.Tensor] = {}
     for path, file_names in by_file.items():
         key = file_key(manifest.step, path)
-        content = decode_shard(storage.get(key), records[path], where=f"{storage.uri}/{key}")
+        where = f"{storage.uri}/{key}"
+        if records[path].algorithm == "sha256":  # formats 1 and 2: whole-file checksum
+            content = decode_shard(storage.get(key), records[path], where=where)
+            for name in file_names:
+                target = stored_name[name]
+                if target not in loaded:
+                    loaded[target] = _checked(content, target, manifest, key)
+                loaded[name] = loaded[target]
+            continue
+        wanted = {stored_name[n]: manifest.tensors[stored_name[n]] for n in file_names}
+        read = read_shard_into(storage, key, records[path], wanted, destinations, where=where)
         for name in file_names:
-            target = stored_name[name]
-            if target not in loaded:
-                loaded[target] = _checked(content, target, manifest, key)
-            loaded[name] = loaded[target]
+            loaded[name] = read[stored_name[name]]
     return loaded
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from spotrun import dist
 from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.restore import LoadedStep, load_step, reject_step
@@ -27,13 +29,15 @@ from spotrun.storage.base import Storage
 log = logging.getLogger(__name__)
 
 
-def load_newest(storage: Storage, *, supervisor_step: int | None) -> LoadedStep | None:
+def load_newest(storage: Storage, *, supervisor_step: int | None,
+                destinations: dict[str, torch.Tensor] | None = None) -> LoadedStep | None:
     """Load the newest complete step that every rank can verify, or ``None`` when there is none.
 
     Lists the steps again (so a step committed since the supervisor chose ``supervisor_step``
     is newer and used). A step that fails verification on any rank is skipped by every rank,
     logged (``checkpoint step S failed verification (...); falling back to step R``) and,
-    when a file or manifest is corrupt, un-committed.
+    when a file or manifest is corrupt, un-committed. ``destinations`` (name -> live
+    tensor) are filled in place where they fit (:func:`~spotrun.checkpoint.restore.load_step`).
 
     Raises:
         StorageError: the listing failed.
@@ -53,7 +57,7 @@ def load_newest(storage: Storage, *, supervisor_step: int | None) -> LoadedStep 
         raise StorageError(5, f"cannot list checkpoints under {storage.uri}: {listing['error']}")
     candidates = [step for step, _key in listing["steps"]]
     for index, (step, key) in enumerate(listing["steps"]):
-        loaded, problem = _try_load(storage, step, key, listed.pop(step, None))
+        loaded, problem = _try_load(storage, step, key, listed.pop(step, None), destinations)
         problems = dist.all_gather_json(problem)
         failed = {r: p["message"] for r, p in enumerate(problems) if p is not None}
         if not failed:
@@ -85,9 +89,10 @@ def _complete_newest_first(storage: Storage, supervisor_step: int | None) -> lis
     return complete
 
 
-def _try_load(storage: Storage, step: int, key: str, manifest: Manifest | None) -> tuple[LoadedStep | None, dict | None]:
+def _try_load(storage: Storage, step: int, key: str, manifest: Manifest | None,
+              destinations: dict[str, torch.Tensor] | None) -> tuple[LoadedStep | None, dict | None]:
     try:
-        return load_step(storage, step, key, dist.rank(), dist.world_size(), manifest), None
+        return load_step(storage, step, key, dist.rank(), dist.world_size(), manifest, destinations), None
     except (CorruptShardError, ManifestError) as exc:
         return None, {"corrupt": True, "message": str(exc)}
     except StorageError as exc:  # missing object, or the store failed after retries

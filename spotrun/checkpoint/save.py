@@ -38,7 +38,8 @@ from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.dtypes import dtype_name, tensor_record, to_stored
 from spotrun.checkpoint.plan import assign_by_bytes
 from spotrun.checkpoint.restore import reject_step
-from spotrun.checkpoint.shard import ShardLimits, encode_shard, sha256_hex, split_into_parts
+from spotrun.checkpoint.shard import ShardLimits, split_into_parts
+from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, CHUNKED_SHA256, ChunkDigests, ShardSource
 from spotrun.checkpoint.staging import StagingBuffers
 from spotrun.errors import (
     CheckpointSaveError,
@@ -204,15 +205,12 @@ def prepare_save(
     return PreparedSave(step, rank, world_size, encoded, mine)
 
 
-def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type != "cpu":
-        return t.to("cpu")
-    return t.contiguous()
-
-
 def write_shard(storage: Storage, prepared: PreparedSave, incarnation: int, parts: list[list[str]],
                 *, abort: threading.Event | None = None, progress: SaveProgress | None = None) -> list[FileRecord]:
-    """Serialise and store this rank's shard, one file per part, one file at a time.
+    """Stream this rank's shard into storage, one file per part, one file at a time.
+
+    Each file's bytes go from the tensors' memory through the backend's bounded buffer
+    (:meth:`~spotrun.storage.base.Storage.put_stream`), hashed chunk by chunk as they pass.
 
     Args:
         parts: names of ``prepared.tensors``, one list per file
@@ -228,15 +226,23 @@ def write_shard(storage: Storage, prepared: PreparedSave, incarnation: int, part
         if abort is not None and abort.is_set():
             raise SaveAbortedError(f"save of step {prepared.step} abandoned")
         path = shard_part_name(prepared.rank, incarnation, part)
-        data = encode_shard(
-            {n: _host_contiguous(prepared.tensors[n]) for n in names},
+        source = ShardSource(
+            {n: prepared.tensors[n] for n in names},
             {"format": "spotrun-checkpoint", "step": prepared.step, "rank": prepared.rank, "part": part},
+            abort=abort,
         )
-        storage.put(file_key(prepared.step, path), data)
-        if progress is not None:
-            progress.add(len(data))
-        records.append(FileRecord(path=path, rank=prepared.rank, size_bytes=len(data), sha256=sha256_hex(data)))
-        del data  # one file's bytes in memory at a time
+        digests = ChunkDigests(source.size_bytes, CHECKSUM_CHUNK_BYTES)
+
+        def on_chunk(offset: int, data: memoryview, digests: ChunkDigests = digests) -> None:
+            digests(offset, data)
+            if progress is not None:
+                progress.add(len(data))
+
+        storage.put_stream(file_key(prepared.step, path), source, chunk_bytes=CHECKSUM_CHUNK_BYTES,
+                           on_chunk=on_chunk)
+        records.append(FileRecord(path=path, rank=prepared.rank, size_bytes=source.size_bytes,
+                                  digest=digests.hexdigest(), algorithm=CHUNKED_SHA256,
+                                  chunk_bytes=CHECKSUM_CHUNK_BYTES))
     return records
 
 
@@ -375,7 +381,7 @@ def commit_save(
         file_of = {n: record.path for record, names in zip(records, parts) for n in names}
         report.update(
             write_s=time.monotonic() - write_started_s,
-            files=[record.__dict__ for record in records],
+            files=[vars(record) for record in records],
             # the file of each replicated tensor this rank wrote (rank 0 builds their records)
             replicated_files={r.path: [n for n in names if n in encoded.tensors] for r, names in zip(records, parts)},
             rank_state=encoded.rank_skeleton,

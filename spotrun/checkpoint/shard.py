@@ -140,10 +140,12 @@ def decode_shard(data: bytes, record: FileRecord, *, where: str) -> dict[str, to
         raise CorruptShardError(
             f"{where}: {len(data)} bytes, manifest recorded {record.size_bytes}"
         )
+    if record.algorithm != "sha256":
+        raise CorruptShardError(f"{where}: decode_shard verifies whole-file sha256 records, not {record.algorithm}")
     digest = sha256_hex(data)
-    if digest != record.sha256:
+    if digest != record.digest:
         raise CorruptShardError(
-            f"{where}: sha256 {digest} does not match the manifest's {record.sha256}"
+            f"{where}: sha256 {digest} does not match the manifest's {record.digest}"
         )
     try:
         return safetensors_load(data)

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from spotrun.errors import ConfigError, StorageError
+from spotrun.errors import ConfigError, ObjectTooShortError
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,8 @@ class Storage(abc.ABC):
 
         Raises:
             ObjectNotFoundError: no such key.
-            StorageError: the read failed, or the object ends before the range does.
+            ObjectTooShortError: the object ends before the range does.
+            StorageError: the read failed.
         """
         self._read_into(_check_key(key), offset, [memoryview(v).cast("B") for v in views])
 
@@ -216,7 +217,7 @@ class Storage(abc.ABC):
         data = memoryview(self._get(key))
         total = sum(len(v) for v in views)
         if offset < 0 or offset + total > len(data):
-            raise StorageError(5, f"read of {key}: bytes {offset}-{offset + total} are past its end ({len(data)})")
+            raise ObjectTooShortError(5, f"read of {key}: bytes {offset}-{offset + total} are past its end ({len(data)})")
         for view in views:
             view[:] = data[offset : offset + len(view)]
             offset += len(view)

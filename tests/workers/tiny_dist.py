@@ -43,9 +43,9 @@ elif mode == "load":
                       "meta": loaded.replicated["meta"]})
 elif mode == "fail-rank1":
     if rank == 1:
-        def broken_put(key, data):
+        def broken_put_stream(key, source, **kwargs):
             raise StorageError(5, f"injected write failure for {key}")
-        storage.put = broken_put
+        storage.put_stream = broken_put_stream
     try:
         save_step(storage, 4, replicated, {}, context)
         report({"rank": rank, "error": None})

@@ -1,0 +1,212 @@
+"""Reading a shard file straight into the tensors that will hold its values, verifying it
+chunk by chunk as it is read.
+
+For a file whose manifest record carries the chunked checksum (format 3,
+:mod:`spotrun.checkpoint.stream`): the header is read first (two small reads), checked
+against the manifest; then each checksum chunk's byte range is read by one scatter read
+(``Storage.read_into``) directly into the destination tensors' memory - the live model and
+optimizer tensors where they fit, else fresh tensors - and hashed by the same thread right
+after, chunks in parallel. No buffer of the whole file exists; bytes of tensors the caller
+does not want go through a scratch buffer of at most one chunk.
+
+A file that fails verification has already written into its destinations; the caller
+(:mod:`spotrun.checkpoint.resume`) then loads an older step into the same tensors, or
+fails the start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from spotrun.checkpoint.dtypes import dtype_from_name, refusal
+from spotrun.checkpoint.shard import SAFETENSORS_MAX_HEADER_BYTES
+from spotrun.checkpoint.stream import SAFETENSORS_CODES, ChunkDigests, byte_view, chunk_ranges
+from spotrun.errors import CorruptShardError, ObjectTooShortError
+from spotrun.manifest import STORED_AS_BYTES, FileRecord, TensorRecord
+from spotrun.storage.base import Storage
+
+#: Chunks read and verified at the same time, per file.
+READ_CONCURRENCY = 4
+
+
+@dataclass
+class _Piece:
+    """Bytes ``[start, stop)`` of the file, and where they go (``None``: scratch)."""
+
+    start: int
+    stop: int
+    target: torch.Tensor | None  # 1-D uint8 view of the destination
+
+
+def _destination(record: TensorRecord, given: torch.Tensor | None, where: str) -> torch.Tensor:
+    """The tensor to read ``record``'s bytes into: ``given`` when it is a contiguous CPU
+    tensor of the recorded dtype and shape, else a new one."""
+    dtype = dtype_from_name(record.dtype)
+    if dtype is None:
+        raise CorruptShardError(
+            f"{where}: dtype {record.dtype!r} is not a dtype torch {torch.__version__} has, so it "
+            "cannot be decoded (was the checkpoint written with a newer torch?)"
+        )
+    reason = refusal(dtype)
+    if reason is not None:
+        raise CorruptShardError(f"{where}: dtype {record.dtype} cannot be decoded: {reason}")
+    if given is not None and given.device.type == "cpu" and given.dtype == dtype \
+            and list(given.shape) == record.shape and given.is_contiguous() and not given.is_conj() \
+            and not given.is_neg():
+        return given.detach()
+    return torch.empty(record.shape, dtype=dtype)
+
+
+def _expected_entry(record: TensorRecord) -> tuple[str, list[int], int]:
+    """(safetensors dtype code, shape, bytes) the file must hold for ``record``."""
+    dtype = dtype_from_name(record.dtype)
+    assert dtype is not None  # _destination refused it otherwise
+    nbytes = math.prod(record.shape) * dtype.itemsize
+    if record.stored_as == STORED_AS_BYTES:
+        return "U8", [nbytes], nbytes
+    return SAFETENSORS_CODES.get(dtype, "?"), record.shape, nbytes
+
+
+def read_shard_into(
+    storage: Storage,
+    key: str,
+    record: FileRecord,
+    wanted: dict[str, TensorRecord],
+    destinations: dict[str, torch.Tensor],
+    *,
+    where: str,
+) -> dict[str, torch.Tensor]:
+    """Read and verify one format-3 shard file; return ``name -> tensor`` for ``wanted``.
+
+    Args:
+        key: the file's storage key.
+        record: its manifest record (size, ``sha256-chunks`` digest, chunk size).
+        wanted: name -> manifest record of each tensor to return (all in this file).
+        destinations: name -> tensor to fill where it fits (contiguous, CPU, the recorded
+            dtype and shape); others get new tensors.
+        where: the file's URI, for messages.
+
+    Raises:
+        CorruptShardError: the header does not parse or does not match the manifest, the
+            file is shorter than recorded, or a chunk's checksum differs.
+        StorageError: a read failed.
+    """
+    size = record.size_bytes
+    if size < 8:
+        raise CorruptShardError(f"{where}: {size} bytes recorded, too few for a safetensors file")
+    chunk_bytes = record.chunk_bytes or size
+    prefix = bytearray(8)
+    _read(storage, key, 0, [memoryview(prefix)], where)
+    (header_bytes,) = struct.unpack("<Q", prefix)
+    if header_bytes > SAFETENSORS_MAX_HEADER_BYTES or 8 + header_bytes > size:
+        raise CorruptShardError(f"{where}: header length {header_bytes} does not fit the file's {size} bytes")
+    header_raw = bytearray(header_bytes)
+    _read(storage, key, 8, [memoryview(header_raw)], where)
+    head = bytes(prefix) + bytes(header_raw)
+    try:
+        header = json.loads(header_raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptShardError(f"{where}: the safetensors header does not parse: {exc}") from exc
+    data_start = 8 + header_bytes
+
+    tensors: dict[str, torch.Tensor] = {}
+    pieces: list[_Piece] = []
+    covered = 0
+    entries = sorted(((name, e) for name, e in header.items() if name != "__metadata__"),
+                     key=lambda item: _offsets(item[1], where, item[0])[0])
+    for name, entry in entries:
+        begin, end = _offsets(entry, where, name)
+        if begin != covered:
+            raise CorruptShardError(f"{where}: tensor {name!r} starts at {begin}, not at {covered}")
+        covered = end
+        target = None
+        if name in wanted:
+            tensor = _destination(wanted[name], destinations.get(name), f"{where}: tensor {name!r}")
+            code, shape, nbytes = _expected_entry(wanted[name])
+            if entry.get("dtype") != code or entry.get("shape") != shape or end - begin != nbytes:
+                raise CorruptShardError(
+                    f"{where}: tensor {name!r} is stored as {entry.get('dtype')}{entry.get('shape')} "
+                    f"({end - begin} bytes); the manifest says {wanted[name].dtype}{wanted[name].shape}"
+                )
+            tensors[name] = tensor
+            target = byte_view(tensor) if nbytes else None
+        if end > begin:
+            pieces.append(_Piece(data_start + begin, data_start + end, target))
+    if data_start + covered != size:
+        raise CorruptShardError(f"{where}: the header describes {data_start + covered} bytes, "
+                                f"the manifest records {size}")
+    missing = sorted(set(wanted) - set(tensors))
+    if missing:
+        raise CorruptShardError(f"{where}: tensor {missing[0]!r} is missing")
+
+    digests = ChunkDigests(size, chunk_bytes)
+
+    def read_chunk(start: int, stop: int) -> None:
+        held: list[memoryview | bytes] = []
+        if start < data_start:
+            held.append(head[start:min(stop, data_start)])
+        views: list[memoryview] = []
+        for piece in _overlapping(pieces, max(start, data_start), stop):
+            a, b = max(start, piece.start), min(stop, piece.stop)
+            if piece.target is None:
+                view = memoryview(bytearray(b - a))
+            else:
+                view = memoryview(piece.target[a - piece.start : b - piece.start].numpy())
+            views.append(view)
+        if views:
+            _read(storage, key, max(start, data_start), views, where)
+        digests.add(start, held + views)
+
+    ranges = chunk_ranges(size, chunk_bytes)
+    if len(ranges) <= 1:
+        for start, stop in ranges:
+            read_chunk(start, stop)
+    else:
+        with ThreadPoolExecutor(max_workers=min(READ_CONCURRENCY, len(ranges)),
+                                thread_name_prefix="spotrun-read") as pool:
+            for future in [pool.submit(read_chunk, a, b) for a, b in ranges]:
+                future.result()
+    if record.algorithm != "sha256-chunks" or digests.hexdigest() != record.digest:
+        raise CorruptShardError(f"{where}: checksum ({record.algorithm}) does not match the manifest's "
+                                f"{record.digest}")
+    return tensors
+
+
+def _offsets(entry: object, where: str, name: str) -> tuple[int, int]:
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise CorruptShardError(f"{where}: tensor {name!r} has no valid data_offsets")
+    return offsets[0], offsets[1]
+
+
+def _overlapping(pieces: list[_Piece], start: int, stop: int) -> list[_Piece]:
+    """The pieces that overlap ``[start, stop)`` (``pieces`` are sorted and back to back)."""
+    lo, hi = 0, len(pieces)
+    while lo < hi:  # first piece ending after start
+        mid = (lo + hi) // 2
+        if pieces[mid].stop <= start:
+            lo = mid + 1
+        else:
+            hi = mid
+    found = []
+    for piece in pieces[lo:]:
+        if piece.start >= stop:
+            break
+        found.append(piece)
+    return found
+
+
+def _read(storage: Storage, key: str, offset: int, views: list[memoryview], where: str) -> None:
+    try:
+        storage.read_into(key, offset, views)
+    except ObjectTooShortError as exc:
+        raise CorruptShardError(f"{where}: shorter than the manifest records ({exc})") from exc

@@ -1,0 +1,173 @@
+"""Writing a shard file as a stream: the safetensors header computed up front, the tensors'
+bytes copied out of their own memory chunk by chunk, a checksum built while they pass.
+
+A shard file is a safetensors file (``8-byte little-endian header length``, the JSON
+header, then every tensor's bytes back to back, in the header's order). Nothing builds the
+file in memory: :class:`ShardSource` serves any byte range of it straight from the
+tensors (:class:`~spotrun.storage.base.ByteSource`), and a storage backend pulls the
+ranges it writes into its own bounded buffer (one O_DIRECT bounce buffer per chunk on a
+local disk, one buffer per part on S3).
+
+The checksum (:data:`CHUNKED_SHA256`) is SHA-256 over the concatenated SHA-256 digests of
+the file's consecutive ``chunk_bytes`` chunks (the last one may be shorter; an empty file
+has no chunks). Each chunk is hashed by the thread that filled it, while its bytes are in
+cache, so hashing runs in parallel across chunks, and a reader verifies a file chunk by
+chunk, in parallel, as it reads. It is as strong as SHA-256 against accidental or
+deliberate change (a change to any byte changes that chunk's digest, and so the root).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import struct
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from spotrun.errors import SaveAbortedError, StateSerializationError
+from spotrun.storage.base import ByteSource
+
+#: ``FileRecord.algorithm`` of the chunked checksum written since format 3.
+CHUNKED_SHA256 = "sha256-chunks"
+#: ``FileRecord.algorithm`` of a whole-file SHA-256 (formats 1 and 2).
+WHOLE_SHA256 = "sha256"
+#: Bytes of one checksum chunk (and of one local write).
+CHECKSUM_CHUNK_BYTES = 8 * 2**20
+#: The JSON header is padded with spaces so that the tensors' bytes start at a multiple of this.
+DATA_ALIGNMENT_BYTES = 64
+
+#: safetensors' code of each dtype it stores natively (see :mod:`spotrun.checkpoint.dtypes`).
+SAFETENSORS_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if isinstance(getattr(torch, _name, None), torch.dtype):
+        SAFETENSORS_CODES[getattr(torch, _name)] = _code
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a 1-D ``uint8`` tensor sharing its memory."""
+    flat = tensor.detach().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+class ShardSource(ByteSource):
+    """One shard file's bytes, served from its tensors' memory.
+
+    Args:
+        tensors: name -> tensor in stored form (a dtype safetensors stores natively; any
+            device; a non-contiguous tensor is made contiguous here, a copy of that tensor).
+            Nothing may change them until the file is written.
+        metadata: the header's ``__metadata__`` (values converted with ``str``).
+        abort: when set, :meth:`readinto` raises :class:`SaveAbortedError` (the save was
+            abandoned); checked once per call.
+
+    Raises:
+        StateSerializationError: a metadata key is not a string, or a tensor's dtype has no
+            safetensors code.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, object],
+                 *, abort: threading.Event | None = None) -> None:
+        header: dict[str, object] = {}
+        meta: dict[str, str] = {}
+        for key, value in metadata.items():
+            if not isinstance(key, str):
+                raise StateSerializationError(f"safetensors metadata key {key!r} is not a string")
+            meta[key] = value if isinstance(value, str) else str(value)
+        if meta:
+            header["__metadata__"] = meta
+        self._bytes: list[torch.Tensor] = []
+        starts: list[int] = []
+        offset = 0
+        for name, tensor in tensors.items():
+            code = SAFETENSORS_CODES.get(tensor.dtype)
+            if code is None:
+                raise StateSerializationError(f"tensor {name!r}: safetensors has no code for {tensor.dtype}")
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()
+            nbytes = tensor.numel() * tensor.element_size()
+            header[name] = {"dtype": code, "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+            if nbytes:
+                starts.append(offset)
+                self._bytes.append(byte_view(tensor))
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        padded = -(-(8 + len(text)) // DATA_ALIGNMENT_BYTES) * DATA_ALIGNMENT_BYTES - 8
+        self.header = struct.pack("<Q", padded) + text + b" " * (padded - len(text))
+        self._data_start = len(self.header)
+        self._starts = [self._data_start + s for s in starts]
+        self._size_bytes = self._data_start + offset
+        self._abort = abort
+
+    @property
+    def size_bytes(self) -> int:
+        return self._size_bytes
+
+    def readinto(self, offset: int, out: memoryview) -> None:
+        if self._abort is not None and self._abort.is_set():
+            raise SaveAbortedError("save abandoned")
+        end = offset + len(out)
+        if offset < 0 or end > self._size_bytes:
+            raise ValueError(f"range {offset}-{end} is outside the file's {self._size_bytes} bytes")
+        position = offset
+        if position < self._data_start:
+            piece = min(end, self._data_start) - position
+            out[:piece] = self.header[position : position + piece]
+            position += piece
+        if position >= end:
+            return
+        target = torch.frombuffer(out, dtype=torch.uint8)
+        index = bisect.bisect_right(self._starts, position) - 1
+        while position < end:
+            start = self._starts[index]
+            source = self._bytes[index]
+            take = min(end, start + source.numel()) - position
+            target[position - offset : position - offset + take].copy_(
+                source[position - start : position - start + take])
+            position += take
+            index += 1
+
+
+class ChunkDigests:
+    """Collects the SHA-256 of each chunk of one file (``on_chunk`` of a put) and gives
+    the file's :data:`CHUNKED_SHA256` digest. Thread-safe."""
+
+    def __init__(self, size_bytes: int, chunk_bytes: int) -> None:
+        self.size_bytes = size_bytes
+        self.chunk_bytes = chunk_bytes
+        self._digests: dict[int, bytes] = {}
+
+    def __call__(self, offset: int, data: memoryview) -> None:
+        self.add(offset, [data])
+
+    def add(self, offset: int, pieces: Sequence[memoryview | bytes]) -> None:
+        """Record the chunk starting at ``offset`` whose bytes are ``pieces`` in order."""
+        if offset % self.chunk_bytes:
+            raise ValueError(f"chunk offset {offset} is not a multiple of {self.chunk_bytes}")
+        digest = hashlib.sha256()
+        for piece in pieces:
+            digest.update(piece)
+        self._digests[offset // self.chunk_bytes] = digest.digest()
+
+    def hexdigest(self) -> str:
+        """The file's digest.
+
+        Raises:
+            ValueError: a chunk was never recorded.
+        """
+        count = -(-self.size_bytes // self.chunk_bytes)
+        missing = [i for i in range(count) if i not in self._digests]
+        if missing:
+            raise ValueError(f"chunks {missing[:5]} of {count} were never hashed")
+        return hashlib.sha256(b"".join(self._digests[i] for i in range(count))).hexdigest()
+
+
+def chunk_ranges(size_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of every checksum chunk of a file of ``size_bytes``."""
+    return [(start, min(start + chunk_bytes, size_bytes)) for start in range(0, size_bytes, chunk_bytes)]
