@@ -8,35 +8,43 @@ thread). Every worker is a forked child:
 
 1. *base*: commits step 1 (the older complete step every later kill must leave alone).
 2. *dry run*: on a copy of the base, a writer restarts (``Checkpointer.restore``, which
-   claims its incarnation) and saves steps 2 and 3 - synchronously, or on the background
+   claims its incarnation) and saves step 2 (and 3 on local storage: see
+   :attr:`Scenario.saved_steps`) - synchronously, or on the background
    thread (``end_of_step`` with ``background_saves=True``, the live tensors changed while
    the save is in flight) - while :mod:`tests.crash_points` only counts the persistence
    points.
 3. for each point N: the same writer on a fresh copy of the base, SIGKILLed at point N
-   (it records, just before, every committed object's SHA-256); then a *restart* in a new
-   process checks that
+   (it records, just before, what identifies every committed object's bytes); then a
+   *restart* in a new process checks that
 
    * every step :func:`spotrun.checkpoint.catalog.list_steps` lists complete loads
-     (:func:`spotrun.checkpoint.restore.load_committed`) bit-exactly equal to what was
-     saved at that step, and no step is corrupt or fenced;
-   * every object committed before the kill is still there, byte for byte (hashes);
+     bit-exactly equal to what was saved at that step (the older ones with
+     :func:`spotrun.checkpoint.restore.load_step` on the manifest the listing found, the
+     newest through the restart below), and no step is corrupt or fenced;
+   * every object committed before the kill is still there, byte for byte (local: SHA-256
+     of the file; S3: the store's ETag, size and LastModified);
    * ``Checkpointer.restore`` resumes from the newest complete step (at least the newest
      one committed before the kill), with that step's exact state, and without a warning;
    * a save of the next step after that - over whatever the killed incarnation left of a
      save of the same step - commits and loads back exactly.
 
 The result file holds every point's name and problems; the test asserts and prints the
-figures. Sizes are small (a few hundred KiB, three shard files per save, several write
-calls per file, multipart uploads) so a whole campaign takes seconds.
+figures. The state is small (three shard files per save; on local storage one of them
+just over 8 MiB, so that it goes through ``put_stream``'s O_DIRECT path in two write
+chunks; on S3 a few hundred KiB, the first file a multipart upload) so that a campaign
+takes seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import inspect
 import json
 import logging
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -45,15 +53,15 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy
 import torch
 
 from tests.crash_points import LocalHooks, PointCounter, S3Hooks
 
 #: A child still running after this long is ended by SIGALRM (a hang is a failure, not a wait).
 CHILD_ALARM_S = 120
-#: Steps: the base commits BASE_STEP, each writer saves SAVED_STEPS after restoring it.
+#: The base commits this step; each writer restores it, then saves Scenario.saved_steps.
 BASE_STEP = 1
-SAVED_STEPS = (2, 3)
 KIB = 1024
 MIB = 1024 * KIB
 
@@ -75,6 +83,22 @@ class Scenario:
     work_dir: str
     bucket: str | None = None
 
+    @property
+    def weight_elems(self) -> int:
+        """float32 elements of the largest tensor: on local storage a file of more than one
+        write chunk (8 MiB) written with O_DIRECT from ``put_stream``'s bounce buffers, the
+        way a real shard goes; on S3 small (a one-part multipart upload), as every request
+        costs moto milliseconds."""
+        return (8 * MIB + 64 * KIB) // 4 if self.backend == "local" else 64 * KIB
+
+    @property
+    def saved_steps(self) -> tuple[int, ...]:
+        """Steps each writer saves after restoring the base: two in a row on local storage
+        (the second while the first, of the same incarnation, is committed); one on S3,
+        whose kill points repeat the same requests for a second save, at about a second of
+        moto requests per point."""
+        return (2, 3) if self.backend == "local" else (2,)
+
     def uri(self, name: str) -> str:
         """Where the root called ``name`` lives."""
         if self.backend == "s3":
@@ -84,26 +108,32 @@ class Scenario:
 
 # --- the state saved at each step ---------------------------------------------------
 
-#: float32 elements of the two large tensors (each gets a shard file of its own with
-#: MAX_FILE_SIZE_BYTES) and bfloat16 elements of the third.
-WEIGHT_ELEMS, WEIGHT2_ELEMS, BIAS_ELEMS = 64 * KIB, 40 * KIB, 32 * KIB
+#: float32 elements of the second large tensor and bfloat16 elements of the third: with
+#: the largest (Scenario.weight_elems) each gets a shard file of its own with MAX_FILE_SIZE_BYTES.
+WEIGHT2_ELEMS, BIAS_ELEMS = 40 * KIB, 32 * KIB
 MAX_FILE_SIZE_BYTES = 200 * KIB
-#: Local writes go in chunks of this (several write calls per file) where LocalStorage
-#: takes the option; S3 files of at least MULTIPART_THRESHOLD_BYTES are multipart uploads
+#: Local objects stored whole (manifests, incarnation records) are written in chunks of
+#: this (several write calls each) where LocalStorage takes the option; S3 files of at least MULTIPART_THRESHOLD_BYTES are multipart uploads
 #: (here the first file of each save; the others are single PutObjects).
-LOCAL_WRITE_CHUNK_BYTES = 64 * KIB
+LOCAL_WRITE_CHUNK_BYTES = 2 * KIB
 MULTIPART_THRESHOLD_BYTES = 192 * KIB
 
 
-def expected_state(step: int) -> dict[str, dict[str, Any]]:
+def expected_state(step: int, scenario: Scenario) -> dict[str, dict[str, Any]]:
     """The replicated state a writer saves at ``step`` (deterministic: the same bits in
-    every process), with several dtypes and special float bit patterns."""
+    every process), with several dtypes and special float bit patterns. Never change what
+    this returns: it is computed once (the parent computes every step's before forking)."""
+    return _generated_state(step, scenario.weight_elems)
+
+
+@functools.lru_cache(maxsize=None)
+def _generated_state(step: int, weight_elems: int) -> dict[str, dict[str, Any]]:
     g = torch.Generator().manual_seed(1000 + step)
     specials = torch.tensor([0x7FC00001 + step, 0xFFC12345 - 2**32, -(2**31), 0x7F800000, step],
                             dtype=torch.int32).view(torch.float32)  # NaN payloads, -0.0, inf, a denormal
     return {
         "model": {
-            "layer.weight": torch.randn(WEIGHT_ELEMS, generator=g),
+            "layer.weight": torch.randn(weight_elems, generator=g),
             "layer2.weight": torch.randn(WEIGHT2_ELEMS, generator=g),
             "layer.bias": torch.randn(BIAS_ELEMS, generator=g).to(torch.bfloat16),
             "counts": torch.randint(-(2**40), 2**40, (500,), generator=g, dtype=torch.int64),
@@ -114,11 +144,13 @@ def expected_state(step: int) -> dict[str, dict[str, Any]]:
     }
 
 
-def set_state(state: dict[str, dict[str, Any]], step: int) -> None:
+def set_state(state: dict[str, dict[str, Any]], step: int, scenario: Scenario) -> None:
     """Make the live state (new tensor objects) what :func:`expected_state` says for ``step``."""
-    for name, value in expected_state(step).items():
-        state[name].clear()
-        state[name].update(value)
+    expected = expected_state(step, scenario)
+    state["model"].clear()
+    state["model"].update({name: tensor.clone() for name, tensor in expected["model"].items()})
+    state["meta"].clear()
+    state["meta"].update(copy.deepcopy(expected["meta"]))
 
 
 def scribble(state: dict[str, dict[str, Any]]) -> None:
@@ -131,9 +163,9 @@ def scribble(state: dict[str, dict[str, Any]]) -> None:
                 tensor.view(torch.uint8).add_(1)
 
 
-def compare(actual: dict[str, Any], step: int, what: str) -> list[str]:
+def compare(actual: dict[str, Any], step: int, what: str, scenario: Scenario) -> list[str]:
     """Differences between ``actual`` (name -> state dict) and step ``step``'s saved state."""
-    expected = expected_state(step)
+    expected = expected_state(step, scenario)
     problems = []
     if sorted(actual) != sorted(expected):
         return [f"{what}: state names {sorted(actual)}, saved {sorted(expected)}"]
@@ -146,7 +178,7 @@ def compare(actual: dict[str, Any], step: int, what: str) -> list[str]:
         got = tensors[name]
         if got.dtype != want.dtype or got.shape != want.shape:
             problems.append(f"{what}: {name} is {got.dtype} {tuple(got.shape)}, saved {want.dtype} {tuple(want.shape)}")
-        elif not torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8)):
+        elif not numpy.array_equal(got.contiguous().view(torch.uint8).numpy(), want.view(torch.uint8).numpy()):
             problems.append(f"{what}: {name} differs from step {step}'s saved bits")
     return problems
 
@@ -168,7 +200,7 @@ def make_storage(scenario: Scenario, uri: str, *, durable: bool = True):
     from spotrun.storage import LocalStorage
 
     accepted = inspect.signature(LocalStorage).parameters
-    options = {"fsync": durable, "write_chunk_bytes": LOCAL_WRITE_CHUNK_BYTES}
+    options = {"fsync": durable, "direct_io": durable, "write_chunk_bytes": LOCAL_WRITE_CHUNK_BYTES}
     return LocalStorage(uri, **{k: v for k, v in options.items() if k in accepted})
 
 
@@ -293,27 +325,27 @@ def _checkpointer(state, storage, **options):
 
 def write_base(scenario: Scenario, storage) -> None:
     state: dict[str, dict] = {"model": {}, "meta": {}}
-    set_state(state, BASE_STEP)
+    set_state(state, BASE_STEP, scenario)
     ckpt = _checkpointer(state, storage)
     ckpt.save(BASE_STEP, reason="periodic")
     ckpt.close()
 
 
 def run_writer(scenario: Scenario, storage) -> None:
-    """Restart from the base (claiming an incarnation), then save steps 2 and 3."""
+    """Restart from the base (claiming an incarnation), then save ``scenario.saved_steps``."""
     state: dict[str, dict] = {"model": {}, "meta": {}}
     if scenario.mode == "sync":
         ckpt = _checkpointer(state, storage)
         assert ckpt.restore() == BASE_STEP
-        for step in SAVED_STEPS:
-            set_state(state, step)
+        for step in scenario.saved_steps:
+            set_state(state, step, scenario)
             ckpt.save(step, reason="periodic")
         ckpt.close()
         return
     ckpt = _checkpointer(state, storage, interval_steps=1, background_saves=True)
     assert ckpt.restore() == BASE_STEP
-    for step in SAVED_STEPS:
-        set_state(state, step)
+    for step in scenario.saved_steps:
+        set_state(state, step, scenario)
         ckpt.end_of_step(step)  # stages the state and returns; the write runs in the background
         scribble(state)  # while the save is in flight
         ckpt.wait_for_save()
@@ -363,12 +395,12 @@ def check_restart(scenario: Scenario, uri: str, snapshot: dict[str, Any]) -> dic
     for info in steps:
         if info.status in (catalog.CORRUPT, catalog.FENCED):
             problems.append(f"step {info.step} is {info.status} after the kill: {info.problem}")
-    for info in steps:
-        if info.status != catalog.COMPLETE:
+    for info in steps:  # the newest complete step is loaded by the restart below
+        if info.status != catalog.COMPLETE or info.step == max(complete):
             continue
         try:  # load_committed without its second listing: the manifest the listing found, read again
             loaded = load_step(storage, info.step, info.manifest_key, 0, 1)
-            problems += compare(loaded.replicated, info.step, f"listed-complete step {info.step}")
+            problems += compare(loaded.replicated, info.step, f"listed-complete step {info.step}", scenario)
         except Exception as exc:  # noqa: BLE001 - a step listed complete must load
             problems.append(f"step {info.step} is listed complete but does not load: {type(exc).__name__}: {exc}")
     problems += _changed_since(scenario, uri, storage, snapshot, complete)
@@ -383,14 +415,14 @@ def check_restart(scenario: Scenario, uri: str, snapshot: dict[str, Any]) -> dic
     if restored != max(complete, default=0) or restored < newest_before:
         problems.append(f"the restart resumed from step {restored}; complete steps {complete}, "
                         f"newest committed before the kill {newest_before}")
-    problems += compare(state, restored, f"state restored from step {restored}")
+    problems += compare(state, restored, f"state restored from step {restored}", scenario)
     following = restored + 1  # saved again over the killed incarnation's leftovers, when it was that step
-    set_state(state, following)
+    set_state(state, following, scenario)
     ckpt.save(following, reason="periodic")
     ckpt.close()
     try:
         problems += compare(load_committed(storage, following, 0, 1).replicated, following,
-                            f"step {following} saved after the restart")
+                            f"step {following} saved after the restart", scenario)
     except Exception as exc:  # noqa: BLE001
         problems.append(f"step {following} saved after the restart does not load: {type(exc).__name__}: {exc}")
     problems += [f"the restart logged {m}" for m in warnings.messages]
@@ -464,6 +496,8 @@ def campaign(scenario: Scenario) -> dict[str, Any]:
     base = scenario.uri("base")
     for name in ("base", "dry"):  # left by an earlier campaign in the same place
         remove_root(scenario, scenario.uri(name))
+    for step in range(BASE_STEP, scenario.saved_steps[-1] + 2):  # computed once, inherited by every child
+        expected_state(step, scenario)
     status = in_child(lambda: write_base(scenario, make_storage(scenario, base)))
     if status != 0:
         raise RuntimeError(f"committing the base step failed (status {status})")
@@ -494,8 +528,10 @@ def campaign(scenario: Scenario) -> dict[str, Any]:
         "backend": scenario.backend, "mode": scenario.mode,
         "tried": len(points), "survived": sum(not p["problems"] for p in points),
         "points": points, "end_state_problems": end_state["problems"],
-        "files_per_save": len(dry["committed"].get(str(SAVED_STEPS[-1]), {})) - 1,
+        "files_per_save": len(dry["committed"].get(str(scenario.saved_steps[-1]), {})) - 1,
         "seconds": round(time.monotonic() - started_s, 1),
+        "cpu_seconds": round(sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                                 for field in ("ru_utime", "ru_stime")), 1),
     }
 
 

@@ -155,9 +155,17 @@ class LocalHooks:
             relative = self._relative(path) if not isinstance(path, int) else None
             if relative is not None:
                 self._fd_paths[fd] = relative  # fsync of a directory counts too
+            else:
+                self._fd_paths.pop(fd, None)  # a number reused after a close we did not see
             return fd
 
+        def hooked_close(fd):
+            self._fd_paths.pop(fd, None)  # bookkeeping only: a close changes nothing on disk
+            return original_close(fd)
+
+        original_close = os.close
         os.open = hooked_open
+        os.close = hooked_close
         for name in ("write", "pwrite", "writev", "pwritev", "fsync", "fdatasync", "ftruncate", "posix_fallocate"):
             if name in original:
                 on_fd(name)
@@ -176,8 +184,11 @@ class LocalHooks:
             if writing:
                 self._point(f"open({mode!r})", file)
             handle = builtin_open(file, mode, *args, **kwargs)
-            if writing and self._relative(file) is not None:
-                self._fd_paths[handle.fileno()] = self._relative(file)
+            relative = self._relative(file) if isinstance(file, (str, bytes, os.PathLike)) else None
+            if relative is not None:
+                self._fd_paths[handle.fileno()] = relative
+            elif isinstance(file, (str, bytes, os.PathLike)):
+                self._fd_paths.pop(handle.fileno(), None)
             return handle
 
         builtins.open = hooked

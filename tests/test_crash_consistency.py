@@ -22,12 +22,14 @@ import pytest
 from tests.crash_campaign import background_supported
 from tests.s3_server import moto_endpoint, s3_bucket  # noqa: F401 - fixtures
 
+pytestmark = pytest.mark.slow  # each campaign forks two processes per kill point: seconds to a minute
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 #: Fewest kill points a campaign must reach: the two synchronous campaigns together
 #: kill at more than 50 distinct points (each test prints its exact count).
-MIN_LOCAL_POINTS = 30
-MIN_S3_POINTS = 20
-CAMPAIGN_TIMEOUT_S = 600
+MIN_LOCAL_POINTS = 40
+MIN_S3_POINTS = 12
+CAMPAIGN_TIMEOUT_S = 280  # under pytest-timeout's 300 s per test
 
 needs_background_saves = pytest.mark.skipif(
     not background_supported(),
@@ -54,7 +56,7 @@ def report(summary: dict, capsys: pytest.CaptureFixture, minimum: int) -> None:
     with capsys.disabled():
         print(f"\ncrash points ({summary['backend']}, {summary['mode']} saves, "
               f"{summary['files_per_save']} shard files per save): {summary['tried']} tried, "
-              f"{summary['survived']} survived ({summary['seconds']} s)")
+              f"{summary['survived']} survived ({summary['seconds']} s, {summary['cpu_seconds']} s CPU)")
     details = "\n".join(f"  point {p['index']} ({p['name']}): " + "; ".join(p["problems"]) for p in failed)
     assert not summary["end_state_problems"], f"the saves without a kill: {summary['end_state_problems']}"
     assert summary["tried"] >= minimum, f"only {summary['tried']} persistence points: {[p['name'] for p in summary['points']]}"
