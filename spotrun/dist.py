@@ -69,9 +69,9 @@ def all_gather_json(value: Any, group: Any = None) -> list[Any]:
     its own group (:func:`new_background_group`), so its collectives never interleave
     with the training thread's.
     """
-    text = json.dumps(value, allow_nan=False)
     if not is_distributed():
-        return [json.loads(text)]
+        return [value]  # nothing travels
+    text = json.dumps(value, allow_nan=False)
     gathered: list[str | None] = [None] * world_size()
     dist.all_gather_object(gathered, text, group=group)
     return [json.loads(t) for t in gathered]  # type: ignore[arg-type]
@@ -79,9 +79,9 @@ def all_gather_json(value: Any, group: Any = None) -> list[Any]:
 
 def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
     """Rank ``src``'s (global rank) JSON-serialisable ``value`` on every rank of ``group``."""
-    text = json.dumps(value, allow_nan=False)
     if not is_distributed():
-        return json.loads(text)
+        return value  # nothing travels
+    text = json.dumps(value, allow_nan=False)
     box = [text if rank() == src else None]
     dist.broadcast_object_list(box, src=src, group=group)
     return json.loads(box[0])  # type: ignore[arg-type]

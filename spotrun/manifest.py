@@ -277,8 +277,11 @@ def _tensor_record(name: str, raw: dict[str, Any], file_paths: set[str]) -> Tens
     file, dtype, shape, offsets = raw["file"], raw["dtype"], raw["shape"], raw.get("offsets")
     if type(file) is not str or type(dtype) is not str:
         raise ValueError(f"tensors[{name}].file and .dtype must be strings, got {raw!r}")
-    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+    if type(shape) is not list:
         raise ValueError(f"tensors[{name}].shape must list integers >= 0, got {shape!r}")
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise ValueError(f"tensors[{name}].shape must list integers >= 0, got {shape!r}")
     if offsets is not None:
         offsets = [_int(o, f"tensors[{name}].offsets[]") for o in offsets]
     if file not in file_paths:

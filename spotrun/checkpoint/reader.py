@@ -33,6 +33,9 @@ from spotrun.storage.base import Storage
 
 #: Chunks read and verified at the same time, per file.
 READ_CONCURRENCY = 4
+#: A chunk holding more tensors than this is read into a scratch buffer and copied from
+#: there (a view per tiny tensor costs more than copying its bytes).
+_SCATTER_MAX_PIECES = 16
 
 
 @dataclass
@@ -153,8 +156,21 @@ def read_shard_into(
         held: list[memoryview | bytes] = []
         if start < data_start:
             held.append(head[start:min(stop, data_start)])
+        begin = max(start, data_start)
+        overlapping = _overlapping(pieces, begin, stop)
+        if len(overlapping) > _SCATTER_MAX_PIECES:
+            # many small tensors: one read into a scratch chunk, then a copy into each
+            scratch = bytearray(stop - begin)
+            _read(storage, key, begin, [memoryview(scratch)], where)
+            digests.add(start, held + [memoryview(scratch)])
+            source = torch.frombuffer(scratch, dtype=torch.uint8)
+            for piece in overlapping:
+                if piece.target is not None:
+                    a, b = max(begin, piece.start), min(stop, piece.stop)
+                    piece.target[a - piece.start : b - piece.start].copy_(source[a - begin : b - begin])
+            return
         views: list[memoryview] = []
-        for piece in _overlapping(pieces, max(start, data_start), stop):
+        for piece in overlapping:
             a, b = max(start, piece.start), min(stop, piece.stop)
             if piece.target is None:
                 view = memoryview(bytearray(b - a))
@@ -162,7 +178,7 @@ def read_shard_into(
                 view = memoryview(piece.target[a - piece.start : b - piece.start].numpy())
             views.append(view)
         if views:
-            _read(storage, key, max(start, data_start), views, where)
+            _read(storage, key, begin, views, where)
         digests.add(start, held + views)
 
     ranges = chunk_ranges(size, chunk_bytes)

@@ -38,7 +38,7 @@ def write_step(
         data = bytes([rank % 256]) * (shard_bytes + rank)
         storage.put(file_key(step, shard_name(rank, incarnation)), data)
         recorded = len(data) + (1 if corrupt and rank == 0 else 0)
-        records.append(FileRecord(path=shard_name(rank, incarnation), rank=rank, size_bytes=recorded, sha256="0" * 64))
+        records.append(FileRecord(path=shard_name(rank, incarnation), rank=rank, size_bytes=recorded, digest="0" * 64))
     if not commit:
         return
     manifest = Manifest(
