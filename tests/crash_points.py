@@ -64,7 +64,11 @@ class PointCounter:
         self._passing = False
 
     def point(self, name: str) -> None:
-        """One persistence point is about to be passed (or was just passed, for S3 after-call)."""
+        """One persistence point is about to be passed (or was just passed, for S3 after-call).
+        A point passed off the main thread is named with its thread."""
+        thread = threading.current_thread()
+        if thread is not threading.main_thread():
+            name = f"{name} (thread {thread.name})"
         with self._lock:
             if self._passing:
                 return

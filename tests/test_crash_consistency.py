@@ -5,8 +5,9 @@ S3 request that changes the bucket (part uploads, completions, manifest puts) - 
 after each kill a restart must resume from the newest complete step, every step listed
 complete must load bit-exactly as saved, and nothing committed may change.
 
-The campaign itself is tests/crash_campaign.py (hooks: tests/crash_points.py); each test
-runs one campaign in a process of its own and prints the points tried and survived.
+The campaign itself is tests/crash_campaign.py (hooks: tests/crash_points.py; state and
+roots: tests/crash_roots.py); each test runs one campaign in a process of its own and
+prints the points tried and survived.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def report(summary: dict, capsys: pytest.CaptureFixture, minimum: int) -> None:
               f"{summary['survived']} survived ({summary['seconds']} s, {summary['cpu_seconds']} s CPU)")
     details = "\n".join(f"  point {p['index']} ({p['name']}): " + "; ".join(p["problems"]) for p in failed)
     assert not summary["end_state_problems"], f"the saves without a kill: {summary['end_state_problems']}"
-    assert summary["tried"] >= minimum, f"only {summary['tried']} persistence points: {[p['name'] for p in summary['points']]}"
+    names = [p["name"] for p in summary["points"]]
+    assert summary["tried"] >= minimum, f"only {summary['tried']} persistence points: {names}"
     assert not failed, f"{len(failed)} of {summary['tried']} kill points lost or changed data:\n{details}"
     assert summary["files_per_save"] >= 3, "each save should write several shard files"
 
@@ -81,11 +83,21 @@ def test_kill_before_and_after_every_s3_request_of_a_save(tmp_path, capsys, s3_b
     assert any("If-None-Match" in p["name"] for p in summary["points"]), "no manifest or incarnation commit hooked"
 
 
+def assert_saves_ran_in_the_background(summary: dict) -> None:
+    """Every point of a step's manifest commit was passed off the main thread."""
+    commits = [p["name"] for p in summary["points"] if "manifest" in p["name"]]
+    assert commits and all("(thread " in name for name in commits), commits
+
+
 @needs_background_saves
 def test_kill_at_every_local_persistence_point_of_a_background_save(tmp_path, capsys):
-    report(run_campaign(tmp_path, "local", "background"), capsys, MIN_LOCAL_POINTS)
+    summary = run_campaign(tmp_path, "local", "background")
+    report(summary, capsys, MIN_LOCAL_POINTS)
+    assert_saves_ran_in_the_background(summary)
 
 
 @needs_background_saves
 def test_kill_before_and_after_every_s3_request_of_a_background_save(tmp_path, capsys, s3_bucket):
-    report(run_campaign(tmp_path, "s3", "background", s3_bucket.name), capsys, MIN_S3_POINTS)
+    summary = run_campaign(tmp_path, "s3", "background", s3_bucket.name)
+    report(summary, capsys, MIN_S3_POINTS)
+    assert_saves_ran_in_the_background(summary)
