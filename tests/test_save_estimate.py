@@ -138,12 +138,15 @@ def test_checkpointer_measures_saves_and_steps_for_the_supervisor(tmp_path, monk
     for step in range(1, 5):
         time.sleep(0.02)
         assert ckpt.end_of_step(step) is False
+    ckpt.wait_for_save()  # the save of step 4 runs in the background
     stats = control.read_save_stats(str(control_dir))
     assert stats.in_progress is None
     assert [r.step for r in stats.recent] == [2, 4]
     manifest = catalog.inspect_step(ckpt.storage, 4).manifest
     assert stats.recent[-1].size_bytes == manifest.size_bytes > 4000
     assert all(r.duration_s > 0 for r in stats.recent)
+    # background saves: the time training was blocked and the whole save, recorded apart
+    assert all(r.background and 0 < r.stall_s <= r.duration_s for r in stats.recent)
     assert 0.02 <= stats.step_time_s < 5
     assert manifest.timing.write_s > 0 and manifest.timing.step_time_s == pytest.approx(stats.step_time_s, abs=0.5)
 
