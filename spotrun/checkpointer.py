@@ -411,9 +411,12 @@ class Checkpointer:
             self._report_background(self._background.take())
         replicated = {name: state_of(obj) for name, obj in self._state.items()}
         rank_local = {name: state_of(obj) for name, obj in self._rank_state.items()}
-        self._background.start(self._storage, step, replicated, rank_local,
-                               lambda: self._context(step, reason, replicated, rank_local), self._limits,
-                               timeout_s=self.save_timeout_s, reason=reason, waited_s=waited_s)
+        try:  # staged here; claiming the incarnation (a save without restore()) also happens here
+            self._background.start(self._storage, step, replicated, rank_local,
+                                   lambda: self._context(step, reason, replicated, rank_local), self._limits,
+                                   timeout_s=self.save_timeout_s, reason=reason, waited_s=waited_s)
+        except CheckpointSaveError as exc:
+            self._count_failed_periodic_save(step, exc)
         return True
 
     def _report_background(self, ended: InFlightSave | None, *, count_failure: bool = True) -> None:
