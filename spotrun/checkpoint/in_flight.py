@@ -136,8 +136,8 @@ def _decide(everyone: list[dict], in_flight_step: int, step: int, left_s: float,
                f"{left_s:.1f} s left before the deadline")
     what = {
         Choice.FINISH_THEN_SAVE: f"finishing it, then saving step {step}",
-        Choice.FINISH_ONLY: (f"finishing it; step {step} is NOT saved (both would not fit): step "
-                             f"{in_flight_step} is the resume point if it commits") if may_save
+        Choice.FINISH_ONLY: (f"finishing it; step {step} is NOT saved (finishing it and then saving would not "
+                             f"fit): step {in_flight_step} is the resume point if it commits") if may_save
         else f"finishing it, then stopping without a save of step {step}",
         Choice.ABANDON_AND_SAVE: f"abandoning it (it would not commit in time) and saving step {step} instead",
         Choice.FINISH_ANYWAY: f"neither fits; finishing it anyway: step {step} is NOT saved",
