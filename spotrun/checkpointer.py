@@ -290,21 +290,18 @@ class Checkpointer:
                 is an orphaned older incarnation): nothing was committed; stop.
         """
         self._meter.step_boundary()
-        current = self._background.in_flight  # the same on every rank
         self._background.publish_progress()
         checkpoint_requested = False
-        still_running: bool | None = None  # whether some rank still writes the save in flight; None: not asked
+        still_running: bool | None = None  # whether some rank still writes a save in flight; None: not asked
         if step % self.check_interval_steps == 0:
             save_requested, stop_requested = self._requests.pending()
-            flags = [save_requested, stop_requested,
-                     self._checkpoint_requests is not None and self._checkpoint_requests.pending()]
-            # one more flag in the same all-reduce while a save is in flight: has it ended everywhere?
-            agreed = dist.any_rank_each(flags + ([self._background.running] if current is not None else []))
-            stop, no_save, checkpoint_requested = agreed[:3]
-            if current is not None:
-                still_running = agreed[3]
-                if not still_running:  # ended on every rank: every rank reports it at this step
-                    self._report_background(self._background.take())
+            # one more flag in the same all-reduce: is a background save still being written anywhere?
+            stop, no_save, checkpoint_requested, still_running = dist.any_rank_each(
+                [save_requested, stop_requested,
+                 self._checkpoint_requests is not None and self._checkpoint_requests.pending(),
+                 self._background.running])
+            if not still_running and self._background.in_flight is not None:  # ended on every rank:
+                self._report_background(self._background.take())  # every rank reports it at this step
             if no_save:  # one node's supervisor found no time to save: nobody saves
                 self._stop_without_save(step)
                 return True
@@ -397,18 +394,17 @@ class Checkpointer:
             except CheckpointSaveError as exc:
                 self._count_failed_periodic_save(step, exc)
             return True
-        waited_s = 0.0
-        if self._background.in_flight is not None:
-            if still_running is None:
-                still_running = dist.any_rank(self._background.running)
-            if still_running and self.on_save_in_flight == "skip":
-                if dist.rank() == 0:
-                    log.warning("%s save of step %d skipped: the background save of step %d is still in flight "
-                                "(on_save_in_flight='skip')%s", reason, step, self._background.in_flight.step,
-                                "; the request is served at a later step" if reason == "requested" else "")
-                return False
-            waited_s = self._background.wait_reporting(f"{reason} save of step {step}") if still_running else 0.0
-            self._report_background(self._background.take())
+        if still_running is None:  # this step's all-reduce did not ask: one all-reduce at a due step
+            still_running = dist.any_rank(self._background.running)
+        if still_running and self.on_save_in_flight == "skip":
+            if dist.rank() == 0:
+                log.warning("%s save of step %d skipped: the background save of step %s is still in flight "
+                            "(on_save_in_flight='skip')%s", reason, step, self._background.in_flight.step
+                            if self._background.in_flight else "?",
+                            "; the request is served at a later step" if reason == "requested" else "")
+            return False
+        waited_s = self._background.wait_reporting(f"{reason} save of step {step}") if still_running else 0.0
+        self._report_background(self._background.take())
         replicated = {name: state_of(obj) for name, obj in self._state.items()}
         rank_local = {name: state_of(obj) for name, obj in self._rank_state.items()}
         try:  # staged here; claiming the incarnation (a save without restore()) also happens here
@@ -446,7 +442,8 @@ class Checkpointer:
             raise exc
 
     def wait_for_save(self) -> None:
-        """Block until the background save in flight (if any) ended on this rank.
+        """Block until the background save in flight (if any) ended on this rank (call it
+        on every rank at the same point, as :meth:`save`).
 
         Raises:
             CheckpointSaveError: it failed (the error it failed with; it is not counted as a
@@ -467,7 +464,7 @@ class Checkpointer:
         try:
             save = True
             timeout_s = self._requests.emergency_timeout_s(self.save_timeout_s)
-            if self._background.in_flight is not None:
+            if self.background_saves:
                 save, timeout_s = self._settle_in_flight(step, timeout_s, may_save=True)
             if save and self._last_saved_step != step:
                 self.save(step, reason="emergency", timeout_s=timeout_s)
@@ -496,7 +493,7 @@ class Checkpointer:
         return choice.saves_current_step, end_s - time.monotonic()
 
     def _stop_without_save(self, step: int) -> None:
-        if self._background.in_flight is not None:
+        if self.background_saves:
             self._settle_in_flight(step, self._requests.emergency_timeout_s(self.save_timeout_s), may_save=False)
         if dist.rank() == 0:
             log.warning(

@@ -75,12 +75,13 @@ def choose(in_flight_s: float | None, save_s: float | None, left_s: float, *,
 
 
 def settle(saver: BackgroundSaver, *, step: int, left_s: float, full_save_s: float | None,
-           may_save: bool) -> tuple[Choice, InFlightSave]:
+           may_save: bool) -> tuple[Choice, InFlightSave | None]:
     """Decide on rank 0, from every rank's progress, what happens to the save in flight; do it
-    on every rank (abandon it or not, then wait for it to end); log the decision.
+    on every rank (abandon it or not, then wait for it to end); log the decision when a save
+    was still being written.
 
     Collective on the training process group (one gather, one broadcast): every rank calls
-    it at the same step, with a save in flight.
+    it at the same step, a save in flight or not.
 
     Args:
         saver: holds the save in flight.
@@ -91,36 +92,34 @@ def settle(saver: BackgroundSaver, *, step: int, left_s: float, full_save_s: flo
         may_save: whether the current step may be saved (False: stopping without a save).
 
     Returns:
-        The choice (the same on every rank) and the save that was in flight, ended (its
-        outcome not yet acted on; none is in flight afterwards).
+        The choice (the same on every rank) and the save that was in flight on this rank,
+        ended (its outcome not yet acted on; none is in flight afterwards), or ``None``.
     """
     current = saver.in_flight
-    assert current is not None, "settle() needs a save in flight"
     running = saver.running
-    mine = {"running": running, "remaining_s": current.progress.remaining_s() if running else 0.0,
-            "elapsed_s": time.monotonic() - current.started_s}
+    mine = {"step": None if current is None else current.step, "running": running,
+            "remaining_s": current.progress.remaining_s() if running else 0.0,
+            "elapsed_s": 0.0 if current is None else time.monotonic() - current.started_s}
     everyone = dist.all_gather_json(mine)
     decision = None
     if dist.rank() == 0:
-        decision = _decide(everyone, current.step, step, left_s, full_save_s, may_save)
+        decision = _decide(everyone, step, left_s, full_save_s, may_save)
     decision = dist.broadcast_json(decision)
     choice = Choice(decision["choice"])
     if choice.abandons:
         saver.abort()  # before the log line: whoever reads the log sees it already set
-    if dist.rank() == 0:
+    if dist.rank() == 0 and decision["why"]:
         log.warning("%s", decision["why"])
-    ended = saver.take()
-    assert ended is not None
-    return choice, ended
+    return choice, saver.take()
 
 
-def _decide(everyone: list[dict], in_flight_step: int, step: int, left_s: float,
-            full_save_s: float | None, may_save: bool) -> dict:
-    """Rank 0: the choice and the log line, from every rank's ``{"running", "remaining_s", "elapsed_s"}``."""
+def _decide(everyone: list[dict], step: int, left_s: float, full_save_s: float | None, may_save: bool) -> dict:
+    """Rank 0: the choice and the log line (``None``: nothing to say), from every rank's
+    ``{"step", "running", "remaining_s", "elapsed_s"}``."""
     running = [r for r in everyone if r["running"]]
-    if not running:
-        return {"choice": Choice.FINISH_THEN_SAVE.value if may_save else Choice.FINISH_ONLY.value,
-                "why": f"the background save of step {in_flight_step} had already ended on every rank"}
+    if not running:  # nothing in flight, or it ended everywhere: its outcome is acted on as usual
+        return {"choice": Choice.FINISH_THEN_SAVE.value if may_save else Choice.FINISH_ONLY.value, "why": None}
+    in_flight_step = running[0]["step"]
     if full_save_s is None:  # this launch committed nothing yet: the save in flight's own pace
         projected = [r["elapsed_s"] + r["remaining_s"] for r in running if r["remaining_s"] is not None]
         full_save_s = max(projected) if projected else None
