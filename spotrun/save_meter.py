@@ -60,14 +60,16 @@ class SaveMeter:
         self._recent: list[control.SaveRecord] = []
         self._in_progress: control.SaveInProgress | None = None
         self._progress_published_s = 0.0
-        self._lock = threading.Lock()  # a background save ends on its own thread
+        self._lock = threading.Lock()  # a background save ends (and publishes) on its own thread
+        self._steps_lock = threading.Lock()  # the step times alone: a step never waits for a publication
 
     @property
     def step_time_s(self) -> float | None:
         """Seconds one training step takes: the slowest of the last 16 steps (time in saves
         excluded); before two step boundaries were seen, the step time recorded in the
         restored checkpoint (:meth:`restored`), else ``None``."""
-        return max(self._step_times_s) if self._step_times_s else self._recorded_step_time_s
+        with self._steps_lock:
+            return max(self._step_times_s) if self._step_times_s else self._recorded_step_time_s
 
     def restored(self, recorded_step_time_s: float | None) -> None:
         """Take the step time recorded in the checkpoint just restored, in seconds."""
@@ -77,7 +79,7 @@ class SaveMeter:
         """Call at each step boundary: the time since the previous one is a step's duration."""
         now_s = time.monotonic()
         if self._last_boundary_s is not None:
-            with self._lock:  # a background save's worker thread reads the step times when it publishes
+            with self._steps_lock:  # a background save's worker thread reads them when it publishes
                 self._step_times_s.append(now_s - self._last_boundary_s)
         self._last_boundary_s = now_s
 

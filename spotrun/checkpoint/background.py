@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spotrun import dist
-from spotrun.checkpoint.save import SaveContext, SavedStep, SaveProgress, commit_save, prepare_save
+from spotrun.checkpoint.save import PreparedSave, SaveContext, SavedStep, SaveProgress, commit_save, prepare_save
 from spotrun.checkpoint.shard import ShardLimits
 from spotrun.checkpoint.staging import StagingBuffers
 from spotrun.save_meter import SaveMeter
@@ -74,7 +74,7 @@ class InFlightSave:
 class _Job:
     save: InFlightSave
     storage: Storage
-    prepared: Any  # PreparedSave
+    prepared: PreparedSave
     context: SaveContext
     limits: ShardLimits | None
     timeout_s: float
@@ -179,12 +179,6 @@ class BackgroundSaver:
             log.log(logging.WARNING if waited_s >= 1.0 else logging.INFO,
                     "%s waited %.2f s for the background save of step %d still in flight", why, waited_s, current.step)
         return waited_s
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until the save in flight ended on this rank (at most ``timeout_s`` seconds);
-        True when it did or when none is in flight."""
-        current = self._current
-        return current is None or current.done.wait(timeout_s)
 
     def abort(self) -> None:
         """Ask the save in flight to stop at its next chunk and commit nothing (call on every rank)."""
