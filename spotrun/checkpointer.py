@@ -28,8 +28,8 @@ import uuid
 from typing import Any
 
 from spotrun import control, dist
-from spotrun.checkpoint import in_flight, resume
-from spotrun.checkpoint.background import BackgroundSaver, InFlightSave
+from spotrun.checkpoint import resume
+from spotrun.checkpoint.background import BackgroundSaver, InFlightSave, settle
 from spotrun.checkpoint.restore import LoadedStep
 from spotrun.checkpoint.save import SaveContext, encode_state, save_step
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES, ShardLimits
@@ -483,7 +483,7 @@ class Checkpointer:
         """Finish or abandon the background save in flight before the job stops (collective);
         returns (whether to save ``step`` now, the seconds left for that save)."""
         end_s = time.monotonic() + timeout_s
-        choice, ended = in_flight.settle(self._background, step=step, left_s=timeout_s,
+        choice, ended = settle(self._background, step=step, left_s=timeout_s,
                                          full_save_s=self._meter.full_save_s(), may_save=may_save)
         try:
             self._report_background(ended)

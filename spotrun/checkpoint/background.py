@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spotrun import dist
+from spotrun.checkpoint import in_flight
 from spotrun.checkpoint.save import PreparedSave, SaveContext, SavedStep, SaveProgress, commit_save, prepare_save
 from spotrun.checkpoint.shard import ShardLimits
 from spotrun.checkpoint.staging import StagingBuffers
@@ -31,6 +32,7 @@ from spotrun.save_meter import SaveMeter
 from spotrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
+in_flight_log = logging.getLogger(in_flight.__name__)  # the decision's log line, under the rule's name
 
 
 @dataclass
@@ -228,3 +230,42 @@ class BackgroundSaver:
             log.info("committed step %d (%s, in the background): %d files, %.1f MiB in %.2f s, training "
                      "blocked %.2f s", save.step, save.reason, len(saved.manifest.files), saved.size_bytes / 2**20,
                      (save.ended_s or 0.0) - save.started_s, save.stall_s)
+
+
+def settle(saver: BackgroundSaver, *, step: int, left_s: float, full_save_s: float | None,
+           may_save: bool) -> tuple[in_flight.Choice, InFlightSave | None]:
+    """Decide on rank 0, from every rank's progress, what happens to the save in flight; do it
+    on every rank (abandon it or not, then wait for it to end); log the decision when a save
+    was still being written (rule: :mod:`spotrun.checkpoint.in_flight`).
+
+    Collective on the training process group (one gather, one broadcast): every rank calls
+    it at the same step, a save in flight or not.
+
+    Args:
+        saver: holds the save in flight.
+        step: the current step (the one an emergency save would save).
+        left_s: seconds left before the deadline.
+        full_save_s: seconds a full save takes, as measured by this launch (rank 0's figure
+            is used); ``None`` when nothing was measured.
+        may_save: whether the current step may be saved (False: stopping without a save).
+
+    Returns:
+        The choice (the same on every rank) and the save that was in flight on this rank,
+        ended (its outcome not yet acted on; none is in flight afterwards), or ``None``.
+    """
+    current = saver.in_flight
+    running = saver.running
+    mine = {"step": None if current is None else current.step, "running": running,
+            "remaining_s": current.progress.remaining_s() if running else 0.0,
+            "elapsed_s": 0.0 if current is None else time.monotonic() - current.started_s}
+    everyone = dist.all_gather_json(mine)
+    decision = None
+    if dist.rank() == 0:
+        decision = in_flight.decide(everyone, step, left_s, full_save_s, may_save)
+    decision = dist.broadcast_json(decision)
+    choice = in_flight.Choice(decision["choice"])
+    if choice.abandons:
+        saver.abort()  # before the log line: whoever reads the log sees it already set
+    if dist.rank() == 0 and decision["why"]:
+        in_flight_log.warning("%s", decision["why"])
+    return choice, saver.take()

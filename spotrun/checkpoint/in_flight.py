@@ -2,8 +2,9 @@
 
 Two places decide it with the same rule (:func:`choose`): the supervisor when a notice
 arrives (whether to ask for an emergency save at all, :mod:`spotrun.supervisor.estimate`),
-and the workers at the step boundary where they stop (:func:`settle`: rank 0 decides from
-every rank's progress and broadcasts, so every rank does the same). In order of preference:
+and the workers at the step boundary where they stop (:func:`decide` on rank 0, from every
+rank's progress; :func:`spotrun.checkpoint.background.settle` gathers, broadcasts and acts,
+so every rank does the same). In order of preference:
 
 1. finish the save in flight, then also save the current step, when both fit before the deadline;
 2. else finish the save in flight if it fits (the current step is not saved);
@@ -14,18 +15,12 @@ every rank's progress and broadcasts, so every rank does the same). In order of 
 When the workers are told to stop *without* saving (the supervisor found no time for a save),
 the save in flight is finished if it fits, else abandoned so that they stop at once.
 Figures that are unknown (nothing measured yet) count as fitting, as the supervisor's do.
+Nothing here imports torch: the supervisor uses it.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
-import time
-
-from spotrun import dist
-from spotrun.checkpoint.background import BackgroundSaver, InFlightSave
-
-log = logging.getLogger(__name__)
 
 
 class Choice(str, enum.Enum):
@@ -74,48 +69,20 @@ def choose(in_flight_s: float | None, save_s: float | None, left_s: float, *,
     return Choice.FINISH_ANYWAY
 
 
-def settle(saver: BackgroundSaver, *, step: int, left_s: float, full_save_s: float | None,
-           may_save: bool) -> tuple[Choice, InFlightSave | None]:
-    """Decide on rank 0, from every rank's progress, what happens to the save in flight; do it
-    on every rank (abandon it or not, then wait for it to end); log the decision when a save
-    was still being written.
-
-    Collective on the training process group (one gather, one broadcast): every rank calls
-    it at the same step, a save in flight or not.
+def decide(everyone: list[dict], step: int, left_s: float, full_save_s: float | None, may_save: bool) -> dict:
+    """The workers' choice (rank 0 decides, :func:`spotrun.checkpoint.background.settle` broadcasts):
+    ``{"choice": Choice value, "why": log line or None (nothing was being written)}``, from
+    every rank's ``{"step", "running", "remaining_s", "elapsed_s"}`` (the step in flight,
+    whether it is still being written, the seconds its write still needs - ``None`` before
+    any byte was written - and the seconds since it started).
 
     Args:
-        saver: holds the save in flight.
-        step: the current step (the one an emergency save would save).
+        step: the current step.
         left_s: seconds left before the deadline.
-        full_save_s: seconds a full save takes, as measured by this launch (rank 0's figure
-            is used); ``None`` when nothing was measured.
+        full_save_s: seconds a full save takes, as measured by this launch; ``None`` when
+            nothing was measured (the save in flight's own pace is used, when known).
         may_save: whether the current step may be saved (False: stopping without a save).
-
-    Returns:
-        The choice (the same on every rank) and the save that was in flight on this rank,
-        ended (its outcome not yet acted on; none is in flight afterwards), or ``None``.
     """
-    current = saver.in_flight
-    running = saver.running
-    mine = {"step": None if current is None else current.step, "running": running,
-            "remaining_s": current.progress.remaining_s() if running else 0.0,
-            "elapsed_s": 0.0 if current is None else time.monotonic() - current.started_s}
-    everyone = dist.all_gather_json(mine)
-    decision = None
-    if dist.rank() == 0:
-        decision = _decide(everyone, step, left_s, full_save_s, may_save)
-    decision = dist.broadcast_json(decision)
-    choice = Choice(decision["choice"])
-    if choice.abandons:
-        saver.abort()  # before the log line: whoever reads the log sees it already set
-    if dist.rank() == 0 and decision["why"]:
-        log.warning("%s", decision["why"])
-    return choice, saver.take()
-
-
-def _decide(everyone: list[dict], step: int, left_s: float, full_save_s: float | None, may_save: bool) -> dict:
-    """Rank 0: the choice and the log line (``None``: nothing to say), from every rank's
-    ``{"step", "running", "remaining_s", "elapsed_s"}``."""
     running = [r for r in everyone if r["running"]]
     if not running:  # nothing in flight, or it ended everywhere: its outcome is acted on as usual
         return {"choice": Choice.FINISH_THEN_SAVE.value if may_save else Choice.FINISH_ONLY.value, "why": None}
