@@ -13,7 +13,8 @@ Typical use inside a ``torchrun`` worker (see the README for the whole loop)::
             return                     # unless the supervisor found no time for one)
 
 "When to save" (:meth:`Checkpointer.end_of_step`) is kept apart from "how to save"
-(:mod:`spotrun.checkpoint.save`).
+(:mod:`spotrun.checkpoint.save`; in the background: :mod:`spotrun.checkpoint.background`,
+and what happens to a save in flight when the job must stop: :mod:`spotrun.checkpoint.in_flight`).
 """
 
 from __future__ import annotations
@@ -26,25 +27,28 @@ import time
 import uuid
 from typing import Any
 
-from spotrun import control, dist, supervisor_watch
+from spotrun import control, dist
 from spotrun.checkpoint import resume
+from spotrun.checkpoint.background import BackgroundSaver, InFlightSave, settle
 from spotrun.checkpoint.restore import LoadedStep
 from spotrun.checkpoint.save import SaveContext, encode_state, save_step
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES, ShardLimits
 from spotrun.manifest import Manifest
-from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv, default_safety_margin_s
+from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv
 from spotrun.save_meter import SaveMeter
-from spotrun.errors import CheckpointSaveError, ConfigError, SpotrunError, StateMismatchError
+from spotrun.errors import CheckpointSaveError, ConfigError, SaveAbortedError, SpotrunError, StateMismatchError
 from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState
 from spotrun.state.rng import RNGState
 from spotrun.state.stateful import load_into, state_of
+from spotrun.stop_requests import StopRequests
 from spotrun.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
 
-_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: Default bound of one save's storage operations, in seconds.
 DEFAULT_SAVE_TIMEOUT_S = 300.0
+#: What a due save does while the previous background save is still in flight.
+ON_SAVE_IN_FLIGHT = ("wait", "skip")
 
 
 class Checkpointer:
@@ -80,6 +84,18 @@ class Checkpointer:
         max_header_bytes: most bytes of one shard file's safetensors header (default
             16 MiB; at most safetensors' limit of 100 MB, about a million small tensors);
             a rank with more tensors writes several files.
+        background_saves: periodic and supervisor-requested saves copy the state into
+            staging buffers (host memory allocated once and reused, pinned for GPU tensors)
+            and return; the write, checksums, upload and commit run on a background thread
+            while training goes on. At most one save is in flight. A failed background save
+            is reported at the first :meth:`end_of_step` after it ended on every rank (at a
+            step that looks for requests, or at the next due save) and counts as a failed
+            periodic save. False: every save blocks training until it committed.
+            :meth:`save` and emergency saves are always synchronous.
+        on_save_in_flight: what a due save does while the previous background save is still
+            in flight on some rank: ``"wait"`` (for it, logging how long) or ``"skip"`` (this
+            save is skipped, with a log line; a supervisor-requested checkpoint is taken at a
+            later step instead).
 
     Raises:
         ConfigError: bad arguments or environment.
@@ -99,6 +115,8 @@ class Checkpointer:
         save_timeout_s: float = DEFAULT_SAVE_TIMEOUT_S,
         max_file_size_bytes: int = DEFAULT_MAX_FILE_SIZE_BYTES,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        background_saves: bool = True,
+        on_save_in_flight: str = "wait",
     ) -> None:
         if not isinstance(state, dict) or not state:
             raise ConfigError("Checkpointer(state=...) needs a non-empty dict of name -> object")
@@ -109,6 +127,8 @@ class Checkpointer:
             raise ConfigError("interval_steps must be >= 0 and check_interval_steps >= 1")
         if not save_timeout_s > 0:
             raise ConfigError(f"save_timeout_s must be > 0, got {save_timeout_s}")
+        if on_save_in_flight not in ON_SAVE_IN_FLIGHT:
+            raise ConfigError(f"on_save_in_flight must be one of {ON_SAVE_IN_FLIGHT}, got {on_save_in_flight!r}")
         self._limits = ShardLimits(max_file_size_bytes=max_file_size_bytes, max_header_bytes=max_header_bytes)
         self._state = dict(state)
         self._rank_state = {**(rank_state or {}), NUMERICS_STATE_NAME: NumericsState(), "rng": RNGState()}
@@ -118,24 +138,21 @@ class Checkpointer:
         self.check_interval_steps = check_interval_steps
         self.max_failed_periodic_saves = max_failed_periodic_saves
         self.save_timeout_s = save_timeout_s
+        self.background_saves = background_saves
+        self.on_save_in_flight = on_save_in_flight
         self._run_id = self._env.run_id or uuid.uuid4().hex
         self._last_saved_step: int | None = None
         self._incarnation: int | None = None  # claimed by restore() or the first save
         self._failed_periodic_saves = 0
-        self._signal_name: str | None = None
-        self._previous_handlers: dict[int, Any] = {}
         self._owner_pid = os.getpid()
         self._checkpoint_requests = (
             control.CheckpointRequestWatcher(self._env.control_dir) if self._env.control_dir else None
         )
         self._meter = SaveMeter(self._env.control_dir, publishes=dist.local_rank() == 0,
                                 check_interval_steps=check_interval_steps)
+        self._background = BackgroundSaver(self._meter)
         self.preempted = False
-        # Under `spotrun run`: a supervisor that dies (even by SIGKILL) is a stop request, and
-        # this process ends itself a grace period later at the latest (spotrun.supervisor_watch).
-        self._supervisor = supervisor_watch.watch(self._env)
-        if handle_signals:
-            self._install_signal_handlers()
+        self._requests = StopRequests(self._env, handle_signals=handle_signals)
 
     # --- properties -----------------------------------------------------------
 
@@ -152,8 +169,19 @@ class Checkpointer:
 
     @property
     def last_saved_step(self) -> int | None:
-        """The newest step this process saved or restored, if any."""
+        """The newest step this process saved (committed) or restored, if any; a background
+        save counts once it committed."""
+        current = self._background.in_flight
+        if current is not None and current.committed:
+            return max(current.step, self._last_saved_step or 0)
         return self._last_saved_step
+
+    @property
+    def save_in_flight(self) -> int | None:
+        """The step of the background save in flight (written, or ended but not yet reported
+        by :meth:`end_of_step`), else ``None``."""
+        current = self._background.in_flight
+        return None if current is None else current.step
 
     # --- restore --------------------------------------------------------------
 
@@ -259,6 +287,12 @@ class Checkpointer:
         Otherwise saves a periodic checkpoint every ``interval_steps``, and an ordinary
         checkpoint when the supervisor asked for one (e.g. on an AWS rebalance
         recommendation) - training then goes on. One all-reduce decides both.
+        With ``background_saves`` those saves return once the state is staged; a background
+        save that failed is reported here (logged, or raised as below) at the first step
+        that looks for requests after it ended on every rank, or at the next due save. An
+        emergency request while a background save is in flight decides between finishing
+        it and saving this step too, finishing it only, or abandoning it for this step
+        (:mod:`spotrun.checkpoint.in_flight`), and logs which.
 
         Raises:
             CheckpointSaveError: the emergency save failed, or too many periodic saves
@@ -267,13 +301,18 @@ class Checkpointer:
                 is an orphaned older incarnation): nothing was committed; stop.
         """
         self._meter.step_boundary()
+        self._background.publish_progress()
         checkpoint_requested = False
+        still_running: bool | None = None  # whether some rank still writes a save in flight; None: not asked
         if step % self.check_interval_steps == 0:
-            save_requested, stop_requested = self._stop_requests()
-            stop, no_save, checkpoint_requested = dist.any_rank_each(
+            save_requested, stop_requested = self._requests.pending()
+            # one more flag in the same all-reduce: is a background save still being written anywhere?
+            stop, no_save, checkpoint_requested, still_running = dist.any_rank_each(
                 [save_requested, stop_requested,
-                 self._checkpoint_requests is not None and self._checkpoint_requests.pending()]
-            )
+                 self._checkpoint_requests is not None and self._checkpoint_requests.pending(),
+                 self._background.running])
+            if not still_running and self._background.in_flight is not None:  # ended on every rank:
+                self._report_background(self._background.take())  # every rank reports it at this step
             if no_save:  # one node's supervisor found no time to save: nobody saves
                 self._stop_without_save(step)
                 return True
@@ -284,11 +323,10 @@ class Checkpointer:
             self._emergency_save(step, why=f"SPOTRUN_STOP_AT_STEP={self._env.stop_at_step}")
             return True
         if checkpoint_requested:
-            if self._checkpoint_requests is not None:
+            if self._periodic_save(step, "requested", still_running) and self._checkpoint_requests is not None:
                 self._checkpoint_requests.handled()
-            self._periodic_save(step, reason="requested")
         elif self.interval_steps and step % self.interval_steps == 0:
-            self._periodic_save(step)
+            self._periodic_save(step, "periodic", still_running)
         return False
 
     def _stop_step_reached(self, step: int) -> bool:
@@ -300,9 +338,11 @@ class Checkpointer:
         return self._env.stop_at_step is not None and step >= self._env.stop_at_step
 
     def save(self, step: int, reason: str = "manual", *, timeout_s: float | None = None) -> None:
-        """Save and commit ``step`` now, on every rank (a collective).
+        """Save and commit ``step`` now, on every rank (a collective), from the live tensors.
 
-        Does nothing if this step is already saved (e.g. a periodic save at the last step).
+        Waits first for a background save in flight (its failure counts as a failed
+        periodic save). Does nothing if this step is already saved (e.g. a periodic save at
+        the last step).
 
         Args:
             step: the training step being saved.
@@ -316,6 +356,8 @@ class Checkpointer:
             CheckpointSaveError: the save failed; nothing was committed.
             FencedError: a newer incarnation started on the root; nothing was committed.
         """
+        if self._background.in_flight is not None:
+            self._report_background(self._background.take())
         if self._last_saved_step == step:
             return
         started_s = self._meter.save_started(step, reason)
@@ -323,13 +365,7 @@ class Checkpointer:
             replicated = {name: state_of(obj) for name, obj in self._state.items()}
             rank_local = {name: state_of(obj) for name, obj in self._rank_state.items()}
             with self._storage.deadline(self.save_timeout_s if timeout_s is None else timeout_s):
-                if self._incarnation is None:  # saving without restore(): this start claims now,
-                    encode_state(replicated, rank_local, dist.rank())  # once the state can be saved
-                    self._incarnation = resume.claim_incarnation(
-                        self._storage, resumed_step=None, at_least=self._env.incarnation, run_id=self._run_id,
-                        after_newest=True, saving_step=step)
-                context = SaveContext(reason=reason, run_id=self._run_id, incarnation=self._incarnation,
-                                      step_time_s=self._meter.step_time_s)
+                context = self._context(step, reason, replicated, rank_local)
                 saved = save_step(self._storage, step, replicated, rank_local, context, self._limits)
         except BaseException:
             self._meter.save_ended(step, reason, started_s, None)
@@ -342,74 +378,139 @@ class Checkpointer:
                 step, reason, len(saved.manifest.files), saved.size_bytes / 2**20, duration_s,
             )
 
-    def _periodic_save(self, step: int, reason: str = "periodic") -> None:
-        try:
-            self.save(step, reason=reason)
-            self._failed_periodic_saves = 0
+    def _context(self, step: int, reason: str, replicated: dict[str, Any], rank_local: dict[str, Any]) -> SaveContext:
+        """The save's context; a save without :meth:`restore` first claims this start's
+        incarnation (collective), once the state can be saved. Call under a storage deadline."""
+        if self._incarnation is None:
+            encode_state(replicated, rank_local, dist.rank())  # raises before anything is claimed
+            self._incarnation = resume.claim_incarnation(
+                self._storage, resumed_step=None, at_least=self._env.incarnation, run_id=self._run_id,
+                after_newest=True, saving_step=step)
+        return SaveContext(reason=reason, run_id=self._run_id, incarnation=self._incarnation,
+                           step_time_s=self._meter.step_time_s)
+
+    def _periodic_save(self, step: int, reason: str, still_running: bool | None) -> bool:
+        """A due save (periodic, or requested by the supervisor); False when skipped because
+        the save before it is still in flight (``on_save_in_flight="skip"``).
+
+        ``still_running``: whether some rank still writes the save in flight, if this step's
+        all-reduce already asked; else one all-reduce asks here (only while a save is in flight).
+        """
+        if self._last_saved_step == step:
+            return True
+        if not self.background_saves:
+            try:
+                self.save(step, reason=reason)
+                self._failed_periodic_saves = 0
+            except CheckpointSaveError as exc:
+                self._count_failed_periodic_save(step, exc)
+            return True
+        if still_running is None:  # this step's all-reduce did not ask: one all-reduce at a due step
+            still_running = dist.any_rank(self._background.running)
+        if still_running and self.on_save_in_flight == "skip":
+            if dist.rank() == 0:
+                log.warning("%s save of step %d skipped: the background save of step %s is still in flight "
+                            "(on_save_in_flight='skip')%s", reason, step, self._background.in_flight.step
+                            if self._background.in_flight else "?",
+                            "; the request is served at a later step" if reason == "requested" else "")
+            return False
+        waited_s = self._background.wait_reporting(f"{reason} save of step {step}") if still_running else 0.0
+        self._report_background(self._background.take())
+        replicated = {name: state_of(obj) for name, obj in self._state.items()}
+        rank_local = {name: state_of(obj) for name, obj in self._rank_state.items()}
+        try:  # staged here; claiming the incarnation (a save without restore()) also happens here
+            self._background.start(self._storage, step, replicated, rank_local,
+                                   lambda: self._context(step, reason, replicated, rank_local), self._limits,
+                                   timeout_s=self.save_timeout_s, reason=reason, waited_s=waited_s)
         except CheckpointSaveError as exc:
-            if not exc.retryable:  # a newer start owns the root, or the store cannot commit
-                raise
-            self._failed_periodic_saves += 1
-            log.error("periodic save of step %d failed (%d in a row): %s",
-                      step, self._failed_periodic_saves, exc)
-            if self._failed_periodic_saves > self.max_failed_periodic_saves:
-                raise
+            self._count_failed_periodic_save(step, exc)
+        return True
+
+    def _report_background(self, ended: InFlightSave | None, *, count_failure: bool = True) -> None:
+        """Act on the outcome of a background save that ended (the same step on every rank):
+        a commit is the newest saved step; a failure counts as a failed periodic save (or
+        raises, see :meth:`end_of_step`); an abandoned save (on purpose) is only logged."""
+        if ended is None:
+            return
+        if ended.error is None:
+            self._last_saved_step = ended.step
+            self._failed_periodic_saves = 0
+            return
+        if isinstance(ended.error, SaveAbortedError):
+            if dist.rank() == 0:
+                log.warning("background save of step %d abandoned: nothing of it was committed", ended.step)
+            return
+        if not isinstance(ended.error, CheckpointSaveError) or not count_failure:
+            raise ended.error
+        self._count_failed_periodic_save(ended.step, ended.error)
+
+    def _count_failed_periodic_save(self, step: int, exc: CheckpointSaveError) -> None:
+        if not exc.retryable:  # a newer start owns the root, or the store cannot commit
+            raise exc
+        self._failed_periodic_saves += 1
+        log.error("periodic save of step %d failed (%d in a row): %s", step, self._failed_periodic_saves, exc)
+        if self._failed_periodic_saves > self.max_failed_periodic_saves:
+            raise exc
+
+    def wait_for_save(self) -> None:
+        """Block until the background save in flight (if any) ended on this rank (call it
+        on every rank at the same point, as :meth:`save`).
+
+        Raises:
+            CheckpointSaveError: it failed (the error it failed with; it is not counted as a
+                failed periodic save then).
+            FencedError: a newer incarnation started on the root; nothing was committed.
+        """
+        self._report_background(self._background.take(), count_failure=False)
 
     def _emergency_save(self, step: int, why: str | None = None) -> None:
         if dist.rank() == 0:
             log.warning("save requested (%s): emergency checkpoint of step %d",
-                        why or self._describe_request(), step)
+                        why or self._requests.describe(), step)
         # A dying DataLoader worker sends SIGCHLD, whose torch handler raises in this
         # thread; keep it from aborting the save. The process exits right after.
         previous_mask = None
         if threading.current_thread() is threading.main_thread():
             previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         try:
-            if self._last_saved_step != step:
-                self.save(step, reason="emergency", timeout_s=self._emergency_timeout_s())
+            save = True
+            timeout_s = self._requests.emergency_timeout_s(self.save_timeout_s)
+            if self.background_saves:
+                save, timeout_s = self._settle_in_flight(step, timeout_s, may_save=True)
+            if save and self._last_saved_step != step:
+                self.save(step, reason="emergency", timeout_s=timeout_s)
         except BaseException:
             if previous_mask is not None:  # the process goes on (or unwinds): give SIGCHLD back
                 signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
             raise
         self.preempted = True
         if self._env.control_dir and dist.local_rank() == 0:
-            control.write_commit_report(self._env.control_dir, step)
+            if save:
+                control.write_commit_report(self._env.control_dir, step)
+            else:  # this step is lost; the save that was in flight (if it committed) is the resume point
+                control.write_stop_report(self._env.control_dir, step)
 
-    def _emergency_timeout_s(self) -> float:
-        """``save_timeout_s``, or less when the supervisor's request names an earlier deadline,
-        or when the supervisor is gone (the save must end a safety margin before this process
-        is killed)."""
-        timeout_s = self.save_timeout_s
-        request = control.read_save_request(self._env.control_dir) if self._env.control_dir else None
-        if request is not None and request.deadline_unix_s is not None:
-            timeout_s = min(timeout_s, request.deadline_unix_s - time.time())
-        end_unix_s = self._supervisor.end_unix_s if self._supervisor is not None else None
-        if end_unix_s is not None:
-            margin_s = default_safety_margin_s(self._supervisor.grace_period_s)
-            timeout_s = min(timeout_s, end_unix_s - margin_s - time.time())
-        return timeout_s
-
-    def _stop_requests(self) -> tuple[bool, bool]:
-        """(save and stop, stop without saving) as asked of this rank: a signal or the
-        supervisor's request file (one ``stat`` per call while there is none)."""
-        if self._env.control_dir and control.save_requested(self._env.control_dir):
-            try:
-                request = control.read_save_request(self._env.control_dir)
-            except ConfigError as exc:  # half-visible or damaged: saving is the safe reading
-                log.warning("%s; taking it as a save request", exc)
-                request = None
-            if request is not None and not request.save:
-                return False, True
-            return True, False
-        supervisor_gone = self._supervisor is not None and self._supervisor.gone
-        return self._signal_name is not None or supervisor_gone, False
+    def _settle_in_flight(self, step: int, timeout_s: float, *, may_save: bool) -> tuple[bool, float]:
+        """Finish or abandon the background save in flight before the job stops (collective);
+        returns (whether to save ``step`` now, the seconds left for that save)."""
+        end_s = time.monotonic() + timeout_s
+        choice, ended = settle(self._background, step=step, left_s=timeout_s,
+                                         full_save_s=self._meter.full_save_s(), may_save=may_save)
+        try:
+            self._report_background(ended)
+        except CheckpointSaveError as exc:  # it failed: stopping anyway, saving this step if chosen
+            if not exc.retryable:
+                raise
+        return choice.saves_current_step, end_s - time.monotonic()
 
     def _stop_without_save(self, step: int) -> None:
+        if self.background_saves:
+            self._settle_in_flight(step, self._requests.emergency_timeout_s(self.save_timeout_s), may_save=False)
         if dist.rank() == 0:
             log.warning(
                 "stop requested without a save (%s): stopping after step %d; the newest complete "
                 "checkpoint (step %s here) stays the resume point",
-                self._describe_request(), step, self._last_saved_step,
+                self._requests.describe(), step, self._last_saved_step,
             )
         self.preempted = True
         if self._env.control_dir and dist.local_rank() == 0:
@@ -420,39 +521,14 @@ class Checkpointer:
         """Seconds one training step takes (see :attr:`spotrun.save_meter.SaveMeter.step_time_s`)."""
         return self._meter.step_time_s
 
-    def _describe_request(self) -> str:
-        if self._signal_name:
-            return self._signal_name
-        if self._env.control_dir:
-            request = control.read_save_request(self._env.control_dir)
-            if request is not None:
-                return f"supervisor: {request.reason}"
-        if self._supervisor is not None and self._supervisor.gone:
-            return f"the supervisor (pid {self._supervisor.supervisor_pid}) is gone"
-        return "another rank"
-
-    # --- signals --------------------------------------------------------------
-
-    def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            log.warning("Checkpointer created outside the main thread: signals not handled")
-            return
-        for signum in _HANDLED_SIGNALS:
-            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if os.getpid() != self._owner_pid:
-            return  # a forked DataLoader worker: keep serving batches, the parent decides
-        name = signal.Signals(signum).name
-        if signum == signal.SIGINT and self._signal_name == "SIGINT":
-            raise KeyboardInterrupt
-        self._signal_name = name
-
     def close(self) -> None:
-        """Restore the signal handlers that were in place before this Checkpointer."""
+        """Wait for the background save in flight (its failure is reported as in
+        :meth:`end_of_step`), then restore the signal handlers that were in place before
+        this Checkpointer."""
         if os.getpid() != self._owner_pid:
             return
-        for signum, handler in self._previous_handlers.items():
-            signal.signal(signum, handler)
-        self._previous_handlers.clear()
+        try:
+            self._report_background(self._background.take())
+        finally:
+            self._requests.restore_signal_handlers()
 

@@ -19,10 +19,12 @@ Files (all written atomically by rename):
     ``checkpoint-request.json`` supervisor -> workers: {"seq", "reason", "requested_unix_s"}:
                                take an ordinary checkpoint soon and keep training (e.g. an AWS
                                rebalance recommendation); each new ``seq`` asks once.
-    ``saves.json``             workers -> supervisor: the save now in progress and the last few
-                               committed saves (bytes, seconds), and the step time: what the
-                               supervisor estimates an emergency save from. Written by local
-                               rank 0 of each node when a save starts and when it commits.
+    ``saves.json``             workers -> supervisor: the save now in progress (for a background
+                               save: its progress, bytes written and seconds left) and the last few
+                               committed saves (bytes, seconds, time training was blocked), and the
+                               step time: what the supervisor estimates an emergency save from.
+                               Written by local rank 0 of each node when a save starts and ends,
+                               and about once a second while a background save is in flight.
 """
 
 from __future__ import annotations
@@ -206,8 +208,12 @@ class SaveRecord:
         reason: ``periodic``, ``requested``, ``emergency``, ``final``, ...
         size_bytes: bytes of all shard files of the step (every rank's; manifest excluded).
         duration_s: seconds from the start of the save to its commit on this node (staging,
-            every collective, the slowest rank's write and the manifest write).
+            every collective, the slowest rank's write and the manifest write): a full save,
+            also for a background one.
         committed_unix_s: when the commit returned (seconds since the epoch).
+        stall_s: seconds training was blocked by the save: ``duration_s`` for a synchronous
+            save; for a background one, the staging copy plus any wait for the save before it.
+        background: whether the write and commit ran in the background.
     """
 
     step: int
@@ -215,6 +221,8 @@ class SaveRecord:
     size_bytes: int
     duration_s: float
     committed_unix_s: float
+    stall_s: float | None = None
+    background: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,11 +233,24 @@ class SaveInProgress:
         step: the step being saved.
         reason: why (``periodic``, ...).
         started_unix_s: when it started (seconds since the epoch).
+        background: the save runs in the background while training goes on (the workers
+            reach their next step boundary without waiting for it).
+        bytes_total: bytes this node's publishing rank writes (0 until known).
+        bytes_done: of those, bytes written so far.
+        remaining_s: seconds the rest of that rank's write should take at the rate seen so
+            far, as of ``progress_unix_s``; ``None`` before any byte was written.
+        progress_unix_s: when the progress figures were taken (seconds since the epoch);
+            ``None`` when none were published.
     """
 
     step: int
     reason: str
     started_unix_s: float
+    background: bool = False
+    bytes_total: int = 0
+    bytes_done: int = 0
+    remaining_s: float | None = None
+    progress_unix_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -277,12 +298,16 @@ def read_save_stats(control_dir: str) -> SaveStats | None:
         in_progress = None if raw is None else SaveInProgress(
             step=_number(raw["step"], int), reason=str(raw["reason"]),
             started_unix_s=_number(raw["started_unix_s"], float),
+            background=raw.get("background", False) is True,
+            bytes_total=_number(raw.get("bytes_total", 0), int), bytes_done=_number(raw.get("bytes_done", 0), int),
+            remaining_s=_optional(raw.get("remaining_s")), progress_unix_s=_optional(raw.get("progress_unix_s")),
         )
         recent = tuple(
             SaveRecord(
                 step=_number(r["step"], int), reason=str(r["reason"]),
                 size_bytes=_number(r["size_bytes"], int), duration_s=_number(r["duration_s"], float),
                 committed_unix_s=_number(r["committed_unix_s"], float),
+                stall_s=_optional(r.get("stall_s")), background=r.get("background", False) is True,
             )
             for r in doc.get("recent", [])
         )
@@ -295,6 +320,11 @@ def read_save_stats(control_dir: str) -> SaveStats | None:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"control file {path} is malformed: {exc!r}") from exc
+
+
+def _optional(value: object) -> float | None:
+    """``None``, or a finite float >= 0 (ValueError otherwise)."""
+    return None if value is None else _number(value, float)
 
 
 def _number(value: object, kind: type) -> int | float:

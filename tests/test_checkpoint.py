@@ -191,6 +191,7 @@ def test_periodic_saves_follow_interval(tmp_path):
     ckpt = checkpointer(tmp_path, model, opt, sched, interval_steps=3)
     for step in range(1, 8):
         assert ckpt.end_of_step(step) is False
+    ckpt.close()  # waits for the save of step 6, written in the background
     assert [s.step for s in catalog.list_steps(LocalStorage(str(tmp_path)))] == [3, 6]
 
 
@@ -238,6 +239,7 @@ def test_checkpoint_request_saves_once_and_training_goes_on(tmp_path, monkeypatc
     assert ckpt.end_of_step(3) is False  # the same request is served once
     control.write_checkpoint_request(str(control_dir), "aws: rebalance")
     assert ckpt.end_of_step(4) is False
+    ckpt.close()  # waits for the save of step 4, written in the background
     steps = catalog.list_steps(LocalStorage(str(tmp_path / "ck")))
     assert [(s.step, s.reason) for s in steps] == [(2, "requested"), (4, "requested")]
 

@@ -9,9 +9,10 @@ so each save takes several seconds and the supervisor measures that.
   the exit is 142, nothing half-written is left, and the newest complete checkpoint (the
   last periodic one) is confirmed. A later notice with time enough is saved (143), the
   estimate then coming from the manifest of the step the job resumed from. The job ends
-  bit-identical to an uninterrupted run.
-* A notice during a periodic save, with time to finish that save but not for one more:
-  the save in progress commits first, then the workers stop without another save.
+  bit-identical to an uninterrupted run. (Synchronous periodic saves, so that no save is in
+  flight at the notice.)
+* A notice during a background periodic save, with time to finish that save but not for one
+  more: the save in flight commits first, then the workers stop without another save.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def slow_store(s3_bucket):
         yield f"{s3_bucket.uri}/job", proxy
 
 
-def launch(uri: str, proxy: FaultProxy, log_file, supervisor_log, grace_period_s: float, processes):
+def launch(uri: str, proxy: FaultProxy, log_file, supervisor_log, grace_period_s: float, processes, *extra: str):
     proc = start_supervised(
-        uri, torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", "0.1"),
+        uri, torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", "0.1", *extra),
         grace_period_s=grace_period_s, extra_options=["--s3-endpoint-url", proxy.url, "--notice", "none"],
         log_path=supervisor_log, drop_env=("AWS_ENDPOINT_URL",),
     )
@@ -67,8 +68,10 @@ def test_no_save_when_it_cannot_commit_in_time_then_exact_resume(reference, slow
 
     # 1. Periodic saves at steps 10 and 20 took > SLOW_UPLOAD_S each; the notice leaves
     #    10 - 5 (safety margin) = 5 s: not enough to save, enough to stop. No save is started.
+    #    Synchronous saves: a background save of SLOW_UPLOAD_S would still be in flight at step
+    #    23 (training runs on during it); that case is the next test's.
     first_log = tmp_path / "first.log"
-    proc = launch(uri, proxy, log_file, first_log, 10, processes)
+    proc = launch(uri, proxy, log_file, first_log, 10, processes, "--sync-saves")
     wait_for_step(log_file, 23, proc, timeout_s=WAIT_S)
     uploads_before = len(proxy.seen(upload_of(".safetensors")))
     sigterm(proc)
@@ -89,7 +92,7 @@ def test_no_save_when_it_cannot_commit_in_time_then_exact_resume(reference, slow
     # 2. The restart resumes from step 20; a notice with 60 - 5 s left is saved, the
     #    estimate coming from the manifest of step 20 (nothing saved in this launch yet).
     second_log = tmp_path / "second.log"
-    proc = launch(uri, proxy, log_file, second_log, 60, processes)
+    proc = launch(uri, proxy, log_file, second_log, 60, processes, "--sync-saves")
     wait_for_step(log_file, 25, proc, timeout_s=WAIT_S)
     sigterm(proc)
     assert proc.wait(timeout=WAIT_S) == PREEMPTED_SAVED, second_log.read_text()[-3000:]

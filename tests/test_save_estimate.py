@@ -14,7 +14,7 @@ from spotrun.checkpoint import catalog
 from spotrun.errors import ConfigError, ManifestError
 from spotrun.manifest import Manifest, SaveTiming
 from spotrun.storage import LocalStorage
-from spotrun.supervisor.estimate import COMMIT_ALLOWANCE_S, estimate_emergency_save
+from spotrun.supervisor.estimate import COMMIT_ALLOWANCE_S, decide, estimate_emergency_save
 
 MiB = 2**20
 
@@ -138,12 +138,16 @@ def test_checkpointer_measures_saves_and_steps_for_the_supervisor(tmp_path, monk
     for step in range(1, 5):
         time.sleep(0.02)
         assert ckpt.end_of_step(step) is False
+    ckpt.wait_for_save()  # the save of step 4 runs in the background
     stats = control.read_save_stats(str(control_dir))
     assert stats.in_progress is None
     assert [r.step for r in stats.recent] == [2, 4]
     manifest = catalog.inspect_step(ckpt.storage, 4).manifest
     assert stats.recent[-1].size_bytes == manifest.size_bytes > 4000
     assert all(r.duration_s > 0 for r in stats.recent)
+    # background saves: the time training was blocked (staging, and any wait for the save
+    # before) and the whole save, recorded apart
+    assert all(r.background and r.stall_s > 0 and r.duration_s > 0 for r in stats.recent)
     assert 0.02 <= stats.step_time_s < 5
     assert manifest.timing.write_s > 0 and manifest.timing.step_time_s == pytest.approx(stats.step_time_s, abs=0.5)
 
@@ -179,3 +183,64 @@ def test_a_save_right_after_a_restore_keeps_the_recorded_step_time(tmp_path):
     second.end_of_step(4)
     second.save(4)
     assert catalog.inspect_step(storage, 4).manifest.timing.step_time_s == pytest.approx(recorded)
+
+
+def background(step: int, started_unix_s: float, **progress) -> control.SaveInProgress:
+    return control.SaveInProgress(step=step, reason="periodic", started_unix_s=started_unix_s, background=True,
+                                  **progress)
+
+
+def test_a_background_save_in_flight_counts_what_its_writer_published_and_overlaps_the_boundary():
+    now = 5000.0
+    stats = control.SaveStats(
+        in_progress=background(400, now - 3.0, bytes_total=40 * MiB, bytes_done=10 * MiB, remaining_s=9.0,
+                               progress_unix_s=now - 1.0),
+        recent=(record(300, 50 * MiB, 10.0),), step_time_s=0.5, check_interval_steps=4,
+    )
+    estimate = estimate_emergency_save(stats, None, now)
+    assert estimate.in_flight_background and estimate.in_flight_s == pytest.approx(8.0)  # 9 s published 1 s ago
+    # training goes on to the boundary (2 s) while it is written: max(8, 2) + 10, not 8 + 2 + 10
+    assert estimate.total_s == pytest.approx(18.0)
+    assert "8.0 s to finish the background save of step 400 in flight (10.0 MiB of 40.0 MiB written)" \
+        in estimate.describe()
+    # nothing written yet: a whole save (10 s, measured) less the 3 s it has run
+    nothing_yet = control.SaveStats(in_progress=background(400, now - 3.0), recent=stats.recent, step_time_s=0.5)
+    assert estimate_emergency_save(nothing_yet, None, now).in_flight_s == pytest.approx(7.0)
+
+
+def test_the_estimate_uses_whole_background_saves_not_their_stalls():
+    stats = control.SaveStats(in_progress=None, recent=(
+        control.SaveRecord(step=10, reason="periodic", size_bytes=100 * MiB, duration_s=20.0, committed_unix_s=1.0,
+                           stall_s=0.5, background=True),), step_time_s=0.1)
+    assert estimate_emergency_save(stats, None, time.time()).save_s == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("remaining_s, left_s, save, words", [
+    (2.0, 30.0, True, "emergency checkpoint requested: estimated"),
+    (2.0, 8.0, False, "after the save of step 400 in progress commits, at their next step boundary"),
+    (40.0, 30.0, True, "the workers abandon it and save the current step"),
+    (40.0, 5.0, False, "abandoning the background save of step 400 in flight (it cannot commit in time either)"),
+])
+def test_the_supervisor_decides_with_a_background_save_in_flight(remaining_s, left_s, save, words):
+    """The same rule as the workers' (spotrun.checkpoint.in_flight): finish it and save; else
+    finish it only (no save asked for); else abandon it and save; else no save."""
+    now = 5000.0
+    stats = control.SaveStats(
+        in_progress=background(400, now - 1.0, bytes_total=MiB, bytes_done=1, remaining_s=remaining_s,
+                               progress_unix_s=now),
+        recent=(record(300, 50 * MiB, 10.0),), step_time_s=0.5,
+    )
+    decision = decide(estimate_emergency_save(stats, None, now), left_s)
+    assert decision.save is save and words in decision.message
+    assert "background save of step 400 in flight" in decision.message
+
+
+def test_the_supervisor_decides_as_before_without_a_background_save():
+    now = 5000.0
+    stats = control.SaveStats(in_progress=control.SaveInProgress(400, "periodic", now - 3.0),
+                              recent=(record(300, 50 * MiB, 10.0),), step_time_s=1.0)
+    estimate = estimate_emergency_save(stats, None, now)  # 7 + 1 + 10 s
+    assert decide(estimate, 20.0).save and "fits in the 20.0 s left before the deadline" in decide(estimate, 20.0).message
+    refused = decide(estimate, 15.0)
+    assert not refused.save and refused.message.startswith("NOT saving: an emergency checkpoint would take 18.0 s")
+    assert "after the save of step 400 in progress commits" in refused.message

@@ -379,6 +379,8 @@ def commit_save(
             progress.bytes_total = sum(t.numel() * t.element_size() for t in prepared.tensors.values())
             progress.started_monotonic_s = write_started_s
         records = write_shard(storage, prepared, context.incarnation, parts, abort=abort, progress=progress)
+        if abort is not None and abort.is_set():  # abandoned while its last bytes were written
+            raise SaveAbortedError(f"save of step {step} abandoned")
         file_of = {n: record.path for record, names in zip(records, parts) for n in names}
         report.update(
             write_s=time.monotonic() - write_started_s,
@@ -409,13 +411,17 @@ def commit_save(
         try:
             manifest = _build_manifest(step, encoded, reports, context, world_size)
             fencing.check_not_fenced(storage, context.incarnation)
+            if abort is not None and abort.is_set():  # the last moment an abandon takes effect
+                raise SaveAbortedError(f"save of step {step} abandoned before its commit")
             storage.put_if_absent(manifest_key(step, context.incarnation), manifest.to_json())
         except Exception as exc:  # reported through the broadcast, so no rank waits for it
             outcome = {"ok": False, "error": _describe(exc), "fenced": isinstance(exc, FencedError),
+                       "aborted": isinstance(exc, SaveAbortedError),
                        "retryable": not isinstance(exc, (FencedError, CommitUnsupportedError))}
     outcome = dist.broadcast_json(outcome, group=group)
     if not outcome["ok"]:
-        error = FencedError if outcome.get("fenced") else CheckpointSaveError
+        error = FencedError if outcome.get("fenced") else SaveAbortedError if outcome.get("aborted") \
+            else CheckpointSaveError
         raise error(f"commit of step {step} failed on rank 0: {outcome['error']}",
                     retryable=outcome["retryable"])
     return SavedStep(manifest=manifest,

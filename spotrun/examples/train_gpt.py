@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the model init and data order (default: %(default)s)")
     p.add_argument("--save-interval", type=int, default=100,
                    help="save every this many steps; 0 = only on request and at the end (default: %(default)s)")
+    p.add_argument("--sync-saves", action="store_true",
+                   help="periodic saves block training until they commit (default: written in the background)")
     p.add_argument("--checkpoint-uri", default=None,
                    help="checkpoint root (directory or s3://...); default $SPOTRUN_CHECKPOINT_URI, else ./checkpoints")
     p.add_argument("--log-file", default=None, help="append one JSON line per step here (rank 0)")
@@ -246,7 +248,7 @@ def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None
 
     ckpt = spotrun.Checkpointer(
         state={"model": model, "optimizer": opt, "scheduler": sched, "data": loader},
-        uri=args.checkpoint_uri, interval_steps=args.save_interval,
+        uri=args.checkpoint_uri, interval_steps=args.save_interval, background_saves=not args.sync_saves,
     )
     try:
         step = ckpt.restore()

@@ -3,11 +3,18 @@
 The supervisor decides this when a stop notice arrives. An emergency save commits after:
 
 1. the save in progress, if any (a periodic save), has finished: its measured duration
-   minus the time it has already run;
+   minus the time it has already run; for a background save, the seconds its writer
+   published it still needs (``remaining_s``, less the time since), else the same;
 2. the workers reached the next step boundary where they look at the request: at most
-   ``check_interval_steps`` training steps;
+   ``check_interval_steps`` training steps (a background save in flight goes on meanwhile,
+   so the two overlap);
 3. the save itself: the bytes of the last save divided by the *slowest* throughput
-   (bytes per second, start of the save to its commit) among the recent saves.
+   (bytes per second, start of the save to its commit - the whole save, also for a
+   background one, never the time training was blocked) among the recent saves.
+
+With a background save in flight the workers may also abandon it and save the current step
+(:mod:`spotrun.checkpoint.in_flight`): :func:`decide` applies the same rule, so the save is
+asked for when either way fits.
 
 The measurements come from this launch's workers (``saves.json`` in the control directory,
 :mod:`spotrun.control`) or, before this launch saved anything, from the ``timing`` of the
@@ -21,8 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spotrun.control import SaveStats
+from spotrun.checkpoint.in_flight import Choice, choose
+from spotrun.control import SaveInProgress, SaveStats
 from spotrun.manifest import Manifest
+from spotrun.save_meter import full_save_estimate
 
 #: Seconds added to a manifest's recorded shard-write time for the rest of a save (the
 #: collectives, the manifest's conditional put), when no whole save was measured yet.
@@ -46,6 +55,10 @@ class SaveEstimate:
         basis: where the figures come from, for the log (``"3 saves of this launch"``).
         allowance_s: seconds of ``save_s`` that are :data:`COMMIT_ALLOWANCE_S` rather than
             measured (an estimate from a manifest's shard-write time); 0 otherwise.
+        in_flight_background: the save in progress runs in the background (the workers reach
+            the step boundary meanwhile, and may abandon it).
+        in_flight_written: for the log, how much of a background save in flight is written
+            (``"1.2 of 3.0 MiB written"``); ``None`` when not known.
     """
 
     in_flight_s: float
@@ -56,16 +69,31 @@ class SaveEstimate:
     throughput_bytes_per_s: float
     basis: str
     allowance_s: float = 0.0
+    in_flight_background: bool = False
+    in_flight_written: str | None = None
 
     @property
     def total_s(self) -> float:
-        """Seconds from now to the emergency checkpoint's commit."""
+        """Seconds from now to the emergency checkpoint's commit, the save in progress finished first."""
+        if self.in_flight_background:
+            return max(self.in_flight_s, self.boundary_s) + self.save_s
         return self.in_flight_s + self.boundary_s + self.save_s
+
+    def choice(self, left_s: float) -> Choice:
+        """What becomes of a save in progress with ``left_s`` seconds left (:func:`decide`)."""
+        if self.in_flight_step is None or not self.in_flight_background:
+            # nothing in flight, or a synchronous save the workers are in: it ends before they see the request
+            return Choice.FINISH_THEN_SAVE if self.total_s <= left_s else Choice.FINISH_ONLY
+        return choose(self.in_flight_s, self.save_s, left_s, boundary_s=self.boundary_s)
 
     def describe(self) -> str:
         """One line for the log: the total and how it is made up."""
         parts = []
-        if self.in_flight_step is not None:
+        if self.in_flight_step is not None and self.in_flight_background:
+            written = f" ({self.in_flight_written})" if self.in_flight_written else ""
+            parts.append(f"{self.in_flight_s:.1f} s to finish the background save of step {self.in_flight_step} "
+                         f"in flight{written}")
+        elif self.in_flight_step is not None:
             parts.append(f"{self.in_flight_s:.1f} s to finish the save of step {self.in_flight_step} in progress")
         parts.append(f"{self.boundary_s:.1f} s to the next step boundary")
         if self.allowance_s:
@@ -92,10 +120,9 @@ def estimate_emergency_save(
     """
     step_time_s = stats.step_time_s if stats is not None else None
     check_interval_steps = stats.check_interval_steps if stats is not None else 1
-    if stats is not None and stats.recent:
-        size_bytes = stats.recent[-1].size_bytes
-        throughput = min(_throughput(r.size_bytes, r.duration_s) for r in stats.recent)
-        save_s = _duration(size_bytes, throughput)
+    measured = full_save_estimate(stats.recent) if stats is not None else None
+    if measured is not None:
+        size_bytes, throughput, save_s = measured
         n = len(stats.recent)
         basis = f"{n} save{'s' if n > 1 else ''} of this launch"
     elif resumed is not None and resumed.timing is not None:
@@ -107,30 +134,83 @@ def estimate_emergency_save(
             step_time_s = resumed.timing.step_time_s
     else:
         return None
-    allowance_s = 0.0 if stats is not None and stats.recent else COMMIT_ALLOWANCE_S
-    in_flight_s, in_flight_step = 0.0, None
-    if stats is not None and stats.in_progress is not None:
-        in_flight_step = stats.in_progress.step
-        in_flight_s = max(0.0, save_s - max(0.0, now_unix_s - stats.in_progress.started_unix_s))
+    allowance_s = 0.0 if measured is not None else COMMIT_ALLOWANCE_S
+    in_progress = stats.in_progress if stats is not None else None
+    in_flight_s = 0.0 if in_progress is None else _in_flight_s(in_progress, save_s, now_unix_s)
     step_s = UNKNOWN_STEP_TIME_S if step_time_s is None else step_time_s
     return SaveEstimate(
         in_flight_s=in_flight_s,
-        in_flight_step=in_flight_step,
+        in_flight_step=None if in_progress is None else in_progress.step,
         boundary_s=step_s * check_interval_steps,
         save_s=save_s,
         size_bytes=size_bytes,
         throughput_bytes_per_s=throughput,
         basis=basis,
         allowance_s=allowance_s,
+        in_flight_background=in_progress is not None and in_progress.background,
+        in_flight_written=None if in_progress is None or not in_progress.bytes_total else
+        f"{_amount(in_progress.bytes_done)} of {_amount(in_progress.bytes_total)} written",
     )
+
+
+def _in_flight_s(in_progress: SaveInProgress, save_s: float, now_unix_s: float) -> float:
+    """Seconds until the save in progress ends: what its writer last published it still needs
+    (less the time since), else a whole save less the time it has run."""
+    if in_progress.remaining_s is not None and in_progress.progress_unix_s is not None:
+        return max(0.0, in_progress.remaining_s - max(0.0, now_unix_s - in_progress.progress_unix_s))
+    return max(0.0, save_s - max(0.0, now_unix_s - in_progress.started_unix_s))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The supervisor's answer to a stop notice.
+
+    Attributes:
+        save: ask the workers for an emergency checkpoint (else: stop without one).
+        choice: what becomes of a save in progress (:class:`~spotrun.checkpoint.in_flight.Choice`).
+        message: the log line that says which, and why.
+    """
+
+    save: bool
+    choice: Choice
+    message: str
+
+
+def decide(estimate: SaveEstimate, left_s: float) -> Decision:
+    """Whether to ask for an emergency save with ``left_s`` seconds before the deadline.
+
+    Asked for when the save fits after the save in progress (if any), or - with a background
+    save in flight - when the workers can abandon that one and save in time (they decide
+    again at the step boundary, from fresher figures). Otherwise not: the workers stop at
+    their next step boundary without saving, after the save in progress commits when it
+    fits (a background save that cannot commit in time is abandoned).
+    """
+    choice = estimate.choice(left_s)
+    step = estimate.in_flight_step
+    left = f"the {left_s:.1f} s left before the deadline"
+    if choice is Choice.FINISH_THEN_SAVE:
+        first = f" (after the save of step {step} in flight commits)" if step is not None else ""
+        return Decision(True, choice, f"emergency checkpoint requested: estimated {estimate.describe()} fits in "
+                                      f"{left}{first}")
+    if choice is Choice.ABANDON_AND_SAVE:
+        return Decision(True, choice, (
+            f"emergency checkpoint requested: finishing the background save of step {step} in flight first "
+            f"would take {estimate.describe()}, more than {left}; the workers abandon it and save the current "
+            f"step ({estimate.boundary_s + estimate.save_s:.1f} s)"))
+    if choice is Choice.FINISH_ONLY and step is not None:
+        after = f"after the save of step {step} in progress commits, "
+    elif step is not None:
+        after = f"abandoning the background save of step {step} in flight (it cannot commit in time either), "
+    else:
+        after = ""
+    return Decision(False, choice, (
+        f"NOT saving: an emergency checkpoint would take {estimate.describe()}, more than {left}; the workers "
+        f"stop {after}at their next step boundary without saving, and the newest complete checkpoint stays "
+        "the resume point"))
 
 
 def _throughput(size_bytes: int, duration_s: float) -> float:
     return max(size_bytes, 1) / max(duration_s, 1e-6)
-
-
-def _duration(size_bytes: int, throughput_bytes_per_s: float) -> float:
-    return max(size_bytes, 1) / throughput_bytes_per_s
 
 
 def _amount(size_bytes: float) -> str:

@@ -65,7 +65,7 @@ from spotrun.manifest import Manifest
 from spotrun.storage import Storage, open_storage
 from spotrun.supervisor import outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
-from spotrun.supervisor.estimate import estimate_emergency_save
+from spotrun.supervisor.estimate import decide, estimate_emergency_save
 from spotrun.supervisor.launch import LaunchPlan, plan_launch
 from spotrun.notices import is_stop
 from spotrun.supervisor.cloud_notices import CloudNotices
@@ -317,18 +317,9 @@ class _Supervisor:
             log.warning("emergency checkpoint requested: no save measured yet to estimate it from; "
                         "the save is bounded by the deadline (%.1f s left)", left_s)
             return True
-        if estimate.total_s <= left_s:
-            log.warning("emergency checkpoint requested: estimated %s fits in the %.1f s left before the deadline",
-                        estimate.describe(), left_s)
-            return True
-        in_flight = (f"after the save of step {estimate.in_flight_step} in progress commits, "
-                     if estimate.in_flight_step is not None else "")
-        log.warning(
-            "NOT saving: an emergency checkpoint would take %s, more than the %.1f s left before the "
-            "deadline; the workers stop %sat their next step boundary without saving, and the newest "
-            "complete checkpoint stays the resume point", estimate.describe(), left_s, in_flight,
-        )
-        return False
+        decision = decide(estimate, left_s)
+        log.warning("%s", decision.message)
+        return decision.save
 
     def _deadline_passed(self) -> bool:
         return self.deadline_unix_s is not None and time.time() >= self.deadline_unix_s

@@ -1,0 +1,271 @@
+"""Background saves: one worker thread writes and commits a staged step while training goes on.
+
+The training thread prepares a step (:func:`~spotrun.checkpoint.save.prepare_save` into
+reused :class:`~spotrun.checkpoint.staging.StagingBuffers`) and hands it to
+:meth:`BackgroundSaver.start`; the worker thread runs
+:func:`~spotrun.checkpoint.save.commit_save` on a process group of its own
+(:func:`spotrun.dist.new_background_group`), so its collectives never interleave with the
+training thread's, under the storage deadline of the save (deadlines are per thread). At
+most one save is in flight. Its outcome (a :class:`~spotrun.checkpoint.save.SavedStep` or
+the exception) stays in the :class:`InFlightSave` until the training thread takes it
+(:meth:`BackgroundSaver.take`); what to do with it - and when, the same step on every rank -
+is the :class:`~spotrun.checkpointer.Checkpointer`'s decision.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from spotrun import dist
+from spotrun.checkpoint import in_flight
+from spotrun.checkpoint.save import PreparedSave, SaveContext, SavedStep, SaveProgress, commit_save, prepare_save
+from spotrun.checkpoint.shard import ShardLimits
+from spotrun.checkpoint.staging import StagingBuffers
+from spotrun.save_meter import SaveMeter
+from spotrun.storage.base import Storage
+
+log = logging.getLogger(__name__)
+in_flight_log = logging.getLogger(in_flight.__name__)  # the decision's log line, under the rule's name
+
+
+@dataclass
+class InFlightSave:
+    """One background save, from its start to the moment the training thread took its outcome.
+
+    Attributes:
+        step: the step being saved.
+        reason: ``periodic`` or ``requested``.
+        started_s: when the save started in the training thread (``time.monotonic()``),
+            before the staging copy.
+        stall_s: seconds training was blocked by it (the staging copy, and any wait for the
+            save before it).
+        progress: bytes this rank wrote so far (:class:`~spotrun.checkpoint.save.SaveProgress`).
+        abort: set to abandon the save (on every rank): it then commits nothing
+            (:class:`~spotrun.errors.SaveAbortedError`), unless rank 0 had already committed.
+        done: set by the worker thread once ``saved`` or ``error`` is final.
+        saved: the outcome when it committed.
+        error: the exception when it did not.
+        ended_s: when it ended (``time.monotonic()``).
+    """
+
+    step: int
+    reason: str
+    started_s: float
+    stall_s: float
+    progress: SaveProgress = field(default_factory=SaveProgress)
+    abort: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    saved: SavedStep | None = None
+    error: BaseException | None = None
+    ended_s: float | None = None
+
+    @property
+    def committed(self) -> bool:
+        """Whether it ended with its step committed."""
+        return self.done.is_set() and self.error is None
+
+
+@dataclass
+class _Job:
+    save: InFlightSave
+    storage: Storage
+    prepared: PreparedSave
+    context: SaveContext
+    limits: ShardLimits | None
+    timeout_s: float
+
+
+class BackgroundSaver:
+    """Owns the worker thread and the process group of background saves; at most one in flight.
+
+    Args:
+        meter: measures each save (the time training was blocked and the whole save) and
+            publishes the progress of the one in flight for the supervisor.
+    """
+
+    def __init__(self, meter: SaveMeter | None = None) -> None:
+        self._meter = meter
+        self._staging = StagingBuffers()  # allocated at the first save, then reused
+        self._group: Any = None
+        self._group_made = False
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._current: InFlightSave | None = None
+
+    @property
+    def in_flight(self) -> InFlightSave | None:
+        """The save started and not yet taken (:meth:`take`), finished or not. The same on
+        every rank when every rank starts and takes saves at the same steps."""
+        return self._current
+
+    @property
+    def running(self) -> bool:
+        """Whether a save is still being written or committed on this rank."""
+        return self._current is not None and not self._current.done.is_set()
+
+    def start(self, storage: Storage, step: int, replicated: dict[str, Any], rank_local: dict[str, Any],
+              context: Callable[[], SaveContext], limits: ShardLimits | None, *, timeout_s: float, reason: str,
+              waited_s: float = 0.0) -> InFlightSave:
+        """Stage this rank's part of ``step`` into the reused buffers, then write and commit it
+        in the background (collective on every rank: the first call makes the process group,
+        which every rank must do at the same point). Returns once the staging copies are
+        complete: training may then change the live tensors.
+
+        Args:
+            storage, limits: as for :func:`~spotrun.checkpoint.save.commit_save`.
+            replicated, rank_local: the state dicts (``state_dict()`` values), as for
+                :func:`~spotrun.checkpoint.save.prepare_save`.
+            context: returns the save's context once the state is staged (it may claim the
+                incarnation; called in this thread, under the storage deadline).
+            timeout_s: bound of the save's storage operations, seconds.
+            reason: ``periodic`` or ``requested``.
+            waited_s: seconds training already waited for the save before (part of the stall).
+
+        Raises:
+            RuntimeError: a save is already in flight (take its outcome first).
+            Whatever ``context`` raises (nothing is started then).
+        """
+        if self._current is not None:
+            raise RuntimeError(f"the save of step {self._current.step} is still in flight")
+        started_s = time.monotonic() if self._meter is None else \
+            self._meter.save_started(step, reason, background=True)
+        try:
+            prepared = prepare_save(step, replicated, rank_local, staging=self._staging)
+            with storage.deadline(timeout_s):
+                save_context = context()
+            if not self._group_made:
+                self._group = dist.new_background_group()
+                self._group_made = True
+        except BaseException:
+            if self._meter is not None:
+                self._meter.save_ended(step, reason, started_s, None)
+            raise
+        save = InFlightSave(step=step, reason=reason, started_s=started_s,
+                            stall_s=waited_s + time.monotonic() - started_s)
+        if self._meter is not None:
+            self._meter.stall_ended()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="spotrun-background-save", daemon=True)
+            self._thread.start()
+        self._current = save
+        self._jobs.put(_Job(save, storage, prepared, save_context, limits, timeout_s))
+        return save
+
+    def publish_progress(self) -> None:
+        """Publish the progress of the save in flight, if it is still running (about once a
+        second at most: see :meth:`~spotrun.save_meter.SaveMeter.progress`)."""
+        current = self._current
+        if self._meter is not None and current is not None and not current.done.is_set():
+            progress = current.progress
+            self._meter.progress(step=current.step, bytes_done=progress.bytes_done,
+                                 bytes_total=progress.bytes_total, remaining_s=progress.remaining_s())
+
+    def wait_reporting(self, why: str) -> float:
+        """Block until the save in flight ended on this rank, publishing its progress
+        meanwhile; rank 0 logs how long it waited (``why``: what waited). Returns the seconds."""
+        current = self._current
+        if current is None:
+            return 0.0
+        started_s = time.monotonic()
+        while not current.done.wait(1.0):  # wake to publish its progress for the supervisor
+            self.publish_progress()
+        waited_s = time.monotonic() - started_s
+        if dist.rank() == 0:
+            log.log(logging.WARNING if waited_s >= 1.0 else logging.INFO,
+                    "%s waited %.2f s for the background save of step %d still in flight", why, waited_s, current.step)
+        return waited_s
+
+    def abort(self) -> None:
+        """Ask the save in flight to stop at its next chunk and commit nothing (call on every rank)."""
+        if self._current is not None:
+            self._current.abort.set()
+
+    def take(self) -> InFlightSave | None:
+        """Wait for the save in flight to end, and hand over its outcome (``None`` if none):
+        afterwards no save is in flight."""
+        current = self._current
+        if current is None:
+            return None
+        current.done.wait()
+        self._current = None
+        return current
+
+    def _run(self) -> None:
+        # Python runs signal handlers in the main thread whichever thread the kernel picks;
+        # keep SIGCHLD for the main thread, whose emergency save blocks it (a dying loader
+        # worker must not interrupt that save through this thread).
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        while True:
+            job = self._jobs.get()
+            save = job.save
+            try:
+                with job.storage.deadline(job.timeout_s):  # thread-local: entered on this thread
+                    save.saved = commit_save(job.storage, job.prepared, job.context, job.limits,
+                                             group=self._group, abort=save.abort, progress=save.progress)
+            except BaseException as exc:  # handed to the training thread
+                save.error = exc
+            finally:
+                save.ended_s = time.monotonic()
+                job = None  # the staged tensors are the caller's again
+                try:
+                    self._ended(save)
+                except Exception:  # a measurement or a log line must not lose the outcome
+                    log.exception("after the background save of step %d", save.step)
+                save.done.set()
+
+    def _ended(self, save: InFlightSave) -> None:
+        """On the worker thread, as a save ends: measure it, log its commit (rank 0)."""
+        saved = save.saved
+        if self._meter is not None:
+            self._meter.save_ended(save.step, save.reason, save.started_s,
+                                   None if saved is None else saved.size_bytes, stall_s=save.stall_s)
+        if saved is not None and saved.manifest is not None:
+            log.info("committed step %d (%s, in the background): %d files, %.1f MiB in %.2f s, training "
+                     "blocked %.2f s", save.step, save.reason, len(saved.manifest.files), saved.size_bytes / 2**20,
+                     (save.ended_s or 0.0) - save.started_s, save.stall_s)
+
+
+def settle(saver: BackgroundSaver, *, step: int, left_s: float, full_save_s: float | None,
+           may_save: bool) -> tuple[in_flight.Choice, InFlightSave | None]:
+    """Decide on rank 0, from every rank's progress, what happens to the save in flight; do it
+    on every rank (abandon it or not, then wait for it to end); log the decision when a save
+    was still being written (rule: :mod:`spotrun.checkpoint.in_flight`).
+
+    Collective on the training process group (one gather, one broadcast): every rank calls
+    it at the same step, a save in flight or not.
+
+    Args:
+        saver: holds the save in flight.
+        step: the current step (the one an emergency save would save).
+        left_s: seconds left before the deadline.
+        full_save_s: seconds a full save takes, as measured by this launch (rank 0's figure
+            is used); ``None`` when nothing was measured.
+        may_save: whether the current step may be saved (False: stopping without a save).
+
+    Returns:
+        The choice (the same on every rank) and the save that was in flight on this rank,
+        ended (its outcome not yet acted on; none is in flight afterwards), or ``None``.
+    """
+    current = saver.in_flight
+    running = saver.running
+    mine = {"step": None if current is None else current.step, "running": running,
+            "remaining_s": current.progress.remaining_s() if running else 0.0,
+            "elapsed_s": 0.0 if current is None else time.monotonic() - current.started_s}
+    everyone = dist.all_gather_json(mine)
+    decision = None
+    if dist.rank() == 0:
+        decision = in_flight.decide(everyone, step, left_s, full_save_s, may_save)
+    decision = dist.broadcast_json(decision)
+    choice = in_flight.Choice(decision["choice"])
+    if choice.abandons:
+        saver.abort()  # before the log line: whoever reads the log sees it already set
+    if dist.rank() == 0 and decision["why"]:
+        in_flight_log.warning("%s", decision["why"])
+    return choice, saver.take()
