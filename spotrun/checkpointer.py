@@ -34,6 +34,7 @@ from spotrun.checkpoint.restore import LoadedStep
 from spotrun.checkpoint.save import SaveContext, encode_state, save_step
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES, ShardLimits
 from spotrun.manifest import Manifest
+from spotrun.gc_pause import gc_paused
 from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv
 from spotrun.save_meter import SaveMeter
 from spotrun.errors import CheckpointSaveError, ConfigError, SaveAbortedError, SpotrunError, StateMismatchError
@@ -185,6 +186,7 @@ class Checkpointer:
 
     # --- restore --------------------------------------------------------------
 
+    @gc_paused()
     def restore(self) -> int:
         """Load the newest loadable complete checkpoint into every object; return its step.
 
@@ -337,6 +339,7 @@ class Checkpointer:
         """
         return self._env.stop_at_step is not None and step >= self._env.stop_at_step
 
+    @gc_paused()
     def save(self, step: int, reason: str = "manual", *, timeout_s: float | None = None) -> None:
         """Save and commit ``step`` now, on every rank (a collective), from the live tensors.
 

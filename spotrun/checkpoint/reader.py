@@ -27,7 +27,7 @@ import torch
 
 from spotrun.checkpoint.dtypes import dtype_from_name, refusal
 from spotrun.checkpoint.shard import SAFETENSORS_MAX_HEADER_BYTES
-from spotrun.checkpoint.stream import SAFETENSORS_CODES, ChunkDigests, byte_view, chunk_ranges
+from spotrun.checkpoint.stream import SAFETENSORS_CODES, ChunkDigests, byte_view, chunk_ranges, copy_bytes
 from spotrun.errors import CorruptShardError, ObjectTooShortError
 from spotrun.manifest import STORED_AS_BYTES, FileRecord, TensorRecord
 from spotrun.storage.base import Storage
@@ -166,7 +166,7 @@ def read_shard_into(
             for piece in overlapping:
                 if piece.target is not None:
                     a, b = max(begin, piece.start), min(stop, piece.stop)
-                    piece.target[a - piece.start : b - piece.start].copy_(source[a - begin : b - begin])
+                    copy_bytes(piece.target[a - piece.start : b - piece.start], source[a - begin : b - begin])
             return
         views: list[memoryview] = []
         for piece in overlapping:

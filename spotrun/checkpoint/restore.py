@@ -24,6 +24,7 @@ from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import REJECTED_PREFIX, file_key
 from spotrun.checkpoint.dtypes import from_stored
 from spotrun.checkpoint.reader import read_shard_into
+from spotrun.gc_pause import gc_paused
 from spotrun.checkpoint.shard import decode_shard
 from spotrun.errors import CorruptShardError, ManifestError, SpotrunError, StateMismatchError
 from spotrun.manifest import Manifest
@@ -58,6 +59,7 @@ def read_manifest(storage: Storage, key: str) -> Manifest:
     return Manifest.from_json(storage.get(key), where=f"{storage.uri}/{key}")
 
 
+@gc_paused()
 def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int,
               manifest: Manifest | None = None,
               destinations: dict[str, torch.Tensor] | None = None) -> LoadedStep:

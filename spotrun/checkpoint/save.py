@@ -41,6 +41,7 @@ from spotrun.checkpoint.restore import reject_step
 from spotrun.checkpoint.shard import ShardLimits, split_into_parts
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, CHUNKED_SHA256, ChunkDigests, ShardSource
 from spotrun.checkpoint.staging import StagingBuffers
+from spotrun.gc_pause import gc_paused
 from spotrun.errors import (
     CheckpointSaveError,
     CommitUnsupportedError,
@@ -176,6 +177,7 @@ class PreparedSave:
     error: SpotrunError | None = None
 
 
+@gc_paused()
 def prepare_save(
     step: int,
     replicated: dict[str, Any],
@@ -226,11 +228,12 @@ def write_shard(storage: Storage, prepared: PreparedSave, incarnation: int, part
         if abort is not None and abort.is_set():
             raise SaveAbortedError(f"save of step {prepared.step} abandoned")
         path = shard_part_name(prepared.rank, incarnation, part)
-        source = ShardSource(
-            {n: prepared.tensors[n] for n in names},
-            {"format": "spotrun-checkpoint", "step": prepared.step, "rank": prepared.rank, "part": part},
-            abort=abort,
-        )
+        with gc_paused():
+            source = ShardSource(
+                {n: prepared.tensors[n] for n in names},
+                {"format": "spotrun-checkpoint", "step": prepared.step, "rank": prepared.rank, "part": part},
+                abort=abort,
+            )
         digests = ChunkDigests(source.size_bytes, CHECKSUM_CHUNK_BYTES)
 
         def on_chunk(offset: int, data: memoryview, digests: ChunkDigests = digests) -> None:
@@ -409,11 +412,13 @@ def commit_save(
     manifest = None
     if rank == 0:
         try:
-            manifest = _build_manifest(step, encoded, reports, context, world_size)
+            with gc_paused():
+                manifest = _build_manifest(step, encoded, reports, context, world_size)
+                manifest_json = manifest.to_json()
             fencing.check_not_fenced(storage, context.incarnation)
             if abort is not None and abort.is_set():  # the last moment an abandon takes effect
                 raise SaveAbortedError(f"save of step {step} abandoned before its commit")
-            storage.put_if_absent(manifest_key(step, context.incarnation), manifest.to_json())
+            storage.put_if_absent(manifest_key(step, context.incarnation), manifest_json)
         except Exception as exc:  # reported through the broadcast, so no rank waits for it
             outcome = {"ok": False, "error": _describe(exc), "fenced": isinstance(exc, FencedError),
                        "aborted": isinstance(exc, SaveAbortedError),

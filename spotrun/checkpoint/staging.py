@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from spotrun.checkpoint.stream import byte_view, copy_bytes
+
 
 class StagingBuffers:
     """Host copies of the tensors a rank writes, reused from save to save.
@@ -41,7 +43,12 @@ class StagingBuffers:
                     or buffer.is_pinned() != pin:
                 buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
                 self._buffers[name] = buffer
-            buffer.copy_(tensor, non_blocking=pin)
+            if pin:
+                buffer.copy_(tensor, non_blocking=True)
+            elif tensor.is_contiguous():
+                copy_bytes(byte_view(buffer), byte_view(tensor))  # one thread: see copy_bytes
+            else:
+                buffer.copy_(tensor)
             from_cuda = from_cuda or pin
             staged[name] = buffer
         for name in set(self._buffers) - set(tensors):

@@ -19,6 +19,7 @@ deliberate change (a change to any byte changes that chunk's digest, and so the 
 from __future__ import annotations
 
 import bisect
+import ctypes
 import hashlib
 import json
 import struct
@@ -54,6 +55,22 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous tensor as a 1-D ``uint8`` tensor sharing its memory."""
     flat = tensor.detach().reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def copy_bytes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """``destination.copy_(source)`` for two 1-D ``uint8`` tensors of equal length.
+
+    Between host tensors this is one ``memmove`` on the calling thread, with the GIL
+    released: the threads that fill a file's chunks then copy side by side. torch's own
+    ``copy_`` splits a large copy over its intra-op threads, which on a busy machine wait
+    for each other (measured here: 4x slower than one thread at 768 MiB). Copies from or
+    to a GPU go through ``copy_``.
+    """
+    if destination.device.type == "cpu" and source.device.type == "cpu":
+        if destination.numel():
+            ctypes.memmove(destination.data_ptr(), source.data_ptr(), destination.numel())
+    else:
+        destination.copy_(source)
 
 
 class ShardSource(ByteSource):
@@ -128,8 +145,8 @@ class ShardSource(ByteSource):
             start = self._starts[index]
             source = self._bytes[index]
             take = min(end, start + source.numel()) - position
-            target[position - offset : position - offset + take].copy_(
-                source[position - start : position - start + take])
+            copy_bytes(target[position - offset : position - offset + take],
+                       source[position - start : position - start + take])
             position += take
             index += 1
 
