@@ -8,7 +8,7 @@ Format version 3 (``manifest.i<incarnation>.json`` inside ``step-NNNNNNNNN/``; o
       "created_unix_s": 1764488000.5, "world_size": 2,
       "run_id": "...", "incarnation": 1, "spotrun_version": "0.1.0", "torch_version": "2.13.0",
       "files":   [{"path": "rank-00000.i000000001.safetensors", "rank": 0, "size_bytes": 123,
-                   "algorithm": "sha256-chunks", "chunk_bytes": 8388608, "digest": "..."},
+                   "algorithm": "blake3-chunks", "chunk_bytes": 8388608, "digest": "..."},
                   {"path": "rank-00000.i000000001.part-00001.safetensors", "rank": 0, ...}],
       "tensors": {"model/w": {"file": "rank-00000.safetensors", "dtype": "float32",
                               "shape": [4, 4], "offsets": null},
@@ -35,10 +35,11 @@ restarted job estimates an emergency save from it before the job has saved again
 error instead of guessing.
 
 Format 3 changed only the file checksum: formats 1 and 2 record ``"sha256"`` (of the whole
-file); format 3 records ``"algorithm": "sha256-chunks"``, ``"chunk_bytes"`` and ``"digest"``
-(SHA-256 over the SHA-256 digests of the file's chunks, so that writers hash chunks in
-parallel while writing and readers verify them in parallel while reading:
-:mod:`spotrun.checkpoint.stream`). Every format is still read.
+file); format 3 records ``"algorithm": "blake3-chunks"``, ``"chunk_bytes"`` and ``"digest"``
+(BLAKE3 over the BLAKE3 digests of the file's chunks, so that writers hash chunks in
+parallel while writing and readers verify them in parallel while reading;
+``"sha256-chunks"``, the same with SHA-256, is also read: :mod:`spotrun.checkpoint.stream`).
+Every format is still read.
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ class FileRecord:
         rank: the rank that wrote it.
         size_bytes: exact size in bytes.
         digest: hex checksum of the file, by ``algorithm``.
-        algorithm: ``"sha256"`` (SHA-256 of the whole file; formats 1 and 2) or
-            ``"sha256-chunks"`` (format 3: SHA-256 of the concatenated SHA-256 digests of
-            the file's consecutive ``chunk_bytes`` chunks; :mod:`spotrun.checkpoint.stream`).
-        chunk_bytes: the chunk size of ``"sha256-chunks"``, ``None`` for ``"sha256"``.
+        algorithm: ``"sha256"`` (SHA-256 of the whole file; formats 1 and 2) or, since
+            format 3, ``"blake3-chunks"`` (written) or ``"sha256-chunks"``: the hash of the
+            concatenated hashes of the file's consecutive ``chunk_bytes`` chunks
+            (:mod:`spotrun.checkpoint.stream`).
+        chunk_bytes: the chunk size of a chunked algorithm, ``None`` for ``"sha256"``.
     """
 
     path: str
@@ -88,7 +90,7 @@ class FileRecord:
 
 
 #: Checksum algorithms a reader verifies.
-CHECKSUM_ALGORITHMS = frozenset({"sha256", "sha256-chunks"})
+CHECKSUM_ALGORITHMS = frozenset({"sha256", "sha256-chunks", "blake3-chunks"})
 
 
 @dataclass(frozen=True)

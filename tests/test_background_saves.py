@@ -160,7 +160,7 @@ def test_staging_buffers_are_allocated_once_and_reused(tmp_path):
         train_step(model, opt, step)
         ckpt.end_of_step(step)
         ckpt.wait_for_save()
-        pointers.append({n: b.data_ptr() for n, b in ckpt._background._staging._buffers.items()})
+        pointers.append({n: b.data_ptr() for n, (b, _pinned) in ckpt._background._staging._buffers.items()})
     assert pointers[0] and pointers[0] == pointers[1] == pointers[2]
     assert statuses(tmp_path) == {1: "complete", 2: "complete", 3: "complete"}
 

@@ -9,6 +9,7 @@ import os
 import pathlib
 import shutil
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -49,12 +50,11 @@ def test_streamed_shard_is_a_safetensors_file_with_exact_bytes(tmp_path, direct_
     assert set(back) == set(tensors)
     for name, tensor in tensors.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
-    # the chunked digest is SHA-256 over the SHA-256 of each 8 MiB piece of the file
-    import hashlib
+    # the chunked digest is BLAKE3 over the BLAKE3 of each 8 MiB piece of the file
     data = (tmp_path / "f.safetensors").read_bytes()
-    leaves = b"".join(hashlib.sha256(data[i:i + CHECKSUM_CHUNK_BYTES]).digest()
+    leaves = b"".join(blake3.blake3(data[i:i + CHECKSUM_CHUNK_BYTES]).digest()
                       for i in range(0, len(data), CHECKSUM_CHUNK_BYTES))
-    assert digests.hexdigest() == hashlib.sha256(leaves).hexdigest()
+    assert digests.hexdigest() == blake3.blake3(leaves).hexdigest()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
 
 
@@ -120,7 +120,7 @@ def test_manifest_records_the_chunked_checksum_per_file(tmp_path):
     doc = json.loads(manifest_path(tmp_path / "ck", 1).read_text())
     assert doc["format_version"] == 3
     for record in doc["files"]:
-        assert record["algorithm"] == "sha256-chunks" and record["chunk_bytes"] == CHECKSUM_CHUNK_BYTES
+        assert record["algorithm"] == "blake3-chunks" and record["chunk_bytes"] == CHECKSUM_CHUNK_BYTES
         assert len(record["digest"]) == 64 and "sha256" not in record
 
 
@@ -180,3 +180,25 @@ def test_a_shard_shorter_than_recorded_is_corrupt_not_a_crash(tmp_path):
     record = FileRecord("f", 0, source.size_bytes + 4, digests.hexdigest(), "sha256-chunks", CHECKSUM_CHUNK_BYTES)
     with pytest.raises(CorruptShardError, match="header describes|shorter"):
         read_shard_into(storage, "f", record, {"w": TensorRecord("f", "float32", [10])}, {}, where="f")
+
+
+def test_a_sha256_chunked_record_is_verified_too(tmp_path):
+    """The chunked construction with SHA-256 (format 3 allows it): read and verified."""
+    import hashlib
+
+    from spotrun.checkpoint.reader import read_shard_into
+    from spotrun.manifest import FileRecord, TensorRecord
+
+    storage = LocalStorage(str(tmp_path))
+    tensors = {"w": torch.randn(3 * 2**20)}
+    source = ShardSource(tensors, {})
+    storage.put_stream("f", source, chunk_bytes=CHECKSUM_CHUNK_BYTES)
+    data = (tmp_path / "f").read_bytes()
+    leaves = b"".join(hashlib.sha256(data[i:i + CHECKSUM_CHUNK_BYTES]).digest()
+                      for i in range(0, len(data), CHECKSUM_CHUNK_BYTES))
+    good = FileRecord("f", 0, len(data), hashlib.sha256(leaves).hexdigest(), "sha256-chunks", CHECKSUM_CHUNK_BYTES)
+    wanted = {"w": TensorRecord("f", "float32", [3 * 2**20])}
+    assert torch.equal(read_shard_into(storage, "f", good, wanted, {}, where="f")["w"], tensors["w"])
+    bad = FileRecord("f", 0, len(data), "0" * 64, "sha256-chunks", CHECKSUM_CHUNK_BYTES)
+    with pytest.raises(CorruptShardError, match="checksum"):
+        read_shard_into(storage, "f", bad, wanted, {}, where="f")

@@ -27,7 +27,7 @@ import torch
 
 from spotrun.checkpoint.dtypes import dtype_from_name, refusal
 from spotrun.checkpoint.shard import SAFETENSORS_MAX_HEADER_BYTES
-from spotrun.checkpoint.stream import SAFETENSORS_CODES, ChunkDigests, byte_view, chunk_ranges, copy_bytes
+from spotrun.checkpoint.stream import CHUNKED_BLAKE3, CHUNKED_SHA256, SAFETENSORS_CODES, ChunkDigests, byte_view, chunk_ranges, copy_bytes
 from spotrun.errors import CorruptShardError, ObjectTooShortError
 from spotrun.manifest import STORED_AS_BYTES, FileRecord, TensorRecord
 from spotrun.storage.base import Storage
@@ -90,7 +90,7 @@ def read_shard_into(
 
     Args:
         key: the file's storage key.
-        record: its manifest record (size, ``sha256-chunks`` digest, chunk size).
+        record: its manifest record (size, chunked digest (``blake3-chunks`` or ``sha256-chunks``), chunk size).
         wanted: name -> manifest record of each tensor to return (all in this file).
         destinations: name -> tensor to fill where it fits (contiguous, CPU, the recorded
             dtype and shape); others get new tensors.
@@ -149,7 +149,9 @@ def read_shard_into(
     if missing:
         raise CorruptShardError(f"{where}: tensor {missing[0]!r} is missing")
 
-    digests = ChunkDigests(size, chunk_bytes)
+    if record.algorithm not in (CHUNKED_BLAKE3, CHUNKED_SHA256):
+        raise CorruptShardError(f"{where}: checksum algorithm {record.algorithm!r} is not a chunked one")
+    digests = ChunkDigests(size, chunk_bytes, record.algorithm)
 
     def read_chunk(start: int, stop: int) -> None:
         held: list[memoryview | bytes] = []
@@ -189,7 +191,7 @@ def read_shard_into(
                                 thread_name_prefix="spotrun-read") as pool:
             for future in [pool.submit(read_chunk, a, b) for a, b in ranges]:
                 future.result()
-    if record.algorithm != "sha256-chunks" or digests.hexdigest() != record.digest:
+    if digests.hexdigest() != record.digest:
         raise CorruptShardError(f"{where}: checksum ({record.algorithm}) does not match the manifest's "
                                 f"{record.digest}")
     return tensors

@@ -39,7 +39,7 @@ from spotrun.checkpoint.dtypes import dtype_name, tensor_record, to_stored
 from spotrun.checkpoint.plan import assign_by_bytes
 from spotrun.checkpoint.restore import reject_step
 from spotrun.checkpoint.shard import ShardLimits, split_into_parts
-from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, CHUNKED_SHA256, ChunkDigests, ShardSource
+from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, CHUNKED_BLAKE3, ChunkDigests, ShardSource
 from spotrun.checkpoint.staging import StagingBuffers
 from spotrun.gc_pause import gc_paused
 from spotrun.errors import (
@@ -244,7 +244,7 @@ def write_shard(storage: Storage, prepared: PreparedSave, incarnation: int, part
         storage.put_stream(file_key(prepared.step, path), source, chunk_bytes=CHECKSUM_CHUNK_BYTES,
                            on_chunk=on_chunk)
         records.append(FileRecord(path=path, rank=prepared.rank, size_bytes=source.size_bytes,
-                                  digest=digests.hexdigest(), algorithm=CHUNKED_SHA256,
+                                  digest=digests.hexdigest(), algorithm=CHUNKED_BLAKE3,
                                   chunk_bytes=CHECKSUM_CHUNK_BYTES))
     return records
 
