@@ -32,7 +32,8 @@ from spotrun.checkpoint.layout import step_dir
 from spotrun.checkpoint.save import SaveProgress
 from spotrun.errors import CheckpointSaveError, ConfigError, FencedError, StorageError
 from spotrun.save_meter import SaveMeter
-from spotrun.storage import LocalStorage
+from spotrun.storage import LocalStorage, open_storage
+from tests.s3_server import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
 from tests.trainrun import kill_tree, start_supervised
 
 WORKER = str(Path(__file__).parent / "workers" / "bg_job.py")
@@ -102,8 +103,12 @@ def checkpointer(storage, model, opt, **options) -> spotrun.Checkpointer:
     return spotrun.Checkpointer({"model": model, "optimizer": opt}, storage=storage, handle_signals=False, **options)
 
 
-def statuses(root: Path) -> dict[int, str]:
-    return {s.step: s.status for s in catalog.list_steps(LocalStorage(str(root)))}
+def open_root(root: Path | str):
+    return open_storage(str(root)) if str(root).startswith("s3://") else LocalStorage(str(root))
+
+
+def statuses(root: Path | str) -> dict[int, str]:
+    return {s.step: s.status for s in catalog.list_steps(open_root(root))}
 
 
 def committed_statuses(root: Path) -> dict[int, str]:
@@ -454,10 +459,14 @@ def _torchrun(*args: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_background_write_under_spotrun_run_ends_with_the_logged_decision(tmp_path, processes):
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_sigterm_during_a_background_write_under_spotrun_run_ends_with_the_logged_decision(
+        tmp_path, processes, backend, request):
     """The save of step 6 is held on both ranks while training goes on to step 7, where the
-    workers wait for the supervisor's request (so every rank sees it at step 7)."""
-    out, ck, log_path = _out_dir(tmp_path, 2), tmp_path / "ck", tmp_path / "supervisor.log"
+    workers wait for the supervisor's request (so every rank sees it at step 7). On S3 the
+    held write is the background upload of the step's shards (moto on 127.0.0.1)."""
+    out, log_path = _out_dir(tmp_path, 2), tmp_path / "supervisor.log"
+    ck = f"{request.getfixturevalue('s3_bucket').uri}/ck" if backend == "s3" else tmp_path / "ck"
     proc = start_supervised(str(ck), _torchrun(str(ck), str(out), "--steps", "1000", "--interval", "3",
                                                "--gate-from", "6", "--hold-at", "7"),
                             extra_options=["--notice", "none"], log_path=log_path)
@@ -476,7 +485,7 @@ def test_sigterm_during_a_background_write_under_spotrun_run_ends_with_the_logge
     assert "finishing it, then saving step 7" in text
     assert "emergency checkpoint of step 7 is complete: exiting 143" in text
     assert statuses(ck) == {3: "complete", 6: "complete", 7: "complete"}
-    reasons = {s.step: s.reason for s in catalog.list_steps(LocalStorage(str(ck)))}
+    reasons = {s.step: s.reason for s in catalog.list_steps(open_root(ck))}
     assert reasons == {3: "periodic", 6: "periodic", 7: "emergency"}
 
 

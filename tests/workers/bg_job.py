@@ -2,7 +2,7 @@
 periodic saves, and holds the background write of one step until the test lets it go.
 
 Usage (alone, under torchrun, or under `spotrun run -- torchrun`):
-    python bg_job.py CKPT_DIR OUT_DIR --steps N --interval K [--gate-from S] [--gate-parts-from P]
+    python bg_job.py CKPT_DIR_OR_S3_URI OUT_DIR --steps N --interval K [--gate-from S] [--gate-parts-from P]
                      [--hold-at H] [--dump-at D ...] [--max-file-bytes B] [--slow-progress]
 
 * ``--gate-from S``: on this rank, the first save of a step >= S holds its shard writes (of
@@ -34,6 +34,7 @@ import spotrun
 from spotrun import control
 from spotrun.checkpoint import save as save_module
 from spotrun.storage import LocalStorage
+from spotrun.storage.s3 import S3Storage
 
 parser = argparse.ArgumentParser()
 parser.add_argument("ckpt_dir")
@@ -64,8 +65,9 @@ def write_atomically(path: str, text: str) -> None:
     os.replace(f"{path}.tmp", path)
 
 
-class GatedStorage(LocalStorage):
-    """Holds the shard writes of the first save of a step >= --gate-from until the test releases it."""
+class Gate:
+    """Holds the shard writes of the first save of a step >= --gate-from until the test releases it
+    (a mixin over a storage backend)."""
 
     gated_step = None
     released = False
@@ -98,7 +100,17 @@ class GatedStorage(LocalStorage):
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-ckpt = spotrun.Checkpointer({"model": model, "optimizer": opt}, storage=GatedStorage(args.ckpt_dir, fsync=False),
+class GatedStorage(Gate, LocalStorage):
+    pass
+
+
+class GatedS3Storage(Gate, S3Storage):
+    pass
+
+
+storage = GatedS3Storage.from_uri(args.ckpt_dir) if args.ckpt_dir.startswith("s3://") \
+    else GatedStorage(args.ckpt_dir, fsync=False)
+ckpt = spotrun.Checkpointer({"model": model, "optimizer": opt}, storage=storage,
                             interval_steps=args.interval, max_file_size_bytes=args.max_file_bytes)
 step = resumed = ckpt.restore()
 stopped = False
