@@ -526,12 +526,14 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the background save in flight (its failure is reported as in
-        :meth:`end_of_step`), then restore the signal handlers that were in place before
-        this Checkpointer."""
+        :meth:`end_of_step`), stop the background thread and free its process group and
+        staging buffers, then restore the signal handlers that were in place before this
+        Checkpointer. Safe to call twice; a later save starts them again."""
         if os.getpid() != self._owner_pid:
             return
         try:
             self._report_background(self._background.take())
         finally:
+            self._background.shutdown()
             self._requests.restore_signal_handlers()
 

@@ -258,6 +258,26 @@ def test_close_waits_for_the_save_in_flight(tmp_path):
     assert statuses(tmp_path) == {1: "complete"}  # committed when close() returned
 
 
+def test_close_leaves_no_background_thread_and_saving_again_starts_one(tmp_path):
+    """Nothing of a background save outlives close() (a thread or gloo group left to the
+    interpreter's exit can abort the process there); a later save starts them again."""
+    def spotrun_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("spotrun-")]
+
+    storage = GatedStorage(tmp_path)
+    model, opt = build()
+    ckpt = checkpointer(storage, model, opt, interval_steps=1)
+    ckpt.end_of_step(1)
+    ckpt.wait_for_save()
+    assert "spotrun-background-save" in spotrun_threads()
+    ckpt.close()
+    ckpt.close()  # twice is fine
+    assert spotrun_threads() == []
+    ckpt.end_of_step(2)
+    ckpt.close()
+    assert statuses(tmp_path) == {1: "complete", 2: "complete"} and spotrun_threads() == []
+
+
 def test_wait_for_save_re_raises_the_failure(tmp_path):
     storage = GatedStorage(tmp_path)
     storage.fail = True

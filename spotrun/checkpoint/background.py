@@ -14,14 +14,18 @@ is the :class:`~spotrun.checkpointer.Checkpointer`'s decision.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch.distributed as torch_dist
 
 from spotrun import dist
 from spotrun.checkpoint import in_flight
@@ -98,6 +102,7 @@ class BackgroundSaver:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._current: InFlightSave | None = None
+        atexit.register(_shutdown_if_idle, weakref.ref(self))  # a job that never called close()
 
     @property
     def in_flight(self) -> InFlightSave | None:
@@ -197,6 +202,25 @@ class BackgroundSaver:
         self._current = None
         return current
 
+    def shutdown(self) -> None:
+        """Stop the worker thread and free the process group, the staging buffers and their
+        copy threads (after :meth:`take`; a later :meth:`start` makes them again). Nothing of
+        a background save outlives :meth:`~spotrun.checkpointer.Checkpointer.close`: a gloo
+        group or thread left to the interpreter's exit can abort the process there."""
+        if self._current is not None:
+            raise RuntimeError(f"the save of step {self._current.step} is still in flight")
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+        if self._group is not None:
+            try:
+                torch_dist.destroy_process_group(self._group)
+            except (ValueError, RuntimeError, AssertionError):  # the application destroyed every group first
+                pass
+        self._group, self._group_made = None, False
+        self._staging.release()
+
     def _run(self) -> None:
         # Python runs signal handlers in the main thread whichever thread the kernel picks;
         # keep SIGCHLD for the main thread, whose emergency save blocks it (a dying loader
@@ -204,6 +228,8 @@ class BackgroundSaver:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         while True:
             job = self._jobs.get()
+            if job is None:  # shutdown()
+                return
             save = job.save
             try:
                 with job.storage.deadline(job.timeout_s):  # thread-local: entered on this thread
@@ -269,3 +295,16 @@ def settle(saver: BackgroundSaver, *, step: int, left_s: float, full_save_s: flo
     if dist.rank() == 0 and decision["why"]:
         in_flight_log.warning("%s", decision["why"])
     return choice, saver.take()
+
+
+def _shutdown_if_idle(saver_ref: weakref.ref) -> None:
+    """At interpreter exit: shut down a saver that has no save running (one still writing
+    is left alone: joining it could hang the exit)."""
+    saver = saver_ref()
+    if saver is None or saver.running:
+        return
+    saver._current = None  # an outcome nobody took: the process is ending
+    try:
+        saver.shutdown()
+    except Exception:  # noqa: BLE001 - never fail the exit
+        pass
