@@ -278,6 +278,30 @@ def test_close_leaves_no_background_thread_and_saving_again_starts_one(tmp_path)
     assert statuses(tmp_path) == {1: "complete", 2: "complete"} and spotrun_threads() == []
 
 
+def test_a_script_that_exits_without_close_still_commits_the_save_in_flight(tmp_path):
+    """The script ends right after end_of_step started a background save (no close()), and
+    the save's shard write only begins once the interpreter is exiting (the storage waits for
+    threading's shutdown flag): the exit waits for the save, says so, and the step commits."""
+    script = tmp_path / "noclose.py"
+    script.write_text(
+        "import sys, threading, time, torch, spotrun\n"
+        "from spotrun.storage import LocalStorage\n"
+        "class WritesDuringExit(LocalStorage):\n"
+        "    def put_stream(self, key, source, **kwargs):\n"
+        "        while not threading._SHUTTING_DOWN:  # set as the interpreter starts to exit\n"
+        "            time.sleep(0.01)\n"
+        "        super().put_stream(key, source, **kwargs)\n"
+        "model = torch.nn.Linear(1024, 4096)  # 16 MiB: a shard of several chunks\n"
+        "ckpt = spotrun.Checkpointer({'model': model}, storage=WritesDuringExit(sys.argv[1]), interval_steps=1)\n"
+        "ckpt.restore()\n"
+        "ckpt.end_of_step(1)\n")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], capture_output=True, text=True,
+                          timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "still being written: waiting for it (call Checkpointer.close() before exiting)" in done.stderr
+    assert statuses(tmp_path / "ck") == {1: "complete"}
+
+
 def test_wait_for_save_re_raises_the_failure(tmp_path):
     storage = GatedStorage(tmp_path)
     storage.fail = True

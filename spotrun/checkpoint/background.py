@@ -102,7 +102,7 @@ class BackgroundSaver:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._current: InFlightSave | None = None
-        atexit.register(_shutdown_if_idle, weakref.ref(self))  # a job that never called close()
+        _at_interpreter_exit(_finish_at_exit, weakref.ref(self))  # a job that never called close()
 
     @property
     def in_flight(self) -> InFlightSave | None:
@@ -297,14 +297,36 @@ def settle(saver: BackgroundSaver, *, step: int, left_s: float, full_save_s: flo
     return choice, saver.take()
 
 
-def _shutdown_if_idle(saver_ref: weakref.ref) -> None:
-    """At interpreter exit: shut down a saver that has no save running (one still writing
-    is left alone: joining it could hang the exit)."""
-    saver = saver_ref()
-    if saver is None or saver.running:
-        return
-    saver._current = None  # an outcome nobody took: the process is ending
+def _at_interpreter_exit(callback: Callable[..., None], *args: Any) -> None:
+    """Run ``callback(*args)`` when the interpreter starts to shut down, before thread pools
+    refuse new work (``concurrent.futures`` stops accepting jobs in the same phase: hooks
+    registered after its own run first); plain ``atexit`` where that hook is missing."""
+    register = getattr(threading, "_register_atexit", None)
     try:
+        if register is not None:
+            register(callback, *args)
+            return
+    except RuntimeError:  # shutdown already under way
+        return
+    atexit.register(callback, *args)
+
+
+def _finish_at_exit(saver_ref: weakref.ref) -> None:
+    """At interpreter exit, for a job that never called ``Checkpointer.close()``: let the save
+    in flight finish (its storage deadline bounds the wait; on several ranks every rank waits
+    likewise), then free the thread and the process group."""
+    saver = saver_ref()
+    if saver is None:
+        return
+    current = saver._current
+    try:
+        if current is not None and not current.done.is_set():
+            log.warning("the process is exiting with the background save of step %d still being written: "
+                        "waiting for it (call Checkpointer.close() before exiting)", current.step)
+            current.done.wait()
+        if current is not None and current.error is not None:
+            log.error("the background save of step %d failed: %s", current.step, current.error)
+        saver._current = None  # the process is ending: nobody else takes the outcome
         saver.shutdown()
     except Exception:  # noqa: BLE001 - never fail the exit
-        pass
+        log.exception("shutting down the background saver at exit")

@@ -203,7 +203,9 @@ class LocalStorage(Storage):
     def _stream_to(self, fd: int, source: ByteSource, chunk_bytes: int, on_chunk: ChunkCallback | None) -> None:
         size = source.size_bytes
         starts = list(range(0, size, chunk_bytes))
-        direct = self._direct_io and size >= DIRECT_IO_MIN_BYTES and _set_direct(fd, True)
+        # O_DIRECT needs every write to start at an aligned offset: chunks of an aligned size
+        direct = self._direct_io and size >= DIRECT_IO_MIN_BYTES and chunk_bytes % _DIRECT_ALIGN_BYTES == 0 \
+            and _set_direct(fd, True)
         buffer_bytes = -(-min(chunk_bytes, max(size, 1)) // _DIRECT_ALIGN_BYTES) * _DIRECT_ALIGN_BYTES
         buffers = [mmap.mmap(-1, buffer_bytes) for _ in range(min(len(starts), _FILL_AHEAD + 1))]
 
