@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -161,6 +163,14 @@ def test_every_step_corrupt_is_an_error_not_a_fresh_start(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(NoCheckpointError, match="tried steps"):
         checkpointer(tmp_path, *build()).restore()
+    # the step is now un-committed (corrupt): the next start still refuses to begin again at 0,
+    # and so does the supervisor, before it launches anything
+    with pytest.raises(NoCheckpointError, match=r"step\(s\) \[1\] failed verification.*refusing to start over"):
+        checkpointer(tmp_path, *build()).restore()
+    run = subprocess.run([sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", str(tmp_path), "--notice", "none",
+                          "--", sys.executable, "-c", "raise SystemExit(7)"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "refusing to start over from step 0" in run.stderr, run.stderr[-2000:]
+    assert "started pid" not in run.stderr
 
 
 def test_fresh_start_returns_zero(tmp_path):

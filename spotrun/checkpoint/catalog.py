@@ -33,7 +33,7 @@ from spotrun.checkpoint.layout import (
     parse_step_dir,
     step_dir,
 )
-from spotrun.errors import ManifestError, ObjectNotFoundError
+from spotrun.errors import ManifestError, NoCheckpointError, ObjectNotFoundError
 from spotrun.manifest import Manifest
 from spotrun.storage.base import ObjectInfo, Storage
 
@@ -212,3 +212,23 @@ def _check_manifest(storage: Storage, step: int, key: str, incarnation: int | No
                 manifest, key,
             )
     return result(COMPLETE, None, manifest, key)
+
+
+def refuse_start_over(storage: Storage, steps: list[StepInfo]) -> None:
+    """Refuse a fresh start where checkpoints exist but every one failed verification.
+
+    Starting over from step 0 would silently throw away the run (and a restart would do it
+    again every time): the operator decides.
+
+    Raises:
+        NoCheckpointError: ``steps`` has no complete step and some corrupt ones.
+    """
+    if any(s.status == COMPLETE for s in steps):
+        return
+    corrupt = [s for s in steps if s.status == CORRUPT]
+    if corrupt:
+        raise NoCheckpointError(
+            f"no checkpoint under {storage.uri} loads: step(s) {[s.step for s in corrupt]} failed verification "
+            f"(step {corrupt[-1].step}: {corrupt[-1].problem}); refusing to start over from step 0. To start "
+            f"over anyway, move {storage.uri} aside or delete those step directories"
+        )

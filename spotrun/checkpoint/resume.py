@@ -50,9 +50,13 @@ def load_newest(storage: Storage, *, supervisor_step: int | None,
             complete = _complete_newest_first(storage, supervisor_step)
             listing = {"steps": [(s.step, s.manifest_key) for s in complete]}
             listed = {s.step: s.manifest for s in complete[:1]}  # parsed already: not parsed again
+        except NoCheckpointError as exc:
+            listing = {"refused": str(exc)}
         except (SpotrunError, OSError) as exc:
             listing = {"error": f"{type(exc).__name__}: {exc}"}
     listing = dist.broadcast_json(listing)
+    if "refused" in listing:
+        raise NoCheckpointError(listing["refused"])
     if "error" in listing:
         raise StorageError(5, f"cannot list checkpoints under {storage.uri}: {listing['error']}")
     candidates = [step for step, _key in listing["steps"]]
@@ -81,7 +85,9 @@ def load_newest(storage: Storage, *, supervisor_step: int | None,
 
 
 def _complete_newest_first(storage: Storage, supervisor_step: int | None) -> list[catalog.StepInfo]:
-    complete = [s for s in catalog.list_steps(storage) if s.status == catalog.COMPLETE]
+    steps = catalog.list_steps(storage)
+    catalog.refuse_start_over(storage, steps)
+    complete = [s for s in steps if s.status == catalog.COMPLETE]
     complete.sort(key=lambda s: s.step, reverse=True)
     if supervisor_step is not None and complete and complete[0].step != supervisor_step:
         log.info("the supervisor chose step %d; the newest complete step is now %d",

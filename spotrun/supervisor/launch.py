@@ -51,8 +51,10 @@ def find_resume_point(storage: Storage) -> StepInfo | None:
 
     Raises:
         StorageError: listing the checkpoints failed.
+        NoCheckpointError: steps exist but every one failed verification (no fresh start).
     """
     steps = catalog.list_steps(storage)
+    catalog.refuse_start_over(storage, steps)
     complete = [s for s in steps if s.status == catalog.COMPLETE]
     resume = complete[-1] if complete else None
     floor = resume.step if resume else -1
