@@ -81,7 +81,7 @@ class Checkpointer:
             time left until the request's ``deadline_unix_s``.
         max_file_size_bytes: most bytes of one shard file (default 4 GiB); a rank whose
             tensors would pass it writes several files (a single larger tensor gets a file of
-            its own). One file's bytes are held in memory while it is written.
+            its own). Files are streamed: a save holds a bounded buffer, not a file.
         max_header_bytes: most bytes of one shard file's safetensors header (default
             16 MiB; at most safetensors' limit of 100 MB, about a million small tensors);
             a rank with more tensors writes several files.

@@ -102,7 +102,10 @@ class SaveEstimate:
         else:
             parts.append(f"{self.save_s:.1f} s to save {_amount(self.size_bytes)} at "
                          f"{_amount(self.throughput_bytes_per_s)}/s")
-        return f"{self.total_s:.1f} s ({', '.join(parts)}; from {self.basis})"
+        # a background save in flight goes on while the workers reach the boundary: the longer of the two counts
+        how = "the longer of the first two, then the save" if self.in_flight_step is not None and \
+            self.in_flight_background else "in sequence"
+        return f"{self.total_s:.1f} s ({', '.join(parts)}: {how}; from {self.basis})"
 
 
 def estimate_emergency_save(
