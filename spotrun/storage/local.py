@@ -27,6 +27,7 @@ import mmap
 import os
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from spotrun.errors import (
@@ -123,7 +124,9 @@ class LocalStorage(Storage):
 
     # --- writing --------------------------------------------------------------
 
-    def _write_temporary(self, key: str, data: memoryview) -> str:
+    def _write_temporary(self, key: str, write: Callable[[int], None]) -> str:
+        """A hidden temporary file beside ``key``'s, written by ``write(fd)`` and fsynced;
+        returns its path (removed again if anything fails)."""
         final = self._path(key)
         directory = os.path.dirname(final)
         os.makedirs(directory, exist_ok=True)
@@ -132,7 +135,7 @@ class LocalStorage(Storage):
         )
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            self._write_chunks(fd, data)
+            write(fd)
             if self._fsync:
                 os.fsync(fd)
         except BaseException:
@@ -157,11 +160,21 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def _put(self, key: str, data: memoryview) -> None:
+        self._put_written(key, lambda fd: self._write_chunks(fd, data))
+
+    def _put_written(self, key: str, write: Callable[[int], None]) -> None:
+        """Write a temporary file with ``write(fd)``, then rename it onto ``key`` (replacing)."""
         try:
-            tmp = self._write_temporary(key, data)
-            os.replace(tmp, self._path(key))
+            tmp = self._write_temporary(key, write)
+            try:
+                os.replace(tmp, self._path(key))
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
             self._sync_dir(key)
         except OSError as exc:
+            if isinstance(exc, StorageError):
+                raise
             raise _translate(exc, f"put {self._path(key)}", writing=True) from exc
 
     def _put_stream(self, key: str, source: ByteSource, chunk_bytes: int,
@@ -172,33 +185,7 @@ class LocalStorage(Storage):
         buffers and hash them (``on_chunk``) while this thread writes the previous one, so
         copying, hashing and the disk overlap; memory held: ``_FILL_AHEAD + 1`` chunks.
         """
-        final = self._path(key)
-        try:
-            directory = os.path.dirname(final)
-            os.makedirs(directory, exist_ok=True)
-            tmp = os.path.join(
-                directory, f".{os.path.basename(final)}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            )
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                self._stream_to(fd, source, chunk_bytes, on_chunk)
-                if self._fsync:
-                    os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                _unlink_quietly(tmp)
-                raise
-            os.close(fd)
-            try:
-                os.replace(tmp, final)
-            except BaseException:
-                _unlink_quietly(tmp)
-                raise
-            self._sync_dir(key)
-        except OSError as exc:
-            if not isinstance(exc, StorageError):
-                raise _translate(exc, f"put {final}", writing=True) from exc
-            raise
+        self._put_written(key, lambda fd: self._stream_to(fd, source, chunk_bytes, on_chunk))
 
     def _stream_to(self, fd: int, source: ByteSource, chunk_bytes: int, on_chunk: ChunkCallback | None) -> None:
         size = source.size_bytes
@@ -288,7 +275,7 @@ class LocalStorage(Storage):
     def _put_if_absent(self, key: str, data: memoryview) -> None:
         final = self._path(key)
         try:
-            tmp = self._write_temporary(key, data)
+            tmp = self._write_temporary(key, lambda fd: self._write_chunks(fd, data))
             try:
                 self._commit(tmp, final)
             finally:
