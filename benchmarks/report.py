@@ -94,12 +94,17 @@ def _scenario_tables(r: Results) -> None:
             print(f"  {figure:<30} {_median(values):8.3f} {_ratio(_median(values), dcp)} DCP")
     if r.s3:
         size = r.s3["bytes"][0]
-        print(f"\nS3 on moto (127.0.0.1), {size / MIB:.0f} MiB, MiB/s (x boto3)")
+        print(f"\nS3 on moto (127.0.0.1), {size / MIB:.0f} MiB, MiB/s (x boto3); CPU seconds of this "
+              "process (client) and of the moto server during each: the side a transfer waits on")
         up, down = _median(r.s3["boto3 upload_file"]), _median(r.s3["boto3 download_file"])
         for figure in ("spotrun save", "boto3 upload_file", "spotrun restore", "boto3 download_file"):
             seconds = _median(r.s3[figure])
             base = up if figure in ("spotrun save", "boto3 upload_file") else down
-            print(f"  {figure:<30} {size / MIB / seconds:8.1f} MiB/s {base / seconds:6.2f}x")
+            cpu = ""
+            if f"{figure} client cpu" in r.s3:
+                cpu = (f"   client {_median(r.s3[f'{figure} client cpu']):5.2f} s CPU, "
+                       f"server {_median(r.s3[f'{figure} server cpu']):5.2f} s CPU, wall {seconds:5.2f} s")
+            print(f"  {figure:<30} {size / MIB / seconds:8.1f} MiB/s {base / seconds:6.2f}x{cpu}")
 
 
 def _targets(r: Results) -> list[tuple[str, str, str]]:

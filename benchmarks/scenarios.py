@@ -15,7 +15,6 @@ import time
 import uuid
 from collections import defaultdict
 
-import torch
 
 from peers import fsync_path
 from tests.memory_probe import build_training_state, evict_from_page_cache
@@ -122,6 +121,33 @@ def _delete_prefix(client, bucket: str, prefix: str) -> None:
             client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
 
 
+def _server_cpu_s(url: str) -> float:
+    """CPU seconds used so far by the moto server listening at ``url`` (found by its port in
+    /proc; 0.0 where it cannot be found)."""
+    port = url.rsplit(":", 1)[-1].strip("/")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+            if not any(b"moto" in part for part in cmdline) or port.encode() not in cmdline:
+                continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            continue
+    return 0.0
+
+
+def _timed_with_cpu(samples: dict[str, list[float]], figure: str, fn, url: str) -> None:
+    """Wall seconds, and apart from them this process's and the server's CPU seconds: which
+    side a transfer waits on."""
+    client_cpu_s, server_cpu_s = time.process_time(), _server_cpu_s(url)
+    _timed(samples, figure, fn)
+    samples[f"{figure} client cpu"].append(time.process_time() - client_cpu_s)
+    samples[f"{figure} server cpu"].append(_server_cpu_s(url) - server_cpu_s)
+
+
 def s3(size_mib: float, rounds: int) -> dict[str, list[float]]:
     """Against a moto server started here on 127.0.0.1: spotrun ``save``/``restore`` of a
     training state vs boto3's ``upload_file``/``download_file`` of as many bytes (both with
@@ -150,11 +176,11 @@ def s3(size_mib: float, rounds: int) -> dict[str, list[float]]:
                 for value in model.state_dict().values():
                     f.write(value.numpy().tobytes())
             for step in range(1, rounds + 1):
-                _timed(samples, "spotrun save", lambda: ckpt.save(step))
-                _timed(samples, "spotrun restore", ckpt.restore)
-                _timed(samples, "boto3 upload_file", lambda: client.upload_file(blob, bucket, "blob"))
-                _timed(samples, "boto3 download_file",
-                       lambda: client.download_file(bucket, "blob", os.path.join(scratch, "copy")))
+                _timed_with_cpu(samples, "spotrun save", lambda: ckpt.save(step), url)
+                _timed_with_cpu(samples, "spotrun restore", ckpt.restore, url)
+                _timed_with_cpu(samples, "boto3 upload_file", lambda: client.upload_file(blob, bucket, "blob"), url)
+                _timed_with_cpu(samples, "boto3 download_file",
+                                lambda: client.download_file(bucket, "blob", os.path.join(scratch, "copy")), url)
                 os.unlink(os.path.join(scratch, "copy"))
                 _delete_prefix(client, bucket, f"spotrun/step-{step:09d}/")
             samples["bytes"] = [float(os.path.getsize(blob))]
