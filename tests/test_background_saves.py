@@ -261,8 +261,10 @@ def test_close_waits_for_the_save_in_flight(tmp_path):
 def test_close_leaves_no_background_thread_and_saving_again_starts_one(tmp_path):
     """Nothing of a background save outlives close() (a thread or gloo group left to the
     interpreter's exit can abort the process there); a later save starts them again."""
+    earlier = set(threading.enumerate())  # other tests' checkpointers may still hold threads
+
     def spotrun_threads() -> list[str]:
-        return [t.name for t in threading.enumerate() if t.name.startswith("spotrun-")]
+        return [t.name for t in threading.enumerate() if t.name.startswith("spotrun-") and t not in earlier]
 
     storage = GatedStorage(tmp_path)
     model, opt = build()
