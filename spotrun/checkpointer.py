@@ -30,17 +30,18 @@ from typing import Any
 from spotrun import control, dist
 from spotrun.checkpoint import resume
 from spotrun.checkpoint.background import BackgroundSaver, InFlightSave, settle
-from spotrun.checkpoint.restore import LoadedStep
-from spotrun.checkpoint.save import SaveContext, encode_state, save_step
+from spotrun.checkpoint.apply import apply_loaded, check_serialisable, live_tensors
+from spotrun.checkpoint.encode import encode_state
+from spotrun.checkpoint.save import SaveContext, save_step
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES, ShardLimits
 from spotrun.manifest import Manifest
 from spotrun.gc_pause import gc_paused
 from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv
 from spotrun.save_meter import SaveMeter
-from spotrun.errors import CheckpointSaveError, ConfigError, SaveAbortedError, SpotrunError, StateMismatchError
+from spotrun.errors import CheckpointSaveError, ConfigError, SaveAbortedError
 from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState
 from spotrun.state.rng import RNGState
-from spotrun.state.stateful import load_into, state_of
+from spotrun.state.stateful import state_of
 from spotrun.stop_requests import StopRequests
 from spotrun.storage import Storage, open_storage
 
@@ -209,7 +210,7 @@ class Checkpointer:
             NoCheckpointError: complete steps exist but none of them loads.
         """
         step, manifest = self._restore()
-        self._check_serialisable()  # refused before this start leaves any trace on the root
+        check_serialisable(self._state, self._rank_state)  # refused before this start leaves any trace on the root
         self._incarnation = resume.claim_incarnation(
             self._storage, resumed_step=step if manifest else None, run_id=self._run_id,
             at_least=max(self._env.incarnation, manifest.incarnation + 1 if manifest else 0))
@@ -218,56 +219,19 @@ class Checkpointer:
                      else f"no checkpoint under {self._storage.uri}: starting from step 0", self._incarnation)
         return step
 
-    def _check_serialisable(self) -> None:
-        """Fail before training starts, not at the first save hours later."""
-        encode_state(
-            {name: state_of(obj) for name, obj in self._state.items()},
-            {name: state_of(obj) for name, obj in self._rank_state.items()},
-            dist.rank(),
-        )
-
     def _restore(self) -> tuple[int, Manifest | None]:
         """Load the newest loadable complete step: (its step and manifest), or (0, None)."""
         loaded = resume.load_newest(self._storage, supervisor_step=self._env.resume_step,
-                                    destinations=self._restore_destinations())
+                                    destinations=live_tensors(self._state, self._rank_state))
         if loaded is None:
             return 0, None
-        self._apply(loaded)
+        apply_loaded(loaded, self._state, self._rank_state)
         step = loaded.manifest.step
         self._last_saved_step = step
         timing = loaded.manifest.timing
         self._meter.restored(timing.step_time_s if timing is not None else None)
         self._run_id = self._env.run_id or loaded.manifest.run_id or self._run_id
         return step, loaded.manifest
-
-    def _restore_destinations(self) -> dict:
-        """The live tensors by encoded name, for a restore to read straight into (no copy
-        through fresh memory); empty when the state cannot be encoded (reported later)."""
-        try:
-            encoded = encode_state({name: state_of(obj) for name, obj in self._state.items()},
-                                   {name: state_of(obj) for name, obj in self._rank_state.items()}, dist.rank())
-        except SpotrunError:
-            return {}
-        return {**encoded.tensors, **encoded.rank_tensors}
-
-    def _apply(self, loaded: LoadedStep) -> None:
-        extra = sorted(set(loaded.replicated) - set(self._state))
-        if extra and dist.rank() == 0:
-            log.warning("checkpoint step %d also holds state %s, which this job does not restore",
-                        loaded.manifest.step, extra)
-        for name, obj in self._state.items():
-            if name not in loaded.replicated:
-                raise StateMismatchError(
-                    f"checkpoint step {loaded.manifest.step} has no state named {name!r} "
-                    f"(it has {sorted(loaded.replicated)})"
-                )
-            load_into(name, obj, loaded.replicated[name])
-        for name, obj in self._rank_state.items():  # RNG last: nothing may draw after it
-            if name == NUMERICS_STATE_NAME and name not in loaded.rank_local:
-                continue  # written before spotrun recorded these settings
-            if name not in loaded.rank_local:
-                raise StateMismatchError(f"checkpoint lacks this rank's state {name!r}")
-            load_into(name, obj, loaded.rank_local[name])
 
     # --- saving ---------------------------------------------------------------
 

@@ -22,8 +22,6 @@ own process group, while training continues.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 import time
@@ -35,7 +33,8 @@ import torch
 from spotrun import __version__, dist
 from spotrun.checkpoint.layout import file_key, manifest_key, shard_part_name
 from spotrun.checkpoint import catalog, fencing
-from spotrun.checkpoint.dtypes import dtype_name, tensor_record, to_stored
+from spotrun.checkpoint.dtypes import tensor_record, to_stored
+from spotrun.checkpoint.encode import EncodedState, encode_state, structure_digest
 from spotrun.checkpoint.plan import assign_by_bytes
 from spotrun.checkpoint.restore import reject_step
 from spotrun.checkpoint.shard import ShardLimits, split_into_parts
@@ -51,77 +50,9 @@ from spotrun.errors import (
     StateMismatchError,
 )
 from spotrun.manifest import FileRecord, Manifest, SaveTiming, TensorRecord
-from spotrun.state import tree
 from spotrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EncodedState:
-    """Replicated and rank-local state split into JSON skeletons and tensors.
-
-    Attributes:
-        skeleton: JSON skeleton of the replicated state, keyed by top-level name.
-        tensors: replicated tensors by name, aliases (tied weights) removed.
-        aliases: alias name -> canonical name, for tensors that are the same tensor.
-        rank_skeleton: JSON skeleton of this rank's own state.
-        rank_tensors: this rank's own tensors by name.
-    """
-
-    skeleton: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
-    aliases: dict[str, str]
-    rank_skeleton: dict[str, Any]
-    rank_tensors: dict[str, torch.Tensor]
-
-
-def encode_state(replicated: dict[str, Any], rank_local: dict[str, Any], rank: int) -> EncodedState:
-    """Encode state dicts (values already produced by ``state_dict()``).
-
-    Raises:
-        StateSerializationError: a value is neither a tensor nor JSON; names its key.
-    """
-    skeleton: dict[str, Any] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    for name, value in replicated.items():
-        skeleton[name], found = tree.encode(value, name)
-        tensors.update(found)
-    tensors, aliases = _dedupe(tensors)
-    rank_prefix = f"rank-{rank:05d}"
-    rank_skeleton: dict[str, Any] = {}
-    rank_tensors: dict[str, torch.Tensor] = {}
-    for name, value in rank_local.items():
-        rank_skeleton[name], found = tree.encode(value, f"{rank_prefix}/{name}")
-        rank_tensors.update(found)
-    return EncodedState(skeleton, tensors, aliases, rank_skeleton, rank_tensors)
-
-
-def _dedupe(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Store each distinct tensor once: tied weights (same storage, same view) become aliases."""
-    canonical: dict[tuple, str] = {}
-    unique: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    for name, t in tensors.items():
-        if t.numel() == 0:
-            unique[name] = t
-            continue
-        identity = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-        if identity in canonical:
-            aliases[name] = canonical[identity]
-        else:
-            canonical[identity] = name
-            unique[name] = t
-    return unique, aliases
-
-
-def _structure_digest(encoded: EncodedState) -> str:
-    layout = {
-        "skeleton": encoded.skeleton,
-        "aliases": encoded.aliases,
-        "tensors": {n: (dtype_name(t.dtype), t.shape) for n, t in encoded.tensors.items()},  # sort_keys sorts
-    }
-    return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
 
 
 class SaveProgress:
@@ -338,7 +269,7 @@ def commit_save(
         encoded = prepared.encoded
         assert encoded is not None
         # compared between ranks; one rank has nothing to compare
-        first = {"digest": _structure_digest(encoded) if world_size > 1 else ""}
+        first = {"digest": structure_digest(encoded) if world_size > 1 else ""}
         if rank == 0:
             try:
                 first["committed"] = _clear_the_way(storage, step, context.incarnation)
