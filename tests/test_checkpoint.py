@@ -16,7 +16,7 @@ from safetensors import safe_open
 import spotrun
 from spotrun.checkpoint import catalog
 from tests.ckpt_files import manifest_path, shard_path
-from spotrun.checkpoint.shard import encode_shard
+from spotrun.checkpoint.stream import ShardSource
 from spotrun.errors import NoCheckpointError, StateMismatchError, StateSerializationError
 from spotrun.storage import LocalStorage
 
@@ -205,19 +205,27 @@ def test_periodic_saves_follow_interval(tmp_path):
     assert [s.step for s in catalog.list_steps(LocalStorage(str(tmp_path)))] == [3, 6]
 
 
+def shard_bytes(tensors: dict, metadata: dict) -> bytes:
+    """The bytes the writer streams for one shard file."""
+    source = ShardSource(tensors, metadata)
+    out = bytearray(source.size_bytes)
+    source.readinto(0, memoryview(out))
+    return bytes(out)
+
+
 def test_c11_metadata_values_are_strings_and_empty_shard_opens(tmp_path):
-    data = encode_shard({"w": torch.ones(2)}, {"step": 7, "ratio": 0.5, "ok": True})
+    data = shard_bytes({"w": torch.ones(2)}, {"step": 7, "ratio": 0.5, "ok": True})
     path = tmp_path / "a.safetensors"
     path.write_bytes(data)
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata() == {"step": "7", "ratio": "0.5", "ok": "True"}
         assert torch.equal(f.get_tensor("w"), torch.ones(2))
     empty = tmp_path / "empty.safetensors"
-    empty.write_bytes(encode_shard({}, {"rank": 1}))
+    empty.write_bytes(shard_bytes({}, {"rank": 1}))
     with safe_open(str(empty), framework="pt") as f:
         assert list(f.keys()) == [] and f.metadata() == {"rank": "1"}
     with pytest.raises(StateSerializationError):
-        encode_shard({}, {3: "x"})
+        shard_bytes({}, {3: "x"})
 
 
 def test_rng_states_are_restored(tmp_path):

@@ -1,13 +1,10 @@
-"""One rank's shard files: safetensors bytes, checksum, verification, splitting.
-
-safetensors requires header metadata values to be strings (field case C11): every
-value is converted with ``str`` here and a non-string key is refused, so a file that
-cannot be read back is never written. A rank that owns no tensors still writes a
-valid, openable shard (an empty safetensors file), and the manifest lists it.
+"""One rank's shard files: how they are split, and the whole-file checks of formats 1-2.
 
 A rank's tensors are split over several files (:func:`split_into_parts`) when one file
 would pass :class:`ShardLimits`: safetensors refuses to read a header over 100 MB (about
-a million small tensors), and one file's bytes are held in memory while it is written.
+a million small tensors). The files themselves are streamed by
+:class:`~spotrun.checkpoint.stream.ShardSource` (which converts header metadata values to
+strings, field case C11, and writes a valid empty file for a rank without tensors).
 """
 
 from __future__ import annotations
@@ -19,9 +16,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
-from safetensors.torch import save as safetensors_save
 
-from spotrun.errors import ConfigError, CorruptShardError, StateSerializationError
+from spotrun.errors import ConfigError, CorruptShardError
 from spotrun.manifest import FileRecord
 
 #: safetensors refuses to read a file whose JSON header is larger than this.
@@ -98,29 +94,6 @@ def split_into_parts(tensors: dict[str, torch.Tensor], limits: ShardLimits) -> l
         header += entry
         data += nbytes
     return parts
-
-
-def encode_shard(tensors: dict[str, torch.Tensor], metadata: dict[str, object]) -> bytes:
-    """Serialise CPU tensors into safetensors bytes.
-
-    Args:
-        tensors: name -> contiguous CPU tensor of a native dtype (see
-            :mod:`spotrun.checkpoint.dtypes`; others are passed in their stored form).
-        metadata: header metadata; values are converted to ``str``.
-
-    Raises:
-        StateSerializationError: a metadata key is not a string, or safetensors refuses a
-            tensor (unsupported dtype); the message names it.
-    """
-    header: dict[str, str] = {}
-    for key, value in metadata.items():
-        if not isinstance(key, str):
-            raise StateSerializationError(f"safetensors metadata key {key!r} is not a string")
-        header[key] = value if isinstance(value, str) else str(value)
-    try:
-        return safetensors_save(tensors, metadata=header)
-    except (SafetensorError, ValueError, TypeError) as exc:
-        raise StateSerializationError(f"safetensors cannot store this shard: {exc}") from exc
 
 
 def sha256_hex(data: bytes | memoryview) -> str:
