@@ -21,28 +21,29 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
-import time
 import uuid
 from typing import Any
 
 from spotrun import control, dist
 from spotrun.checkpoint import resume
-from spotrun.checkpoint.background import BackgroundSaver, InFlightSave, settle
+from spotrun.checkpoint.background import BackgroundSaver
 from spotrun.checkpoint.apply import apply_loaded, check_serialisable, live_tensors
 from spotrun.checkpoint.encode import encode_state
 from spotrun.checkpoint.save import SaveContext, save_step
+from spotrun.checkpoint.sharded import is_dtensor, mesh_description
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES, ShardLimits
 from spotrun.manifest import Manifest
 from spotrun.gc_pause import gc_paused
 from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv
+from spotrun.rank_layout import restored_onto
 from spotrun.save_meter import SaveMeter
-from spotrun.errors import CheckpointSaveError, ConfigError, SaveAbortedError
+from spotrun.errors import CheckpointSaveError, ConfigError
 from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState
+from spotrun.state.optimizer import OptimizerState, pair_optimizers
 from spotrun.state.rng import RNGState
 from spotrun.state.stateful import state_of
 from spotrun.stop_requests import StopRequests
+from spotrun.stopping import StoppingMixin
 from spotrun.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
@@ -53,15 +54,19 @@ DEFAULT_SAVE_TIMEOUT_S = 300.0
 ON_SAVE_IN_FLIGHT = ("wait", "skip")
 
 
-class Checkpointer:
+class Checkpointer(StoppingMixin):
     """Saves and restores the whole training state of every rank.
 
     Args:
         state: name -> object to checkpoint. Objects with ``state_dict()`` /
             ``load_state_dict()`` (model, optimizer, LR scheduler, gradient scaler,
             :class:`spotrun.data.ResumableDataLoader`) or plain dicts of tensors and
-            JSON values. This state must be identical on every rank (DDP replicas): it
-            is written once in total, spread over the ranks by bytes.
+            JSON values. Plain tensors must be identical on every rank (DDP replicas):
+            they are written once in total, spread over the ranks by bytes. DTensors
+            (FSDP2, tensor parallel, HSDP) are written by the ranks that hold them, each
+            chunk once, and load into any layout (:mod:`spotrun.checkpoint.sharded`). An
+            optimizer whose parameters belong to a module in ``state`` is saved keyed by
+            parameter name (:mod:`spotrun.state.optimizer`).
         uri: checkpoint root; default ``$SPOTRUN_CHECKPOINT_URI``, else ``./checkpoints``.
         interval_steps: save every this many steps in :meth:`end_of_step`; 0 = never.
         rank_state: name -> object whose state differs per rank (saved by each rank).
@@ -132,7 +137,8 @@ class Checkpointer:
         if on_save_in_flight not in ON_SAVE_IN_FLIGHT:
             raise ConfigError(f"on_save_in_flight must be one of {ON_SAVE_IN_FLIGHT}, got {on_save_in_flight!r}")
         self._limits = ShardLimits(max_file_size_bytes=max_file_size_bytes, max_header_bytes=max_header_bytes)
-        self._state = dict(state)
+        # optimizers keyed by parameter name (DCP's state_dict helpers): any layout loads them
+        self._state = pair_optimizers(dict(state))
         self._rank_state = {**(rank_state or {}), NUMERICS_STATE_NAME: NumericsState(), "rng": RNGState()}
         self._env = WorkerEnv.from_environ()
         self._storage = storage or open_storage(uri or self._env.checkpoint_uri or DEFAULT_CHECKPOINT_URI)
@@ -154,6 +160,9 @@ class Checkpointer:
                                 check_interval_steps=check_interval_steps)
         self._background = BackgroundSaver(self._meter)
         self.preempted = False
+        #: Bytes this rank read from storage in :meth:`restore` (format-4 steps; 0 before).
+        self.restore_bytes_read = 0
+        self._meshes_now: list[dict[str, Any]] = []  # of the state's DTensors, found by a restore
         self._requests = StopRequests(self._env, handle_signals=handle_signals)
 
     # --- properties -----------------------------------------------------------
@@ -203,8 +212,9 @@ class Checkpointer:
             The restored step, or 0 when there is nothing to resume.
 
         Raises:
-            StateMismatchError: the checkpoint does not fit these objects (other world size,
-                a missing top-level name, keys a module or optimizer does not accept).
+            StateMismatchError: the checkpoint does not fit these objects (a tensor of another global shape,
+                a missing top-level name, keys a module or optimizer does not accept); another world
+                size or layout is resharded, not refused.
             StateSerializationError: a state value could never be saved (checked here, before
                 training starts, so the first save does not fail hours later).
             NoCheckpointError: complete steps exist but none of them loads.
@@ -222,16 +232,33 @@ class Checkpointer:
     def _restore(self) -> tuple[int, Manifest | None]:
         """Load the newest loadable complete step: (its step and manifest), or (0, None)."""
         loaded = resume.load_newest(self._storage, supervisor_step=self._env.resume_step,
-                                    destinations=live_tensors(self._state, self._rank_state))
+                                    destinations=self._destinations)
         if loaded is None:
             return 0, None
         apply_loaded(loaded, self._state, self._rank_state)
+        self.restore_bytes_read = loaded.bytes_read
         step = loaded.manifest.step
+        if dist.rank() == 0:
+            log.info("%s", restored_onto(step, loaded.manifest.world_size, loaded.manifest.meshes, dist.world_size(),
+                                         self._meshes_now))
         self._last_saved_step = step
         timing = loaded.manifest.timing
         self._meter.restored(timing.step_time_s if timing is not None else None)
         self._run_id = self._env.run_id or loaded.manifest.run_id or self._run_id
         return step, loaded.manifest
+
+    def _destinations(self) -> dict:
+        """The live tensors a restore reads into; optimizers that have not stepped get their
+        state tensors first (placed like their parameters), once a step is to be loaded."""
+        for obj in self._state.values():
+            if isinstance(obj, OptimizerState):
+                obj.prepare_for_restore()
+        tensors = live_tensors(self._state, self._rank_state)
+        self._meshes_now = []
+        for tensor in tensors.values():
+            if is_dtensor(tensor) and mesh_description(tensor) not in self._meshes_now:
+                self._meshes_now.append(mesh_description(tensor))
+        return tensors
 
     # --- saving ---------------------------------------------------------------
 
@@ -294,14 +321,6 @@ class Checkpointer:
         elif self.interval_steps and step % self.interval_steps == 0:
             self._periodic_save(step, "periodic", still_running)
         return False
-
-    def _stop_step_reached(self, step: int) -> bool:
-        """Whether ``$SPOTRUN_STOP_AT_STEP`` asks to stop at ``step`` (``step >=`` it).
-
-        Every rank reads the same variable and is at the same step, so the ranks agree
-        without a collective.
-        """
-        return self._env.stop_at_step is not None and step >= self._env.stop_at_step
 
     @gc_paused()
     def save(self, step: int, reason: str = "manual", *, timeout_s: float | None = None) -> None:
@@ -393,32 +412,6 @@ class Checkpointer:
             self._count_failed_periodic_save(step, exc)
         return True
 
-    def _report_background(self, ended: InFlightSave | None, *, count_failure: bool = True) -> None:
-        """Act on the outcome of a background save that ended (the same step on every rank):
-        a commit is the newest saved step; a failure counts as a failed periodic save (or
-        raises, see :meth:`end_of_step`); an abandoned save (on purpose) is only logged."""
-        if ended is None:
-            return
-        if ended.error is None:
-            self._last_saved_step = ended.step
-            self._failed_periodic_saves = 0
-            return
-        if isinstance(ended.error, SaveAbortedError):
-            if dist.rank() == 0:
-                log.warning("background save of step %d abandoned: nothing of it was committed", ended.step)
-            return
-        if not isinstance(ended.error, CheckpointSaveError) or not count_failure:
-            raise ended.error
-        self._count_failed_periodic_save(ended.step, ended.error)
-
-    def _count_failed_periodic_save(self, step: int, exc: CheckpointSaveError) -> None:
-        if not exc.retryable:  # a newer start owns the root, or the store cannot commit
-            raise exc
-        self._failed_periodic_saves += 1
-        log.error("periodic save of step %d failed (%d in a row): %s", step, self._failed_periodic_saves, exc)
-        if self._failed_periodic_saves > self.max_failed_periodic_saves:
-            raise exc
-
     def wait_for_save(self) -> None:
         """Block until the background save in flight (if any) ended on this rank (call it
         on every rank at the same point, as :meth:`save`).
@@ -429,59 +422,6 @@ class Checkpointer:
             FencedError: a newer incarnation started on the root; nothing was committed.
         """
         self._report_background(self._background.take(), count_failure=False)
-
-    def _emergency_save(self, step: int, why: str | None = None) -> None:
-        if dist.rank() == 0:
-            log.warning("save requested (%s): emergency checkpoint of step %d",
-                        why or self._requests.describe(), step)
-        # A dying DataLoader worker sends SIGCHLD, whose torch handler raises in this
-        # thread; keep it from aborting the save. The process exits right after.
-        previous_mask = None
-        if threading.current_thread() is threading.main_thread():
-            previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-        try:
-            save = True
-            timeout_s = self._requests.emergency_timeout_s(self.save_timeout_s)
-            if self.background_saves:
-                save, timeout_s = self._settle_in_flight(step, timeout_s, may_save=True)
-            if save and self._last_saved_step != step:
-                self.save(step, reason="emergency", timeout_s=timeout_s)
-        except BaseException:
-            if previous_mask is not None:  # the process goes on (or unwinds): give SIGCHLD back
-                signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
-            raise
-        self.preempted = True
-        if self._env.control_dir and dist.local_rank() == 0:
-            if save:
-                control.write_commit_report(self._env.control_dir, step)
-            else:  # this step is lost; the save that was in flight (if it committed) is the resume point
-                control.write_stop_report(self._env.control_dir, step)
-
-    def _settle_in_flight(self, step: int, timeout_s: float, *, may_save: bool) -> tuple[bool, float]:
-        """Finish or abandon the background save in flight before the job stops (collective);
-        returns (whether to save ``step`` now, the seconds left for that save)."""
-        end_s = time.monotonic() + timeout_s
-        choice, ended = settle(self._background, step=step, left_s=timeout_s,
-                                         full_save_s=self._meter.full_save_s(), may_save=may_save)
-        try:
-            self._report_background(ended)
-        except CheckpointSaveError as exc:  # it failed: stopping anyway, saving this step if chosen
-            if not exc.retryable:
-                raise
-        return choice.saves_current_step, end_s - time.monotonic()
-
-    def _stop_without_save(self, step: int) -> None:
-        if self.background_saves:
-            self._settle_in_flight(step, self._requests.emergency_timeout_s(self.save_timeout_s), may_save=False)
-        if dist.rank() == 0:
-            log.warning(
-                "stop requested without a save (%s): stopping after step %d; the newest complete "
-                "checkpoint (step %s here) stays the resume point",
-                self._requests.describe(), step, self._last_saved_step,
-            )
-        self.preempted = True
-        if self._env.control_dir and dist.local_rank() == 0:
-            control.write_stop_report(self._env.control_dir, step)
 
     @property
     def step_time_s(self) -> float | None:

@@ -5,7 +5,8 @@
     spotrun drill [options] -- LAUNCH_COMMAND... rehearse a preemption (fake cloud notice) and a
                                                  restart on your own job, compare with an
                                                  uninterrupted run; report the phases
-    spotrun ls URI [--json]                      list the checkpoints under URI
+    spotrun ls URI [--json]                      list the checkpoints under URI: status, layout
+                                                 (world size, mesh shapes), size, time
     spotrun preflight URI                        check that URI can be written, read,
                                                  listed and deleted (``run`` does it first)
 
@@ -263,21 +264,29 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         if not isinstance(storage, LocalStorage) and not storage.list(""):
             raise ObjectNotFoundError(errno.ENOENT, f"nothing is stored under {storage.uri} (no such prefix)")
     if args.json:
-        print(json.dumps([s.to_json() for s in steps], indent=1))
+        print(json.dumps([{**s.to_json(), "meshes": s.manifest.meshes if s.manifest else None,
+                           "layout": _layout(s)} for s in steps], indent=1))
         return 0
     if not steps:
         print(f"no checkpoints under {storage.uri}")
         return 0
-    rows = [("STEP", "STATUS", "WORLD", "SIZE", "TIME (UTC)", "REASON", "PROBLEM")]
+    rows = [("STEP", "STATUS", "LAYOUT", "SIZE", "TIME (UTC)", "REASON", "PROBLEM")]
     for s in steps:
         rows.append((
-            str(s.step), s.status, "-" if s.world_size is None else str(s.world_size),
+            str(s.step), s.status, _layout(s) or "-",
             human_size(s.size_bytes), utc_iso(s.created_unix_s), s.reason or "-", s.problem or "-",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
     return 0
+
+
+def _layout(step) -> str | None:
+    """A listed step's layout (``"4 ranks, mesh 2x2"``); ``None`` without a readable manifest."""
+    from spotrun.rank_layout import describe_layout
+
+    return None if step.manifest is None else describe_layout(step.manifest.world_size, step.manifest.meshes)
 
 
 def _cmd_preflight(args: argparse.Namespace) -> int:

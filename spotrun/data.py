@@ -1,17 +1,28 @@
-"""Data order that resumes exactly: a distributed sampler and loader that know their position.
+"""Data order that resumes exactly, also at another world size.
 
 :class:`ResumableDataLoader` is a :class:`torch.utils.data.DataLoader` over a map-style dataset
 that shards the samples over ranks like :class:`~torch.utils.data.DistributedSampler` and counts
-the batches it has handed to the training loop. Its ``state_dict()`` (epoch and batches consumed,
-plus the settings that fix the order) is plain JSON and identical on every rank, so a checkpoint
-stores it once as replicated state. After ``load_state_dict()`` the next batch is exactly the one
-an uninterrupted run would have seen next.
+the batches it has handed to the training loop. Its ``state_dict()`` records the *global*
+position (epoch and samples consumed on all ranks together, plus the settings that fix the
+order; see :mod:`spotrun.data_state`); it is plain JSON and identical on every rank, so a
+checkpoint stores it once as replicated state. After ``load_state_dict()`` the next global batch
+is exactly the one an uninterrupted run would have seen next, at the same or another world size.
 
 How the order is made: epoch ``e`` is ``torch.randperm(dataset_len)`` drawn from a private
-generator seeded with ``seed + e`` (the same permutation ``DistributedSampler`` draws), padded
-or cut to a multiple of the world size, and rank ``r`` takes ``indices[r::num_replicas]``.
-A resume skips the consumed samples in the sampler, so nothing is loaded twice. The global
-torch RNG is never used, so iterating does not shift the training's own random numbers.
+generator seeded with ``seed + e`` (the same permutation ``DistributedSampler`` draws). It is
+padded (repeating from the epoch's start) or, with ``drop_last``, cut to a whole number of
+*global batches* of ``G = batch_size * world_size`` samples. Global batch ``k`` is
+``order[k*G:(k+1)*G]``, and rank ``r`` of ``W`` takes its positions ``r, r+W, r+2W, ...``. The
+global batches therefore depend on ``G`` only, never on ``W``: a resume at another world size
+with the same ``G`` deals the rest of the epoch out to the new ranks, every sample consumed
+exactly once, in the same global batches. For every full batch this is the order of
+``DistributedSampler`` (``order[r::W]``, batched); only the tail of an epoch changed from
+spotrun's first data order: without ``drop_last`` the last global batch is now filled up from
+the epoch's start, so every rank's last batch has ``batch_size`` samples (before, the ranks were
+padded only to a multiple of ``W`` and the last batch could be smaller). With ``drop_last`` the
+order is unchanged. ``len(loader)`` is unchanged. A resume skips the consumed samples in the
+sampler, so nothing is loaded twice. The global torch RNG is never used, so iterating does not
+shift the training's own random numbers.
 
 Limits:
     * Random augmentations inside loader workers are not resumed. Worker seeds come from a
@@ -20,79 +31,53 @@ Limits:
       seeds and the remaining samples get different random augmentations than they would have
       without the interruption. Deterministic datasets resume bit-exactly.
     * With ``persistent_workers=True`` the workers keep the seeds of the epoch they started in.
-    * The world size, dataset length and batch size must stay the same across a resume;
-      resharding a partly consumed epoch over another world size is not supported
-      (``load_state_dict`` refuses it with :class:`~spotrun.errors.StateMismatchError`).
+    * The global batch size, dataset length, seed, shuffle and drop_last must stay the same
+      across a resume (``load_state_dict`` refuses otherwise with
+      :class:`~spotrun.errors.StateMismatchError`); the world size may change when the global
+      batch divides by the new one.
     * One iterator at a time: starting a new ``iter(loader)`` ends the previous one.
 
-Stop signals: torchrun forwards SIGTERM to each rank's whole process group, and a spot VM's
-shutdown signals every process. torch's loader workers die on a SIGTERM that does not come
-from their parent, and the rank then raises ``DataLoader worker ... is killed by signal``
-before it can save (field case C09). Workers of this loader therefore ignore SIGTERM and
-SIGINT unless the parent sends them (the rank decides when to stop, and shuts them down
-as usual); the signals are blocked while workers start, so none slips in before the
-worker has set that up.
+Loader workers ignore stop signals that their parent did not send: see :mod:`spotrun.data_workers`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
-import signal
-import threading
-from collections.abc import Callable, Iterator, Sized
+import hashlib
+import logging
+from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
+from spotrun.data_state import STATE_VERSION, mismatches, parse_state
+from spotrun.data_workers import IgnoreStopSignals, stop_signals_blocked
 from spotrun.errors import ConfigError, StateMismatchError
 
-#: Version of the dict returned by ``ResumableDataLoader.state_dict``.
-STATE_VERSION = 1
+__all__ = [
+    "STATE_VERSION", "ResumableDataLoader", "ResumableDistributedSampler", "samples_digest",
+]
+
+log = logging.getLogger(__name__)
 _REJECTED_KWARGS = ("sampler", "batch_sampler", "generator")
-_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
-class _IgnoreStopSignals:
-    """``worker_init_fn`` wrapper: stop signals from anyone but the parent are ignored.
+def samples_digest(indices: Iterable[int]) -> str:
+    """A short fingerprint of a set of sample indices, to compare data orders across runs.
 
-    The worker keeps SIGTERM and SIGINT blocked and a daemon thread takes them with
-    ``sigwaitinfo``, which tells who sent each: a SIGTERM from the parent (the loader's or
-    multiprocessing's own shutdown) ends the worker at once, as torch's handler does;
-    anything else (torchrun's ``killpg``, a VM-wide shutdown, Ctrl-C) is dropped, and the
-    rank decides when its workers stop.
+    The first 16 hex characters of the SHA-256 of the indices sorted ascending and written as
+    decimal text joined by commas (``[5, 2, 9]`` hashes ``b"2,5,9"``). The sort makes it
+    independent of which rank held which sample; repeats (padding) count.
+
+    Args:
+        indices: dataset indices (ints), e.g. :meth:`ResumableDataLoader.last_global_batch`.
+
+    Returns:
+        16 lowercase hex characters.
     """
-
-    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
-        self.user_fn = user_fn
-
-    def __call__(self, worker_id: int) -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)  # already so when forked
-        threading.Thread(target=_take_stop_signals, name="spotrun-stop-signals", daemon=True).start()
-        if self.user_fn is not None:
-            self.user_fn(worker_id)
-
-
-def _take_stop_signals() -> None:
-    while True:
-        info = signal.sigwaitinfo(_STOP_SIGNALS)
-        if info.si_signo == signal.SIGTERM and info.si_pid == os.getppid():
-            os._exit(0)
-
-
-@contextlib.contextmanager
-def _stop_signals_blocked() -> Iterator[None]:
-    """Block SIGTERM/SIGINT in this thread while loader workers are forked: they inherit the
-    mask, so no stop signal reaches them before :class:`_IgnoreStopSignals` runs; one that
-    arrives for this process meanwhile waits, then is handled as usual."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    text = ",".join(str(i) for i in sorted(int(i) for i in indices))
+    return hashlib.sha256(text.encode("ascii")).hexdigest()[:16]
 
 
 def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -108,23 +93,36 @@ def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     return num_replicas, rank
 
 
+def _positive_int(name: str, value: Any) -> int:
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
 class ResumableDistributedSampler(Sampler[int]):
     """Indices of one rank's share of an epoch, starting from any position in it.
 
     Args:
         dataset_len: number of samples, or a ``Sized`` dataset to take it from.
-        num_replicas: world size; default ``torch.distributed`` world size if initialised, else 1.
+        num_replicas: world size ``W``; default ``torch.distributed`` world size if
+            initialised, else 1.
         rank: this rank; default ``torch.distributed`` rank if initialised, else 0.
         shuffle: permute the samples every epoch (otherwise ``0..dataset_len-1`` in order).
         seed: epoch ``e`` uses the permutation of a generator seeded with ``seed + e``.
-        drop_last: drop the tail that does not split evenly over the ranks; otherwise pad with
-            samples from the start of the epoch's order (as ``DistributedSampler`` does).
+        drop_last: drop the tail that does not fill a global batch; otherwise pad the epoch
+            with samples from the start of its order.
+        batch_size: samples per batch on each rank; the epoch is padded or cut to whole global
+            batches of ``G = batch_size * W``. With the default 1 the order is exactly
+            ``DistributedSampler``'s.
 
-    Iterating yields ``indices[start_index:]`` of epoch ``epoch`` (see :meth:`set_position`).
-    ``len()`` is the full per-rank epoch length, :attr:`num_samples`, as for ``DistributedSampler``.
+    Global batch ``k`` of an epoch is ``global_order(epoch)[k*G:(k+1)*G]``; this rank's share
+    of it is every ``W``-th entry from position ``rank``. Iterating yields this rank's indices
+    of epoch ``epoch`` from its ``start_index``-th on (see :meth:`set_position`). ``len()`` is the
+    full per-rank epoch length, :attr:`num_samples` (a multiple of ``batch_size``).
 
     Raises:
-        ConfigError: a negative length or a bad ``num_replicas`` / ``rank`` / ``seed``.
+        ConfigError: a negative length or a bad ``num_replicas`` / ``rank`` / ``seed`` /
+            ``batch_size``.
     """
 
     def __init__(
@@ -135,6 +133,7 @@ class ResumableDistributedSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        batch_size: int = 1,
     ) -> None:
         length = dataset_len if isinstance(dataset_len, int) else len(dataset_len)
         if type(length) is not int or length < 0:
@@ -143,17 +142,20 @@ class ResumableDistributedSampler(Sampler[int]):
             raise ConfigError(f"seed must be an int, got {seed!r}")
         self.dataset_len = length
         self.num_replicas, self.rank = _world(num_replicas, rank)
+        self.batch_size = _positive_int("batch_size", batch_size)
+        self.global_batch_size = self.batch_size * self.num_replicas
         self.shuffle = bool(shuffle)
         self.seed = seed
         self.drop_last = bool(drop_last)
-        # per-rank samples: the even share when dropping the tail, else the padded share
-        if self.drop_last:
-            self.num_samples = length // self.num_replicas
-        else:
-            self.num_samples = math.ceil(length / self.num_replicas)
-        self.total_size = self.num_samples * self.num_replicas
+        global_batches = (
+            length // self.global_batch_size if self.drop_last
+            else -(-length // self.global_batch_size)
+        )
+        self.total_size = global_batches * self.global_batch_size  # all ranks, per epoch
+        self.num_samples = global_batches * self.batch_size  # this rank, per epoch
         self.epoch = 0
         self.start_index = 0
+        self._order_cache: tuple[int, torch.Tensor] | None = None
 
     def set_position(self, epoch: int, start_index: int = 0) -> None:
         """Make the next iteration yield epoch ``epoch`` from this rank's ``start_index``-th sample.
@@ -173,20 +175,30 @@ class ResumableDistributedSampler(Sampler[int]):
         """``DistributedSampler``-compatible: start epoch ``epoch`` from its beginning."""
         self.set_position(epoch, 0)
 
-    def epoch_indices(self, epoch: int) -> list[int]:
-        """All of this rank's indices of epoch ``epoch``, ``num_samples`` of them."""
+    def global_order(self, epoch: int) -> torch.Tensor:
+        """Every rank's indices of epoch ``epoch`` in global order: int64, shape ``(total_size,)``.
+
+        The permutation (or ``arange``) padded by repeating it from its start, or cut, to
+        ``total_size``, a whole number of global batches. The same at every world size for the
+        same global batch size. The latest epoch's order is cached; do not modify it.
+        """
+        if self._order_cache is not None and self._order_cache[0] == epoch:
+            return self._order_cache[1]
         if self.shuffle:
             generator = torch.Generator()
             generator.manual_seed(self.seed + epoch)
-            order = torch.randperm(self.dataset_len, generator=generator).tolist()
+            order = torch.randperm(self.dataset_len, generator=generator)
         else:
-            order = list(range(self.dataset_len))
-        if self.drop_last:
-            order = order[: self.total_size]
-        elif order:
-            repeats = math.ceil(self.total_size / len(order))
-            order = (order * repeats)[: self.total_size]
-        return order[self.rank : self.total_size : self.num_replicas]
+            order = torch.arange(self.dataset_len, dtype=torch.int64)
+        if self.total_size > self.dataset_len:  # pad, from the epoch's start
+            order = order.repeat(-(-self.total_size // self.dataset_len))
+        order = order[: self.total_size]
+        self._order_cache = (epoch, order)
+        return order
+
+    def epoch_indices(self, epoch: int) -> list[int]:
+        """All of this rank's indices of epoch ``epoch``, ``num_samples`` of them."""
+        return self.global_order(epoch)[self.rank :: self.num_replicas].tolist()
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.epoch_indices(self.epoch)[self.start_index :])
@@ -200,11 +212,14 @@ class ResumableDataLoader(DataLoader):
 
     Args:
         dataset: a map-style dataset (``__getitem__`` and ``__len__``).
-        batch_size: samples per batch on each rank.
+        batch_size: samples per batch on each rank (default 1 when ``global_batch_size`` is
+            not given).
+        global_batch_size: the alternative to ``batch_size`` (give at most one): samples per
+            step on all ranks together, ``G``; each rank's batch is ``G // world size``.
         shuffle, seed, num_replicas, rank: as for :class:`ResumableDistributedSampler`.
-        drop_last: drop the tail that does not split evenly over the ranks *and* the last
-            incomplete batch, so every batch is full; otherwise pad (every rank still gets the
-            same number of batches) and keep a smaller last batch.
+        drop_last: drop the tail of an epoch that does not fill a global batch, so every batch
+            is full of distinct samples; otherwise fill the last global batch up with samples
+            from the start of the epoch's order (every rank's batches are full either way).
         **dataloader_kwargs: passed to ``DataLoader`` (``num_workers``, ``collate_fn``,
             ``pin_memory``, ``worker_init_fn``, ...).
 
@@ -214,20 +229,23 @@ class ResumableDataLoader(DataLoader):
     and ``while step < n: for batch in loader`` work. A loader restored right after the last
     batch of an epoch yields nothing once and then moves on to the next epoch, so code after
     the inner loop (a per-epoch scheduler step) runs exactly once for that epoch.
-    ``len(loader)`` is the number of batches per epoch on each rank. The loader keeps the epoch
-    itself: read ``loader.epoch`` rather than calling ``sampler.set_epoch`` (which the next
-    iteration overrides).
+    ``len(loader)`` is the number of batches (global batches) per epoch. The loader keeps the
+    epoch itself: read ``loader.epoch`` rather than calling ``sampler.set_epoch`` (which the
+    next iteration overrides).
 
     Raises:
-        ConfigError: an iterable-style dataset, a bad ``batch_size``, or a ``sampler``,
-            ``batch_sampler`` or ``generator`` argument (this loader makes its own).
+        ConfigError: an iterable-style dataset, a bad ``batch_size`` or ``global_batch_size``,
+            both of them, a global batch that does not divide by the world size ("global batch
+            10 does not divide by world size 3"), or a ``sampler``, ``batch_sampler`` or
+            ``generator`` argument (this loader makes its own).
     """
 
     def __init__(
         self,
         dataset: Any,
-        batch_size: int = 1,
+        batch_size: int | None = None,
         *,
+        global_batch_size: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         num_replicas: int | None = None,
@@ -246,15 +264,30 @@ class ResumableDataLoader(DataLoader):
             raise ConfigError(
                 "ResumableDataLoader needs a map-style dataset with __len__ and __getitem__"
             )
-        if type(batch_size) is not int or batch_size < 1:
-            raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
+        num_replicas, rank = _world(num_replicas, rank)
+        if global_batch_size is None:
+            batch_size = _positive_int("batch_size", 1 if batch_size is None else batch_size)
+        elif batch_size is not None:
+            raise ConfigError(
+                f"give batch_size (per rank, {batch_size!r}) or global_batch_size "
+                f"({global_batch_size!r}), not both"
+            )
+        else:
+            _positive_int("global_batch_size", global_batch_size)
+            if global_batch_size % num_replicas:
+                raise ConfigError(
+                    f"global batch {global_batch_size} does not divide by world size {num_replicas}"
+                )
+            batch_size = global_batch_size // num_replicas
         sampler = ResumableDistributedSampler(
-            len(dataset), num_replicas, rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+            len(dataset), num_replicas, rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
+            batch_size=batch_size,
         )
         self._seed_generator = torch.Generator()
         for name in _REJECTED_KWARGS:
             dataloader_kwargs.pop(name, None)
-        dataloader_kwargs["worker_init_fn"] = _IgnoreStopSignals(dataloader_kwargs.get("worker_init_fn"))
+        user_init = dataloader_kwargs.get("worker_init_fn")
+        dataloader_kwargs["worker_init_fn"] = IgnoreStopSignals(user_init)
         super().__init__(
             dataset, batch_size, sampler=sampler, drop_last=drop_last,
             generator=self._seed_generator, **dataloader_kwargs,
@@ -262,6 +295,7 @@ class ResumableDataLoader(DataLoader):
         self._epoch = 0
         self._batches_consumed = 0
         self._iteration = 0
+        self._last_batch: tuple[int, int] | None = None  # (epoch, global batch) last yielded
 
     @property
     def epoch(self) -> int:
@@ -270,8 +304,34 @@ class ResumableDataLoader(DataLoader):
 
     @property
     def batches_consumed(self) -> int:
-        """Batches of the current epoch already handed to the caller on this rank."""
+        """Batches of the current epoch handed to the caller on this rank (= global batches)."""
         return self._batches_consumed
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per step on all ranks together: ``batch_size * world size``."""
+        return self.sampler.global_batch_size  # type: ignore[attr-defined]
+
+    @property
+    def global_samples_consumed(self) -> int:
+        """Samples of the current epoch handed out on all ranks together."""
+        return self._batches_consumed * self.global_batch_size
+
+    def last_global_batch(self) -> list[int]:
+        """Dataset indices of the global batch that the latest batch yielded here belongs to.
+
+        Every rank's samples of that step, in the global order (rank ``r`` of ``W`` held
+        positions ``r, r+W, ...``), ``global_batch_size`` of them; padding repeats count. The
+        same list on every rank and at every world size with the same global batch size, so
+        :func:`samples_digest` of it identifies the step's data. ``[]`` before the first batch
+        and right after ``load_state_dict``.
+        """
+        if self._last_batch is None:
+            return []
+        epoch, k = self._last_batch
+        size = self.global_batch_size
+        sampler: ResumableDistributedSampler = self.sampler  # type: ignore[assignment]
+        return sampler.global_order(epoch)[k * size : (k + 1) * size].tolist()
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._iteration += 1
@@ -285,11 +345,12 @@ class ResumableDataLoader(DataLoader):
         sampler.set_position(self._epoch, start_index)
         self._seed_generator.manual_seed(sampler.seed + self._epoch)
         if self._batches_consumed < len(self):
-            with _stop_signals_blocked():
+            with stop_signals_blocked():
                 batches = super().__iter__()  # forks the workers, if any
             for batch in batches:
                 if iteration != self._iteration:
                     return  # a newer iterator took over; it owns the position now
+                self._last_batch = (self._epoch, self._batches_consumed)
                 self._batches_consumed += 1
                 yield batch
         if iteration == self._iteration:
@@ -297,70 +358,58 @@ class ResumableDataLoader(DataLoader):
             self._batches_consumed = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Position and order settings; JSON values only, identical on every rank."""
+        """The global position and the order settings (version 2, see :mod:`spotrun.data_state`).
+
+        JSON values only, identical on every rank.
+        """
         sampler: ResumableDistributedSampler = self.sampler  # type: ignore[assignment]
         return {
             "version": STATE_VERSION,
             "epoch": self._epoch,
-            "batches_consumed": self._batches_consumed,
+            "global_samples_consumed": self.global_samples_consumed,
             "seed": sampler.seed,
-            "num_replicas": sampler.num_replicas,
-            "batch_size": self.batch_size,
+            "global_batch_size": sampler.global_batch_size,
             "dataset_len": sampler.dataset_len,
             "shuffle": sampler.shuffle,
             "drop_last": sampler.drop_last,
+            "world_size": sampler.num_replicas,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved position; the next batch is the one after the saved ones.
+        """Continue from a saved position; the next global batch is the one after the saved ones.
+
+        ``state`` may come from another world size (the rest of the epoch is dealt out to this
+        loader's ranks, in the same global batches; one INFO line says so) and may be a
+        version-1 state of an older spotrun (converted, see :mod:`spotrun.data_state`).
 
         Raises:
             StateMismatchError: a field is missing, unknown or of the wrong type, the position is
-                out of range, or the world size, dataset length, batch size, seed, shuffle or
-                drop_last differ from this loader's (the message names each difference).
+                not a whole number of global batches inside an epoch, or the global batch size,
+                dataset length, seed, shuffle or drop_last differ from this loader's (the message
+                names each difference, and a saved global batch that does not divide by this
+                world size names both numbers). Nothing changes then.
         """
-        if not isinstance(state, dict):
-            raise StateMismatchError(
-                f"data loader state must be a dict, got {type(state).__name__}"
-            )
+        saved = parse_state(state)
         own = self.state_dict()
-        unknown = sorted(set(state) - set(own))
-        if unknown:
-            raise StateMismatchError(f"data loader state has unknown fields {unknown}")
-        for key, value in own.items():
-            if key not in state:
-                raise StateMismatchError(f"data loader state lacks the field {key!r}")
-            if type(state[key]) is not type(value):
-                raise StateMismatchError(
-                    f"data loader state field {key!r} is {state[key]!r}, "
-                    f"expected a {type(value).__name__}"
-                )
-        if state["version"] != STATE_VERSION:
-            raise StateMismatchError(
-                f"data loader state version {state['version']} is not {STATE_VERSION}"
-            )
-        problems = [
-            _describe(key, state[key], own[key]) for key in _MUST_MATCH if state[key] != own[key]
-        ]
+        problems = mismatches(saved, own)
         if problems:
             raise StateMismatchError(
                 "data loader state does not fit this loader: " + "; ".join(problems)
-                + ". The rest of the saved epoch cannot be mapped onto this order (resharding"
-                " is not supported): resume with the saved settings, or start a new run."
+                + ". The rest of the saved epoch cannot be mapped onto this order:"
+                " resume with the saved settings, or start a new run."
             )
-        if state["epoch"] < 0 or not 0 <= state["batches_consumed"] <= len(self):
+        size, consumed = own["global_batch_size"], saved["global_samples_consumed"]
+        if consumed % size or consumed > len(self) * size:
             raise StateMismatchError(
-                f"data loader position epoch={state['epoch']}, batches_consumed="
-                f"{state['batches_consumed']} is outside an epoch of {len(self)} batches"
+                f"data loader position epoch={saved['epoch']}, global_samples_consumed="
+                f"{consumed} is not a whole number of global batches of {size} inside an "
+                f"epoch of {len(self)} of them"
             )
         self._iteration += 1  # any running iterator stops
-        self._epoch, self._batches_consumed = state["epoch"], state["batches_consumed"]
-
-
-_MUST_MATCH = ("num_replicas", "dataset_len", "batch_size", "seed", "shuffle", "drop_last")
-
-
-def _describe(key: str, saved: Any, now: Any) -> str:
-    if key == "num_replicas":
-        return f"saved at world size {saved}, now {now}"
-    return f"{key} was {saved!r} when saved, now {now!r}"
+        self._epoch, self._batches_consumed = saved["epoch"], consumed // size
+        self._last_batch = None
+        if saved["world_size"] != own["world_size"]:
+            log.info(
+                "data order: resuming epoch %d at global sample %d, saved at world size %d, now %d",
+                saved["epoch"], consumed, saved["world_size"], own["world_size"],
+            )

@@ -18,7 +18,8 @@ Format version 3 (``manifest.i<incarnation>.json`` inside ``step-NNNNNNNNN/``; o
       "aliases": {"model/head.weight": "model/emb.weight"},
       "state": {...skeleton of the replicated state...},
       "rank_state": [{...skeleton of rank 0's own state...}, ...],
-      "timing": {"write_s": 1.9, "step_time_s": 0.41}
+      "timing": {"write_s": 1.9, "step_time_s": 0.41},
+      "meshes": [{"shape": [2, 4], "dim_names": ["dp_replicate", "dp_shard"]}]
     }
 
 ``offsets`` is ``null`` for whole tensors (the only kind written so far); it is reserved
@@ -33,6 +34,14 @@ changed for ``stored_as``). ``timing`` (optional, may be ``null``; added in spot
 took to stage and write its shard and how long a training step took: the supervisor of a
 restarted job estimates an emergency save from it before the job has saved again. Readers refuse a newer ``format_version`` with a clear
 error instead of guessing.
+
+Format 4 (sharded state, :mod:`spotrun.checkpoint.chunks`): a tensor record holds ``dtype``,
+``shape`` and its chunks - ``"grid": [parts per dimension], "writers": [...] | {"first", "step"}``
+or ``"chunks": [[offsets], [lengths], writer], ...]`` - instead of ``file``/``offsets``; every
+rank also writes an index file (``rank-RRRRR.iN.index.json``, listed in ``files`` with its
+SHA-256: :mod:`spotrun.checkpoint.rank_index`) saying where its chunks lie and each 1 MiB
+block's digest; data files are hashed in 1 MiB blocks (``chunk_bytes``); ``meshes`` lists the
+device meshes of the step's DTensors.
 
 Format 3 changed only the file checksum: formats 1 and 2 record ``"sha256"`` (of the whole
 file); format 3 records ``"algorithm": "blake3-chunks"``, ``"chunk_bytes"`` and ``"digest"``
@@ -49,10 +58,11 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from spotrun.checkpoint.chunks import ChunkLayout
 from spotrun.errors import ManifestError
 
 FORMAT_NAME = "spotrun-checkpoint"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 MANIFEST_NAME = "manifest.json"
 #: ``TensorRecord.stored_as`` of a tensor kept as its raw bytes (a 1-D uint8 tensor).
 STORED_AS_BYTES = "bytes"
@@ -98,19 +108,23 @@ class TensorRecord:
     """Where one tensor lives.
 
     Attributes:
-        file: the :class:`FileRecord` path holding it.
+        file: the :class:`FileRecord` path holding it (formats 1-3); ``None`` in format 4.
         dtype: torch dtype name without ``torch.`` (``"float32"``).
         shape: global shape.
-        offsets: per-dimension offset of this piece in the global tensor; ``None`` = whole.
+        offsets: formats 1-3: always ``None`` (the whole tensor).
         stored_as: ``None`` when the file holds the tensor under its own dtype,
             :data:`STORED_AS_BYTES` when it holds its bytes (a 1-D uint8 tensor).
+        chunks: format 4: the tensor's chunks and the rank that wrote each
+            (:class:`~spotrun.checkpoint.chunks.ChunkLayout`); each writer's index file says
+            where in its files they lie.
     """
 
-    file: str
+    file: str | None
     dtype: str
     shape: list[int]
     offsets: list[int] | None = None
     stored_as: str | None = None
+    chunks: ChunkLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +160,7 @@ class Manifest:
     torch_version: str = ""
     format_version: int = FORMAT_VERSION
     timing: SaveTiming | None = None
+    meshes: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def size_bytes(self) -> int:
@@ -195,7 +210,10 @@ class Manifest:
 
 
 def _tensor_json(record: TensorRecord) -> dict[str, Any]:
-    doc = {"file": record.file, "dtype": record.dtype, "shape": record.shape, "offsets": record.offsets}
+    if record.chunks is not None:
+        doc = {"dtype": record.dtype, "shape": record.shape, **record.chunks.to_json()}
+    else:
+        doc = {"file": record.file, "dtype": record.dtype, "shape": record.shape, "offsets": record.offsets}
     if record.stored_as is not None:  # left out when null: a million records, 20 bytes each
         doc["stored_as"] = record.stored_as
     return doc
@@ -257,7 +275,23 @@ def _parse_v1(doc: dict[str, Any]) -> Manifest:
         torch_version=_str(doc.get("torch_version", ""), "torch_version"),
         format_version=doc["format_version"],
         timing=_timing(doc.get("timing")),
+        meshes=_meshes(doc.get("meshes", [])),
     )
+
+
+def _meshes(raw: Any) -> list[dict[str, Any]]:
+    """``meshes`` (format 4; absent before): the device meshes of the step's sharded tensors,
+    each ``{"shape": [int, ...], "dim_names": [str, ...] | null}``."""
+    if not isinstance(raw, list):
+        raise ValueError(f"meshes must be a list, got {raw!r}")
+    for mesh in raw:
+        if not isinstance(mesh, dict) or type(mesh.get("shape")) is not list \
+                or not all(type(d) is int and d >= 1 for d in mesh["shape"]):
+            raise ValueError(f"meshes[] must be objects with a shape of positive integers, got {mesh!r}")
+        names = mesh.get("dim_names")
+        if names is not None and not (type(names) is list and all(isinstance(n, str) for n in names)):
+            raise ValueError(f"meshes[].dim_names must be null or a list of strings, got {names!r}")
+    return raw
 
 
 def _file_record(raw: dict[str, Any], path: str) -> FileRecord:
@@ -276,6 +310,12 @@ def _file_record(raw: dict[str, Any], path: str) -> FileRecord:
 def _tensor_record(name: str, raw: dict[str, Any], file_paths: set[str]) -> TensorRecord:
     """One entry of ``tensors`` (checked without building a message per field: a manifest
     may list millions)."""
+    if "file" not in raw:  # format 4: chunks
+        dtype, shape = raw["dtype"], raw["shape"]
+        if type(dtype) is not str or type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"tensors[{name}] needs a dtype string and a shape of integers >= 0, got {raw!r}")
+        return TensorRecord(file=None, dtype=dtype, shape=shape, stored_as=_stored_as(raw.get("stored_as"), name),
+                            chunks=ChunkLayout.from_json(shape, raw))
     file, dtype, shape, offsets = raw["file"], raw["dtype"], raw["shape"], raw.get("offsets")
     if type(file) is not str or type(dtype) is not str:
         raise ValueError(f"tensors[{name}].file and .dtype must be strings, got {raw!r}")

@@ -31,3 +31,22 @@ def has_manifest(storage: Storage, step: int) -> bool:
 
     prefix = f"{step_dir(step)}/"
     return any(parse_manifest_name(o.key[len(prefix):])[0] for o in storage.list(prefix))
+
+
+def chunk_files(root: Path | str, step: int) -> dict[str, set[str]]:
+    """Tensor name -> the shard files holding its chunks, read from the writers' index files
+    of ``step`` (format 4) under a local checkpoint ``root``."""
+    import json
+
+    step_dir = Path(root) / f"step-{step:09d}"
+    found: dict[str, set[str]] = {}
+    for index_file in step_dir.glob("rank-*.index.json"):
+        index = json.loads(index_file.read_text())
+        for key, (file_index, _begin, _end) in index["chunks"].items():
+            found.setdefault(key.split("@")[0], set()).add(index["files"][file_index]["path"])
+    return found
+
+
+def data_files(manifest_doc: dict) -> list[dict]:
+    """The records of a manifest's shard files (format 4 also lists one index file per rank)."""
+    return [f for f in manifest_doc["files"] if f["path"].endswith(".safetensors")]

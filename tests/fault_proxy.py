@@ -7,6 +7,8 @@
         env = {"AWS_ENDPOINT_URL": proxy.url}                   # point clients at the proxy
         proxy.set_latency(5.0, upload_of("rank-"))              # a slow link for shard uploads
         proxy.seen(upload_of("step-000000020/"))                # requests that arrived so far
+        proxy.relayed()                                         # answers relayed, with body sizes
+        proxy.sent_bytes                                        # bytes sent to clients, headers included
 
 It listens on 127.0.0.1 (one thread per client connection, HTTP/1.1 keep-alive), reads
 each request whole, and either forwards it to the upstream server and relays the answer,
@@ -33,6 +35,13 @@ fraction)`` steps up, ``phase`` drawn from ``random.Random(seed)``. So every run
 same seed and the same requests injects the same number of faults at the same arrival
 positions (which request is at a position may differ when clients race). Injected faults
 take the rule's kinds in turn.
+
+Byte counts: every answer the proxy relays is recorded (:class:`Relayed`: the request,
+the status and the body's bytes), and ``sent_bytes`` counts every byte written to the
+clients' sockets (status lines, headers and bodies, injected errors included): what a
+client received over the wire, counted apart from anything the client itself reports.
+Both are counted before the bytes are written, so once a client has read an answer, its
+bytes are in the counts.
 
 A latency (``set_latency``) holds each matching request that is forwarded for that many
 seconds before it goes upstream: a slow or congested link to the store.
@@ -144,6 +153,17 @@ class FaultRule:
 
 
 @dataclass(frozen=True)
+class Relayed:
+    """One answer relayed from the upstream server: the request, the status, and the
+    bytes of the body sent to the client (status line and headers not included)."""
+
+    method: str
+    path: str
+    status: int
+    body_bytes: int
+
+
+@dataclass(frozen=True)
 class Injected:
     """One injected fault: its kind and the request it replaced."""
 
@@ -174,7 +194,10 @@ class FaultProxy:
         self._injected: list[Injected] = []
         self._latency: tuple[float, Callable[[Request], bool]] = (0.0, everything)
         self._seen: list[Request] = []
+        self._relayed: list[Relayed] = []
         self.forwarded = 0
+        #: Bytes written to the clients' sockets so far: status lines, headers and bodies.
+        self.sent_bytes = 0
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler_class(self))
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -211,6 +234,18 @@ class FaultProxy:
         """Every request that arrived so far (faulted or not) that ``match`` accepts, in order."""
         with self._lock:
             return [r for r in self._seen if match(r)]
+
+    def relayed(self, match: Callable[[Request], bool] = everything) -> list[Relayed]:
+        """Every answer relayed to a client so far whose request ``match`` accepts, in order."""
+        with self._lock:
+            return [r for r in self._relayed if match(Request(r.method, r.path))]
+
+    def count_sent(self, size_bytes: int, relayed: Relayed | None = None) -> None:
+        """Add ``size_bytes`` to :attr:`sent_bytes` (and record ``relayed``)."""
+        with self._lock:
+            self.sent_bytes += size_bytes
+            if relayed is not None:
+                self._relayed.append(relayed)
 
     @property
     def injected(self) -> list[Injected]:
@@ -261,10 +296,30 @@ def send_s3_error(handler: http.server.BaseHTTPRequestHandler, status: int, code
         handler.wfile.write(body)
 
 
+class _CountingWriter:
+    """A handler's ``wfile`` that adds what it writes to the proxy's :attr:`FaultProxy.sent_bytes`
+    (before writing: a client that read the bytes finds them counted)."""
+
+    def __init__(self, inner, proxy: FaultProxy) -> None:
+        self._inner = inner
+        self._proxy = proxy
+
+    def write(self, data) -> int:
+        self._proxy.count_sent(memoryview(data).nbytes)
+        return self._inner.write(data)
+
+    def __getattr__(self, name: str):  # flush, close, closed, ...
+        return getattr(self._inner, name)
+
+
 def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive; answers "Expect: 100-continue"
         _conn: http.client.HTTPConnection | None = None
+
+        def setup(self) -> None:
+            super().setup()
+            self.wfile = _CountingWriter(self.wfile, proxy)
 
         def _handle(self) -> None:
             headers = {name.lower(): value for name, value in self.headers.items()}
@@ -316,6 +371,8 @@ def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler
                 self.send_header(name, value)
             length = response.getheader("Content-Length") if self.command == "HEAD" else None
             self.send_header("Content-Length", length or str(len(payload)))
+            sent = 0 if self.command == "HEAD" else len(payload) // 2 if truncate else len(payload)
+            proxy.count_sent(0, Relayed(self.command, self.path, response.status, sent))
             self.end_headers()
             if truncate:
                 self.wfile.write(payload[: len(payload) // 2])

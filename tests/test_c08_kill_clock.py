@@ -1,6 +1,6 @@
 """Field case C08: torchrun's kill clock must not cut a slow emergency save.
 
-A worker whose emergency save takes 45 s; SIGTERM with a 90 s grace period: the save
+A worker whose emergency save takes 36 s; SIGTERM with a 90 s grace period: the save
 commits, the workers exit 0, nothing is SIGKILLed. Run twice: SIGTERM to the supervisor
 only (Kubernetes sends it to PID 1), and SIGTERM to every process of the job at once
 (systemd's control-group kill, where torchrun itself starts its 30 s shutdown clock unless
@@ -22,7 +22,7 @@ import pytest
 from spotrun.supervisor.process import descendants
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "slow_save.py"
-SAVE_S, GRACE_S = 45, 90
+SAVE_S, GRACE_S = 36, 90  # the save outlasts torchrun's own 30 s shutdown clock
 pytestmark = pytest.mark.slow
 
 

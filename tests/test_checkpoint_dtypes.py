@@ -17,7 +17,7 @@ from safetensors.torch import save as safetensors_save
 import spotrun
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import file_key, step_dir
-from tests.ckpt_files import manifest_path
+from tests.ckpt_files import chunk_files, manifest_path
 from spotrun.checkpoint.shard import sha256_hex
 from spotrun.errors import StateSerializationError
 from spotrun.storage import LocalStorage
@@ -168,13 +168,22 @@ def _as_old_writer(tmp_path) -> None:
     format-1 manifest whose size and checksum match the new file."""
     mpath = manifest_path(tmp_path, 2)
     doc = json.loads(mpath.read_text())
-    (record,) = [r for r in doc["tensors"].values() if r["dtype"] == "float8_e8m0fnu"]
-    record.pop("stored_as")
-    shard = tmp_path / file_key(2, record["file"])
+    (name,) = [n for n, r in doc["tensors"].items() if r["dtype"] == "float8_e8m0fnu"]
+    (path,) = chunk_files(tmp_path, 2)[name]
+    shard = tmp_path / file_key(2, path)
     data = safetensors_save({"extra/scales": torch.ones(3, dtype=torch.float8_e8m0fnu)})
     shard.write_bytes(data)
-    (file_record,) = [f for f in doc["files"] if f["path"] == record["file"]]
-    file_record.update(size_bytes=len(data), sha256=sha256_hex(data))
+    # format 1: whole tensors named by file, each file's SHA-256, no index files
+    for tensor_name, record in doc["tensors"].items():
+        (holding,) = chunk_files(tmp_path, 2)[tensor_name]
+        doc["tensors"][tensor_name] = {"file": holding, "dtype": record["dtype"], "shape": record["shape"],
+                                       "offsets": None}
+    doc["files"] = [f for f in doc["files"] if f["path"].endswith(".safetensors")]
+    for file_record in doc["files"]:
+        content = (tmp_path / file_key(2, file_record["path"])).read_bytes()
+        for field in ("algorithm", "chunk_bytes", "digest"):
+            file_record.pop(field, None)
+        file_record.update(size_bytes=len(content), sha256=sha256_hex(content))
     doc["format_version"] = 1
     mpath.write_text(json.dumps(doc))
 

@@ -131,3 +131,68 @@ def test_missing_bucket_is_one_error_line_and_exit_2(s3_bucket):
     assert done.returncode == 2
     [line] = done.stderr.splitlines()
     assert line.startswith("spotrun: error: ") and "does-not-exist" in line
+
+
+# --- layout: world size and mesh shapes --------------------------------------------------------
+
+GOLDEN = pathlib.Path(__file__).resolve().parent / "data"
+BG_JOB = pathlib.Path(__file__).resolve().parent / "workers" / "bg_job.py"
+
+
+@pytest.fixture(scope="module")
+def meshes_root(tmp_path_factory) -> pathlib.Path:
+    """Manifests with meshes, as the sharded save records them (written through Manifest)."""
+    root = tmp_path_factory.mktemp("ls-meshes") / "ckpt"
+    write_step(str(root), 10, world_size=2)  # DDP state: no mesh
+    write_step(str(root), 20, world_size=4, meshes=[{"shape": [2, 2], "dim_names": ["dp_replicate", "dp_shard"]}])
+    write_step(str(root), 30, world_size=8,
+               meshes=[{"shape": [2, 4], "dim_names": None}, {"shape": [8], "dim_names": None}])
+    write_step(str(root), 40, commit=False)
+    return root
+
+
+def test_layout_column_shows_world_size_and_mesh_shapes(meshes_root):
+    done = spotrun_ls(str(meshes_root))
+    assert done.returncode == 0, done.stderr
+    header, *lines = done.stdout.splitlines()
+    layout_at = header.index("LAYOUT")
+    size_at = header.index("SIZE")
+    layouts = {line.split()[0]: line[layout_at:size_at].strip() for line in lines}
+    assert layouts == {"10": "2 ranks", "20": "4 ranks, mesh 2x2", "30": "8 ranks, meshes 2x4 and 8", "40": "-"}
+
+
+def test_layout_in_json_lists_meshes_with_their_dimension_names(meshes_root):
+    done = spotrun_ls(str(meshes_root), "--json")
+    assert done.returncode == 0, done.stderr
+    rows = {row["step"]: row for row in json.loads(done.stdout)}
+    assert rows[10]["world_size"] == 2 and rows[10]["meshes"] == [] and rows[10]["layout"] == "2 ranks"
+    assert rows[20]["world_size"] == 4 and rows[20]["layout"] == "4 ranks, mesh 2x2"
+    assert rows[20]["meshes"] == [{"shape": [2, 2], "dim_names": ["dp_replicate", "dp_shard"]}]
+    assert rows[30]["meshes"] == [{"shape": [2, 4], "dim_names": None}, {"shape": [8], "dim_names": None}]
+    assert rows[40]["status"] == "incomplete"
+    assert (rows[40]["world_size"], rows[40]["meshes"], rows[40]["layout"]) == (None, None, None)
+
+
+@pytest.mark.parametrize("golden", ["golden-v1", "golden-v2"])
+def test_layout_of_manifests_written_before_meshes_shows_their_ranks(golden):
+    """Format 1 and 2 manifests have no meshes field: listed with their world size, meshes []."""
+    [row] = json.loads(spotrun_ls(str(GOLDEN / golden), "--json").stdout)
+    assert (row["status"], row["world_size"], row["meshes"], row["layout"]) == ("complete", 1, [], "1 rank")
+    table = spotrun_ls(str(GOLDEN / golden)).stdout.splitlines()
+    assert table[0].split()[:3] == ["STEP", "STATUS", "LAYOUT"]
+    assert " 1 rank " in table[1]
+
+
+@pytest.mark.slow
+def test_layout_of_a_real_two_rank_save(tmp_path):
+    """A real Checkpointer on 2 ranks (torchrun, gloo) saves replicated state: `2 ranks`, no mesh."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    str(BG_JOB), str(ck), str(out), "--steps", "2", "--interval", "0"],
+                   check=True, capture_output=True, timeout=300)
+    [row] = json.loads(spotrun_ls(str(ck), "--json").stdout)
+    assert (row["step"], row["status"], row["reason"]) == (2, "complete", "final")
+    assert (row["world_size"], row["meshes"], row["layout"]) == (2, [], "2 ranks")
+    [_header, line] = spotrun_ls(str(ck)).stdout.splitlines()
+    assert line.split()[:4] == ["2", "complete", "2", "ranks"]

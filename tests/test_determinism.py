@@ -186,6 +186,8 @@ def test_7_a_restore_with_the_same_settings_warns_about_nothing(tmp_path, caplog
     ([Difference("model/w", "1 of 4 element(s) differ", 1e-9, 6e-8),
       Difference("rank 1/numerics/cpu_capability", "'AVX2' vs 'AVX512'")],
      5, "different settings (rank 1 cpu_capability: 'AVX2' vs 'AVX512'"),
+    ([Difference("world_size", "1 vs 2 rank(s)")],
+     5, "the two runs ran on different numbers of ranks (1 vs 2 rank(s), the resumed run's first; an elastic"),
 ])
 def test_7_the_drill_names_the_likeliest_cause(differences, start_step, expected):
     assert expected in likely_cause(differences, start_step)

@@ -189,7 +189,7 @@ def save_one_step(root, step: int, w: torch.Tensor) -> LocalStorage:
 def test_copy_step_and_compare_steps(tmp_path):
     source = save_one_step(tmp_path / "a", 3, torch.arange(4.0))
     target = LocalStorage(str(tmp_path / "b"), fsync=False)
-    assert copy_step(source, target, 3) == 2  # rank 0's shard, then the manifest
+    assert copy_step(source, target, 3) == 3  # rank 0's shard and index, then the manifest
     assert catalog.inspect_step(target, 3).status == catalog.COMPLETE
     assert compare_steps(source, target, 3) == []  # replicated state and rank 0's RNGs alike
     other = save_one_step(tmp_path / "c", 3, torch.tensor([0.0, 1.0, 2.0, 3.5]))

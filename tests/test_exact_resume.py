@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.ckpt_files import manifest_path, shard_path
+from tests.ckpt_files import data_files, manifest_path, shard_path
 from tests import trainrun
 from tests.trainrun import (
     ls_json,
@@ -130,7 +130,7 @@ def test_replicated_state_is_written_once_spread_over_ranks_by_bytes(reference):
     step_dir = reference[2] / f"step-{STEPS:09d}"
     manifest = json.loads(manifest_path(reference[2], STEPS).read_text())
     keys_by_file = {}
-    for record in manifest["files"]:
+    for record in data_files(manifest):
         with safe_open(str(step_dir / record["path"]), framework="pt") as f:
             keys_by_file[record["path"]] = {k: f.get_tensor(k).numel() * f.get_tensor(k).element_size()
                                             for k in f.keys()}

@@ -164,7 +164,7 @@ def test_1_slow_zombie_shard_writes_never_replace_a_committed_step(tmp_path):
     train_to(old_w, 15, 0.0)
     with pytest.raises(FencedError):
         old.save(15)  # its shard lands (under its own name), its commit is refused
-    assert len(list((tmp_path / step_dir(15)).glob("rank-00000.*"))) == 2
+    assert len(list((tmp_path / step_dir(15)).glob("rank-00000.*.safetensors"))) == 2  # both incarnations
     assert committed_file_hashes(tmp_path) == holder["hashes"]
     assert manifests_of(tmp_path, 15) == ["manifest.i000000001.json"]
     reader, weights = make(LocalStorage(root, fsync=False))

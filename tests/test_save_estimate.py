@@ -92,6 +92,21 @@ def test_before_this_launch_saved_the_manifest_it_resumed_from_is_used():
     assert estimate_emergency_save(None, older, time.time()) is None
 
 
+def test_a_manifest_saved_by_more_ranks_than_launched_now_gives_each_rank_a_bigger_share():
+    """Saved by 2 ranks, 1 now (an elastic job back on fewer nodes): each rank writes twice as much."""
+    fewer = estimate_emergency_save(None, resumed_manifest(6.0, 0.25), time.time(), ranks_now=1)
+    assert fewer.save_s == pytest.approx(2 * 6.0 + COMMIT_ALLOWANCE_S)
+    assert "recorded shard write of 12.0 s (x 2/1: saved by 2 ranks, 1 rank now) + 1.0 s allowed" in fewer.describe()
+    # as many or more ranks now: never scaled down (fewer ranks may have shared a node's bandwidth)
+    for ranks_now in (2, 4, None):
+        same = estimate_emergency_save(None, resumed_manifest(6.0, 0.25), time.time(), ranks_now=ranks_now)
+        assert same.save_s == pytest.approx(6.0 + COMMIT_ALLOWANCE_S) and "ranks now" not in same.describe()
+    # this launch's own saves already measured the ranks it has
+    stats = control.SaveStats(in_progress=None, recent=(record(1300, 60 * MiB, 3.0),), step_time_s=2.0)
+    assert estimate_emergency_save(stats, resumed_manifest(6.0, 0.25), time.time(), ranks_now=1).save_s == \
+        pytest.approx(3.0)
+
+
 def test_save_stats_round_trip_and_bad_files(tmp_path):
     directory = str(tmp_path)
     assert control.read_save_stats(directory) is None

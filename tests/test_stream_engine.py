@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import spotrun
-from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, ChunkDigests, ShardSource
+from spotrun.checkpoint.stream import CHECKSUM_BLOCK_BYTES, CHECKSUM_CHUNK_BYTES, ChunkDigests, ShardSource
 from spotrun.errors import CorruptShardError, NoCheckpointError
 from spotrun.storage import LocalStorage
 from tests.ckpt_files import manifest_path, shard_path
@@ -113,15 +113,19 @@ def test_restore_reads_into_the_live_tensors_bit_exactly(tmp_path):
     other.close()
 
 
-def test_manifest_records_the_chunked_checksum_per_file(tmp_path):
+def test_manifest_records_the_block_checksum_per_file_and_an_index_per_rank(tmp_path):
     ckpt, model, opt, _ = make(tmp_path, 0)
     ckpt.restore()
     ckpt.save(1)
     doc = json.loads(manifest_path(tmp_path / "ck", 1).read_text())
-    assert doc["format_version"] == 3
-    for record in doc["files"]:
-        assert record["algorithm"] == "blake3-chunks" and record["chunk_bytes"] == CHECKSUM_CHUNK_BYTES
+    assert doc["format_version"] == 4
+    data_files = [r for r in doc["files"] if r["path"].endswith(".safetensors")]
+    index_files = [r for r in doc["files"] if r["path"].endswith(".index.json")]
+    assert data_files and len(index_files) == 1  # one index per rank
+    for record in data_files:  # hashed in blocks, so that a partial (resharding) read is verified too
+        assert record["algorithm"] == "blake3-chunks" and record["chunk_bytes"] == CHECKSUM_BLOCK_BYTES
         assert len(record["digest"]) == 64 and "sha256" not in record
+    assert len(index_files[0]["sha256"]) == 64  # a small JSON file: SHA-256 of the whole
 
 
 @pytest.mark.parametrize("where", ["header", "first chunk", "last chunk"])

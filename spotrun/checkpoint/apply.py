@@ -17,6 +17,7 @@ from spotrun.checkpoint.encode import encode_state
 from spotrun.checkpoint.restore import LoadedStep
 from spotrun.errors import SpotrunError, StateMismatchError
 from spotrun.state.numerics import NUMERICS_STATE_NAME
+from spotrun.state.rng import reseed_new_rank
 from spotrun.state.stateful import load_into, state_of
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def live_tensors(state: dict[str, Any], rank_state: dict[str, Any]) -> dict[str,
                                {name: state_of(obj) for name, obj in rank_state.items()}, dist.rank())
     except SpotrunError:
         return {}
-    return {**encoded.tensors, **encoded.rank_tensors}
+    return {**encoded.tensors, **encoded.sharded, **encoded.rank_tensors}
 
 
 def apply_loaded(loaded: LoadedStep, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
@@ -68,3 +69,14 @@ def apply_loaded(loaded: LoadedStep, state: dict[str, Any], rank_state: dict[str
         if name not in loaded.rank_local:
             raise StateMismatchError(f"checkpoint lacks this rank's state {name!r}")
         load_into(name, obj, loaded.rank_local[name])
+    saved, now, rank = loaded.manifest.world_size, dist.world_size(), dist.rank()
+    if saved != now:
+        if rank == 0:
+            log.warning(
+                "world size changed from %d to %d: rank r restores the RNG state (and rank_state) saved by "
+                "rank r mod %d%s (spotrun.state.rng.reseed_new_rank). Random streams (dropout) now differ from "
+                "an uninterrupted run; the data order does not", saved, now, saved,
+                f"; ranks {saved} and up then reseed their generators from that state and their rank"
+                if now > saved else "")
+        if rank >= saved and "rng" in rank_state:
+            reseed_new_rank(rank)

@@ -93,6 +93,13 @@ def shard_part_name(rank: int, incarnation: int | None, part: int) -> str:
     return f"{stem}.part-{part:05d}{dot}{extension}"
 
 
+def index_name(rank: int, incarnation: int) -> str:
+    """File name of the index that ``rank`` of ``incarnation`` writes next to its shard files
+    (format 4: where each of its chunks lies and each block's digest):
+    ``rank-00001.i000000003.index.json``."""
+    return f"rank-{rank:05d}.{_tag(incarnation)}.index.json"
+
+
 def file_key(step: int, path: str) -> str:
     """Storage key of a file recorded in a manifest."""
     return f"{step_dir(step)}/{path}"

@@ -57,6 +57,13 @@ def _dtype_info(name: str) -> tuple[torch.dtype | None, str | None]:
     return dtype, None if reason is None else f"dtype {name} cannot be decoded: {reason}"
 
 
+def fits(tensor: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
+    """Whether a file's bytes can be read straight into ``tensor`` (a contiguous CPU tensor of
+    ``dtype`` and ``shape``, not a conjugate or negative view)."""
+    return (tensor.dtype == dtype and tensor.device.type == "cpu" and list(tensor.shape) == list(shape)
+            and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg())
+
+
 def _destination(record: TensorRecord, given: torch.Tensor | None, where: str) -> tuple[torch.Tensor, str, list[int], int]:
     """The tensor to read ``record``'s bytes into - ``given`` when it is a contiguous CPU
     tensor of the recorded dtype and shape, else a new one - and the safetensors dtype
@@ -70,9 +77,7 @@ def _destination(record: TensorRecord, given: torch.Tensor | None, where: str) -
         code, shape = "U8", [nbytes]
     else:
         code, shape = SAFETENSORS_CODES.get(dtype, "?"), record.shape
-    if given is not None and given.dtype == dtype and given.device.type == "cpu" \
-            and list(given.shape) == record.shape and given.is_contiguous() and not given.is_conj() \
-            and not given.is_neg():
+    if given is not None and fits(given, dtype, record.shape):
         return given.detach(), code, shape, nbytes
     return torch.empty(record.shape, dtype=dtype), code, shape, nbytes
 

@@ -21,9 +21,11 @@ from typing import Any
 import torch
 
 from spotrun.checkpoint import catalog
+from spotrun.checkpoint.chunk_reader import BoxRead, ChunkReader, dtype_of
+from spotrun.checkpoint.sharded import is_dtensor, local_box
 from spotrun.checkpoint.layout import REJECTED_PREFIX, file_key
 from spotrun.checkpoint.dtypes import from_stored
-from spotrun.checkpoint.reader import read_shard_into
+from spotrun.checkpoint.reader import fits, read_shard_into
 from spotrun.gc_pause import gc_paused
 from spotrun.checkpoint.shard import decode_shard
 from spotrun.errors import CorruptShardError, ManifestError, SpotrunError, StateMismatchError
@@ -41,12 +43,18 @@ class LoadedStep:
     Attributes:
         manifest: the step's manifest.
         replicated: top-level name -> state dict (as ``state_dict()`` produced it).
-        rank_local: this rank's own state by name (e.g. ``"rng"``).
+        rank_local: this rank's own state by name (e.g. ``"rng"``): the state saved by
+            rank ``rank_source``.
+        rank_source: the saved rank whose own state this rank took: itself at the same world
+            size; at another world size rank ``r`` takes rank ``r mod N``'s (N: saved world size).
+        bytes_read: bytes this rank read from storage (format 4; 0 before).
     """
 
     manifest: Manifest
     replicated: dict[str, Any]
     rank_local: dict[str, Any]
+    rank_source: int = 0
+    bytes_read: int = 0
 
 
 def read_manifest(storage: Storage, key: str) -> Manifest:
@@ -73,8 +81,14 @@ def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int,
     CPU tensors of the recorded dtype and shape (:mod:`spotrun.checkpoint.reader`), which
     then hold the checkpoint's values even when a later file fails verification.
 
+    Any saved layout loads into any current one: a destination that is a DTensor (FSDP2,
+    tensor parallel) receives its own box of the global tensor, read from whichever chunks
+    hold it (format 4: only the byte ranges it needs, :mod:`spotrun.checkpoint.chunk_reader`;
+    formats 1-3 hold whole tensors, of which it keeps its box). At another world size than
+    the step's, rank ``r`` takes the own state (RNGs) of saved rank ``r mod N``.
+
     Raises:
-        StateMismatchError: the step was saved at another world size.
+        StateMismatchError: a DTensor's global shape differs from the saved tensor's.
         CorruptShardError: a file's size, checksum, or a tensor's dtype/shape is wrong.
         ManifestError, ObjectNotFoundError, StorageError: as the reads raise them.
     """
@@ -82,16 +96,16 @@ def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int,
         manifest = read_manifest(storage, key)
     if manifest.step != step:
         raise ManifestError(f"{storage.uri}/{key} says step {manifest.step}, not {step}")
-    if manifest.world_size != world_size:
-        raise StateMismatchError(
-            f"checkpoint step {step} was saved by {manifest.world_size} rank(s), this job has "
-            f"{world_size}; resuming at another world size is not supported yet - start the job "
-            f"with {manifest.world_size} rank(s), or point --checkpoint-uri elsewhere"
-        )
-    rank_skeleton = manifest.rank_state[rank]
+    rank_source = rank % manifest.world_size
+    rank_skeleton = manifest.rank_state[rank_source]
+    reader = ChunkReader(storage, manifest) if manifest.format_version >= 4 else None
     try:
         needed = tree.tensor_names(manifest.state) + tree.tensor_names(rank_skeleton)
-        tensors = _fetch_tensors(storage, manifest, needed, destinations or {})
+        if reader is not None:
+            tensors = _fetch_chunked(reader, manifest, needed, destinations or {})
+        else:
+            tensors = _fetch_tensors(storage, manifest, needed, _plain(destinations or {}))
+            tensors = _into_dtensors(tensors, destinations or {})
         replicated = {name: tree.decode(skel, tensors) for name, skel in manifest.state.items()}
         rank_local = {name: tree.decode(skel, tensors) for name, skel in rank_skeleton.items()}
     except (KeyError, IndexError, ValueError, TypeError, AttributeError) as exc:
@@ -99,7 +113,8 @@ def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int,
             raise
         # whatever a committed step holds, not decoding it is a verification failure
         raise ManifestError(f"step {step}: cannot decode the state its manifest describes: {exc!r}") from exc
-    return LoadedStep(manifest=manifest, replicated=replicated, rank_local=rank_local)
+    return LoadedStep(manifest=manifest, replicated=replicated, rank_local=rank_local, rank_source=rank_source,
+                      bytes_read=reader.bytes_read if reader is not None else 0)
 
 
 def load_committed(storage: Storage, step: int, rank: int, world_size: int) -> LoadedStep:
@@ -139,6 +154,70 @@ def _fetch_tensors(storage: Storage, manifest: Manifest, names: list[str],
         read = read_shard_into(storage, key, records[path], wanted, destinations, where=where)
         for name in file_names:
             loaded[name] = read[stored_name[name]]
+    return loaded
+
+
+def _plain(destinations: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in destinations.items() if not is_dtensor(t)}
+
+
+def _into_dtensors(tensors: dict[str, torch.Tensor], destinations: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors read from a format 1-3 step, each DTensor destination given its box."""
+    result = dict(tensors)
+    for name, tensor in tensors.items():
+        dest = destinations.get(name)
+        if is_dtensor(dest):
+            _check_shape(name, list(tensor.shape), dest)
+            offsets, lengths = local_box(dest)
+            dest.to_local().copy_(tensor[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))])
+            result[name] = dest
+    return result
+
+
+def _check_shape(name: str, saved_shape: list[int], dest: torch.Tensor) -> None:
+    if list(dest.shape) != saved_shape:
+        raise StateMismatchError(f"tensor {name!r} has shape {saved_shape} in the checkpoint and "
+                                 f"{list(dest.shape)} here")
+
+
+def _fetch_chunked(reader: ChunkReader, manifest: Manifest, names: list[str],
+                   destinations: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Format 4: every needed tensor's box, read into its destination where it fits."""
+    reads: list[BoxRead] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, what was read for it)
+    loaded: dict[str, torch.Tensor] = {}
+    for name in names:
+        target = manifest.aliases.get(name, name)
+        if target in loaded:
+            loaded[name] = loaded[target]
+            continue
+        record = manifest.tensors.get(target)
+        if record is None or record.chunks is None:
+            raise CorruptShardError(f"step {manifest.step}: manifest lists no chunks of tensor {target!r}")
+        dtype = dtype_of(record, f"step {manifest.step}: tensor {target!r}")
+        dest = destinations.get(name, destinations.get(target))
+        if is_dtensor(dest):
+            _check_shape(target, record.shape, dest)
+            box = local_box(dest)
+            local = dest.to_local()
+            if fits(local, dtype, list(box[1])):
+                into = local.detach()
+            else:  # another dtype or device: read, then copy (cast) into it
+                into = torch.empty(box[1], dtype=dtype)
+                copies.append((local, into))
+            result = dest
+        else:
+            box = ((0,) * len(record.shape), tuple(record.shape))
+            if dest is not None and fits(dest, dtype, record.shape):
+                into, result = dest.detach(), dest
+            else:  # load_state_dict copies (casts) it into the object
+                into = result = torch.empty(record.shape, dtype=dtype)
+        reads.append(BoxRead(target, record, box, into))
+        loaded[target] = loaded[name] = result
+    reader.read(reads)
+    with torch.no_grad():
+        for dest, into in copies:
+            dest.copy_(into)
     return loaded
 
 

@@ -8,6 +8,8 @@ and a failure on any rank is told to all of them, so none waits alone at a colle
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -21,6 +23,7 @@ from spotrun.errors import (
     ManifestError,
     NoCheckpointError,
     SpotrunError,
+    StateMismatchError,
     StorageError,
 )
 from spotrun.manifest import Manifest
@@ -30,14 +33,16 @@ log = logging.getLogger(__name__)
 
 
 def load_newest(storage: Storage, *, supervisor_step: int | None,
-                destinations: dict[str, torch.Tensor] | None = None) -> LoadedStep | None:
+                destinations: Callable[[], dict[str, torch.Tensor]] | dict[str, torch.Tensor] | None = None,
+                ) -> LoadedStep | None:
     """Load the newest complete step that every rank can verify, or ``None`` when there is none.
 
     Lists the steps again (so a step committed since the supervisor chose ``supervisor_step``
     is newer and used). A step that fails verification on any rank is skipped by every rank,
     logged (``checkpoint step S failed verification (...); falling back to step R``) and,
     when a file or manifest is corrupt, un-committed. ``destinations`` (name -> live
-    tensor) are filled in place where they fit (:func:`~spotrun.checkpoint.restore.load_step`).
+    tensor, or a function returning them, called only once there is a step to load) are
+    filled in place where they fit (:func:`~spotrun.checkpoint.restore.load_step`).
 
     Raises:
         StorageError: the listing failed.
@@ -60,12 +65,17 @@ def load_newest(storage: Storage, *, supervisor_step: int | None,
     if "error" in listing:
         raise StorageError(5, f"cannot list checkpoints under {storage.uri}: {listing['error']}")
     candidates = [step for step, _key in listing["steps"]]
+    if callable(destinations) and candidates:
+        destinations = destinations()
     for index, (step, key) in enumerate(listing["steps"]):
         loaded, problem = _try_load(storage, step, key, listed.pop(step, None), destinations)
         problems = dist.all_gather_json(problem)
         failed = {r: p["message"] for r, p in enumerate(problems) if p is not None}
         if not failed:
             return loaded
+        mismatched = [p["message"] for p in problems if p is not None and p.get("mismatch")]
+        if mismatched:
+            raise StateMismatchError(f"checkpoint step {step} does not fit this job: {mismatched[0]}")
         older = candidates[index + 1] if index + 1 < len(candidates) else None
         if dist.rank() == 0:
             log.warning(
@@ -96,11 +106,13 @@ def _complete_newest_first(storage: Storage, supervisor_step: int | None) -> lis
 
 
 def _try_load(storage: Storage, step: int, key: str, manifest: Manifest | None,
-              destinations: dict[str, torch.Tensor] | None) -> tuple[LoadedStep | None, dict | None]:
+              destinations: Any) -> tuple[LoadedStep | None, dict | None]:
     try:
         return load_step(storage, step, key, dist.rank(), dist.world_size(), manifest, destinations), None
     except (CorruptShardError, ManifestError) as exc:
         return None, {"corrupt": True, "message": str(exc)}
+    except StateMismatchError as exc:  # not a bad step: every rank refuses it together
+        return None, {"corrupt": False, "mismatch": True, "message": str(exc)}
     except StorageError as exc:  # missing object, or the store failed after retries
         return None, {"corrupt": False, "message": f"{type(exc).__name__}: {exc}"}
 

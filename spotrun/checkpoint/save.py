@@ -23,6 +23,7 @@ own process group, while training continues.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -30,15 +31,18 @@ from typing import Any
 
 import torch
 
-from spotrun import __version__, dist
-from spotrun.checkpoint.layout import file_key, manifest_key, shard_part_name
+from spotrun import dist
+from spotrun.checkpoint.layout import file_key, index_name, manifest_key, shard_part_name
+from spotrun.checkpoint.manifest_build import build_manifest, tensor_fields
 from spotrun.checkpoint import catalog, fencing
-from spotrun.checkpoint.dtypes import tensor_record, to_stored
+from spotrun.checkpoint.dtypes import to_stored
 from spotrun.checkpoint.encode import EncodedState, encode_state, structure_digest
 from spotrun.checkpoint.plan import assign_by_bytes
+from spotrun.checkpoint.rank_index import IndexedFile, RankIndex, chunk_key
 from spotrun.checkpoint.restore import reject_step
-from spotrun.checkpoint.shard import ShardLimits, split_into_parts
-from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, CHUNKED_BLAKE3, ChunkDigests, ShardSource
+from spotrun.checkpoint.shard import ShardLimits, sha256_hex, split_into_parts
+from spotrun.checkpoint.sharded import local_box, predicted_box, predicted_grid, writes_chunk
+from spotrun.checkpoint.stream import CHECKSUM_BLOCK_BYTES, CHECKSUM_CHUNK_BYTES, CHUNKED_BLAKE3, ChunkDigests, ShardSource
 from spotrun.checkpoint.staging import StagingBuffers
 from spotrun.gc_pause import gc_paused
 from spotrun.errors import (
@@ -49,7 +53,7 @@ from spotrun.errors import (
     SpotrunError,
     StateMismatchError,
 )
-from spotrun.manifest import FileRecord, Manifest, SaveTiming, TensorRecord
+from spotrun.manifest import FileRecord, Manifest
 from spotrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -92,7 +96,8 @@ class PreparedSave:
         step: training step.
         rank, world_size: of the writer.
         encoded: the encoded state (its tensors are the live ones).
-        tensors: name -> tensor this rank writes, in stored form
+        tensors: chunk key (:func:`~spotrun.checkpoint.rank_index.chunk_key`) -> tensor this
+            rank writes, in stored form
             (:func:`spotrun.checkpoint.dtypes.to_stored`): host copies in staging buffers
             for a background save, or the live tensors themselves for a synchronous one
             (written straight from their memory; nothing may change them until the save ends).
@@ -106,6 +111,13 @@ class PreparedSave:
     encoded: EncodedState | None
     tensors: dict[str, torch.Tensor]
     error: SpotrunError | None = None
+    chunks: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] | None = None
+    """chunk key -> (tensor name, offsets, lengths in the global tensor) of every tensor
+    in :attr:`tensors`."""
+    reported: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] | None = None
+    """The part of :attr:`chunks` rank 0 must be told: all but the chunks of DTensors whose
+    layout it derives from their placements
+    (:func:`~spotrun.checkpoint.sharded.predicted_grid`)."""
 
 
 @gc_paused()
@@ -131,30 +143,51 @@ def prepare_save(
         return PreparedSave(step, rank, world_size, None, {}, error=exc)
     sizes = {n: t.numel() * t.element_size() for n, t in encoded.tensors.items()}
     owner = assign_by_bytes(sizes, world_size)
-    mine = {n: to_stored(t.detach()) for n, t in encoded.tensors.items() if owner[n] == rank}
-    mine.update({n: to_stored(t.detach()) for n, t in encoded.rank_tensors.items()})
+    whole = {n: t for n, t in encoded.tensors.items() if owner[n] == rank}
+    whole.update(encoded.rank_tensors)
+    mine = {n: to_stored(t.detach()) for n, t in whole.items()}
+    chunks = {n: (n, (0,) * t.dim(), tuple(t.shape)) for n, t in whole.items()}
+    reported = dict(chunks)
+    try:
+        for name, tensor in encoded.sharded.items():  # DTensors: this rank's chunk, if it writes it
+            offsets, lengths = local_box(tensor)
+            if math.prod(lengths) == 0 or not writes_chunk(tensor, name):
+                continue
+            key = chunk_key(name, offsets, lengths, tuple(tensor.shape))
+            mine[key] = to_stored(tensor.to_local().detach())
+            predicted = predicted_grid(tensor, name)
+            if predicted is None or predicted_box(tensor, predicted[0]) != (offsets, lengths):
+                reported[key] = (name, offsets, lengths)  # rank 0 cannot derive it from the placements
+            chunks[key] = (name, offsets, lengths)
+    except SpotrunError as exc:
+        return PreparedSave(step, rank, world_size, None, {}, error=exc)
     if staging is not None:
         mine = staging.stage(mine)
-    return PreparedSave(step, rank, world_size, encoded, mine)
+    return PreparedSave(step, rank, world_size, encoded, mine, chunks=chunks, reported=reported)
 
 
 def write_shard(storage: Storage, prepared: PreparedSave, incarnation: int, parts: list[list[str]],
-                *, abort: threading.Event | None = None, progress: SaveProgress | None = None) -> list[FileRecord]:
+                *, abort: threading.Event | None = None,
+                progress: SaveProgress | None = None) -> tuple[list[FileRecord], RankIndex]:
     """Stream this rank's shard into storage, one file per part, one file at a time.
 
     Each file's bytes go from the tensors' memory through the backend's bounded buffer
-    (:meth:`~spotrun.storage.base.Storage.put_stream`), hashed chunk by chunk as they pass.
+    (:meth:`~spotrun.storage.base.Storage.put_stream`), hashed block by block
+    (:data:`~spotrun.checkpoint.stream.CHECKSUM_BLOCK_BYTES`) as they pass.
 
     Args:
-        parts: names of ``prepared.tensors``, one list per file
+        parts: chunk keys of ``prepared.tensors``, one list per file
             (:func:`~spotrun.checkpoint.shard.split_into_parts`).
         abort: when set, the write stops at the next chunk (:class:`SaveAbortedError`).
         progress: updated as bytes are written.
 
     Returns:
-        The manifest records of the files, in the order of ``parts``.
+        The manifest records of the files, in the order of ``parts``, and this rank's index
+        (where each chunk lies, each block's digest), not yet written.
     """
     records = []
+    indexed: list[IndexedFile] = []
+    located: dict[str, tuple[int, int, int]] = {}
     for part, names in enumerate(parts):
         if abort is not None and abort.is_set():
             raise SaveAbortedError(f"save of step {prepared.step} abandoned")
@@ -165,10 +198,10 @@ def write_shard(storage: Storage, prepared: PreparedSave, incarnation: int, part
                 {"format": "spotrun-checkpoint", "step": prepared.step, "rank": prepared.rank, "part": part},
                 abort=abort,
             )
-        digests = ChunkDigests(source.size_bytes, CHECKSUM_CHUNK_BYTES)
+        digests = ChunkDigests(source.size_bytes, CHECKSUM_BLOCK_BYTES)
 
         def on_chunk(offset: int, data: memoryview, digests: ChunkDigests = digests) -> None:
-            digests(offset, data)
+            digests.add_span(offset, data)
             if progress is not None:
                 progress.add(len(data))
 
@@ -176,8 +209,19 @@ def write_shard(storage: Storage, prepared: PreparedSave, incarnation: int, part
                            on_chunk=on_chunk)
         records.append(FileRecord(path=path, rank=prepared.rank, size_bytes=source.size_bytes,
                                   digest=digests.hexdigest(), algorithm=CHUNKED_BLAKE3,
-                                  chunk_bytes=CHECKSUM_CHUNK_BYTES))
-    return records
+                                  chunk_bytes=CHECKSUM_BLOCK_BYTES))
+        indexed.append(IndexedFile(path=path, size_bytes=source.size_bytes, block_bytes=CHECKSUM_BLOCK_BYTES,
+                                   block_digests=digests.chunk_hexdigests()))
+        located.update({n: (part, *source.ranges[n]) for n in names})
+    return records, RankIndex(step=prepared.step, rank=prepared.rank, files=indexed, chunks=located)
+
+
+def write_index(storage: Storage, index: RankIndex, incarnation: int) -> FileRecord:
+    """Write a rank's index (after its shard files) and return its manifest record."""
+    data = index.to_json()
+    path = index_name(index.rank, incarnation)
+    storage.put(file_key(index.step, path), data)
+    return FileRecord(path=path, rank=index.rank, size_bytes=len(data), digest=sha256_hex(data))
 
 
 @dataclass(frozen=True)
@@ -312,17 +356,18 @@ def commit_save(
         if progress is not None:
             progress.bytes_total = sum(t.numel() * t.element_size() for t in prepared.tensors.values())
             progress.started_monotonic_s = write_started_s
-        records = write_shard(storage, prepared, context.incarnation, parts, abort=abort, progress=progress)
+        records, index = write_shard(storage, prepared, context.incarnation, parts, abort=abort, progress=progress)
         if abort is not None and abort.is_set():  # abandoned while its last bytes were written
             raise SaveAbortedError(f"save of step {step} abandoned")
-        file_of = {n: record.path for record, names in zip(records, parts) for n in names}
+        records.append(write_index(storage, index, context.incarnation))
+        assert prepared.reported is not None
         report.update(
             write_s=time.monotonic() - write_started_s,
             files=[vars(record) for record in records],
-            # the file of each replicated tensor this rank wrote (rank 0 builds their records)
-            replicated_files={r.path: [n for n in names if n in encoded.tensors] for r, names in zip(records, parts)},
+            # the chunks rank 0 cannot derive: it builds each tensor's chunk layout from them
+            chunks=[[name, list(offsets), list(lengths)] for name, offsets, lengths in prepared.reported.values()],
             rank_state=encoded.rank_skeleton,
-            rank_tensors={n: vars(tensor_record(t, file_of[n])) for n, t in encoded.rank_tensors.items()},
+            rank_tensors={n: tensor_fields(t) for n, t in encoded.rank_tensors.items()},
         )
     except Exception as exc:  # any failure is reported, so that no rank waits alone at the gather
         write_error, report = exc, {"ok": False, "error": _describe(exc),
@@ -344,7 +389,7 @@ def commit_save(
     if rank == 0:
         try:
             with gc_paused():
-                manifest = _build_manifest(step, encoded, reports, context, world_size)
+                manifest = build_manifest(step, encoded, reports, context, world_size)
                 manifest_json = manifest.to_json()
             fencing.check_not_fenced(storage, context.incarnation)
             if abort is not None and abort.is_set():  # the last moment an abandon takes effect
@@ -390,35 +435,3 @@ def _describe(exc: Exception) -> str:
     """``"StorageError: put s3://...: S3 error SlowDown (HTTP 503)"`` (no ``[Errno N]``)."""
     text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     return f"{type(exc).__name__}: {text}"
-
-
-def _build_manifest(
-    step: int,
-    encoded: EncodedState,
-    reports: list[dict[str, Any]],
-    context: SaveContext,
-    world_size: int,
-) -> Manifest:
-    file_of = {n: path for rep in reports for path, names in rep["replicated_files"].items() for n in names}
-    tensors: dict[str, TensorRecord] = {n: tensor_record(t, file_of[n]) for n, t in encoded.tensors.items()}
-    for rep in reports:
-        tensors.update({n: TensorRecord(**r) for n, r in rep["rank_tensors"].items()})
-    return Manifest(
-        step=step,
-        world_size=world_size,
-        files=[FileRecord(**f) for rep in reports for f in rep["files"]],
-        tensors=tensors,
-        state=encoded.skeleton,
-        rank_state=[rep["rank_state"] for rep in reports],
-        aliases=encoded.aliases,
-        reason=context.reason,
-        created_unix_s=time.time(),
-        run_id=context.run_id,
-        incarnation=context.incarnation,
-        spotrun_version=__version__,
-        torch_version=torch.__version__,
-        timing=SaveTiming(
-            write_s=round(max(rep["write_s"] for rep in reports), 6),
-            step_time_s=None if context.step_time_s is None else round(context.step_time_s, 6),
-        ),
-    )

@@ -44,8 +44,12 @@ CHUNKED_SHA256 = "sha256-chunks"
 _HASHES = {CHUNKED_BLAKE3: blake3.blake3, CHUNKED_SHA256: hashlib.sha256}
 #: ``FileRecord.algorithm`` of a whole-file SHA-256 (formats 1 and 2).
 WHOLE_SHA256 = "sha256"
-#: Bytes of one checksum chunk (and of one local write).
+#: Bytes of one checksum chunk (and of one local write) in format 3.
 CHECKSUM_CHUNK_BYTES = 8 * 2**20
+#: Bytes of one checksum block in format 4: a restore that reads part of a file (another
+#: layout's share of a chunk) verifies whole blocks, so it reads at most this much more on
+#: each side of every byte range it needs. Writes still go in chunks of CHECKSUM_CHUNK_BYTES.
+CHECKSUM_BLOCK_BYTES = 2**20
 #: The JSON header is padded with spaces so that the tensors' bytes start at a multiple of this.
 DATA_ALIGNMENT_BYTES = 64
 
@@ -109,6 +113,7 @@ class ShardSource(ByteSource):
         if meta:
             header["__metadata__"] = meta
         self._bytes: list[torch.Tensor] = []
+        self.ranges: dict[str, tuple[int, int]] = {}  # name -> its bytes [begin, end) in the file
         starts: list[int] = []
         offset = 0
         for name, tensor in tensors.items():
@@ -127,6 +132,10 @@ class ShardSource(ByteSource):
         padded = -(-(8 + len(text)) // DATA_ALIGNMENT_BYTES) * DATA_ALIGNMENT_BYTES - 8
         self.header = struct.pack("<Q", padded) + text + b" " * (padded - len(text))
         self._data_start = len(self.header)
+        for name, entry in header.items():
+            if name != "__metadata__":
+                begin, end = entry["data_offsets"]  # type: ignore[index]
+                self.ranges[name] = (self._data_start + begin, self._data_start + end)
         self._starts = [self._data_start + s for s in starts]
         self._size_bytes = self._data_start + offset
         self._abort = abort
@@ -190,17 +199,34 @@ class ChunkDigests:
             digest.update(piece)
         self._digests[offset // self.chunk_bytes] = digest.digest()
 
+    def add_span(self, offset: int, data: memoryview) -> None:
+        """Record every chunk of ``data``, which starts at ``offset`` (a multiple of
+        ``chunk_bytes``) and spans whole chunks (but for the file's last)."""
+        for start in range(0, len(data), self.chunk_bytes):
+            self.add(offset + start, [data[start : start + self.chunk_bytes]])
+
+    def _in_order(self) -> list[bytes]:
+        count = -(-self.size_bytes // self.chunk_bytes)
+        missing = [i for i in range(count) if i not in self._digests]
+        if missing:
+            raise ValueError(f"chunks {missing[:5]} of {count} were never hashed")
+        return [self._digests[i] for i in range(count)]
+
+    def chunk_hexdigests(self) -> list[str]:
+        """Each chunk's digest in order (hex).
+
+        Raises:
+            ValueError: a chunk was never recorded.
+        """
+        return [d.hex() for d in self._in_order()]
+
     def hexdigest(self) -> str:
         """The file's digest.
 
         Raises:
             ValueError: a chunk was never recorded.
         """
-        count = -(-self.size_bytes // self.chunk_bytes)
-        missing = [i for i in range(count) if i not in self._digests]
-        if missing:
-            raise ValueError(f"chunks {missing[:5]} of {count} were never hashed")
-        return self._hash(b"".join(self._digests[i] for i in range(count))).hexdigest()
+        return self._hash(b"".join(self._in_order())).hexdigest()
 
 
 def chunk_ranges(size_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:

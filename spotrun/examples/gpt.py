@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spotrun.errors import ConfigError
+from spotrun.examples.keyed_dropout import SampleKeys, SiteDropout
 
 #: Tokens are bytes.
 VOCAB_SIZE = 256
@@ -57,54 +58,81 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where position t sees positions <= t only."""
+    """Multi-head self-attention where position t sees positions <= t only.
 
-    def __init__(self, config: GPTConfig) -> None:
+    Queries, keys and values have one projection each, so tensor parallelism can shard them
+    column-wise into whole heads (``ColwiseParallel``) and ``proj`` row-wise: a rank then
+    holds ``H / N`` heads and this module finds its local head count from the projected width.
+    ``head_offset`` is the first global head this rank holds (0 without tensor parallelism;
+    set by :func:`spotrun.examples.parallel.apply_tensor_parallel`); only sample-keyed
+    dropout needs it.
+    """
+
+    def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.heads = config.heads
-        self.dropout = config.dropout
-        self.qkv = nn.Linear(config.width, 3 * config.width)
+        self.head_width = config.width // config.heads
+        self.head_offset = 0
+        self.q = nn.Linear(config.width, config.width)
+        self.k = nn.Linear(config.width, config.width)
+        self.v = nn.Linear(config.width, config.width)
         self.proj = nn.Linear(config.width, config.width)
-        self.resid_dropout = nn.Dropout(config.dropout)
+        self.attn_dropout = SiteDropout(config.dropout, site=1 + 3 * layer)
+        self.resid_dropout = SiteDropout(config.dropout, site=2 + 3 * layer)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape  # (B, T, C)
-        q, k, v = self.qkv(x).split(width, dim=2)  # 3 x (B, T, C)
-        # (B, T, C) -> (B, H, T, C/H)
-        q, k, v = (t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )  # (B, H, T, C/H)
-        y = y.transpose(1, 2).reshape(batch, seq, width)  # (B, T, C)
-        return self.resid_dropout(self.proj(y))  # (B, T, C)
+    def forward(self, x: torch.Tensor, keys: SampleKeys | None = None) -> torch.Tensor:
+        batch, seq, _ = x.shape  # (B, T, C)
+        # (B, T, h * C/H) -> (B, h, T, C/H), h = H on one rank, H / N under N-way tensor parallelism
+        q, k, v = (t.view(batch, seq, -1, self.head_width).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        if keys is None or not self.training or self.attn_dropout.p == 0.0:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.attn_dropout.p if self.training else 0.0, is_causal=True
+            )  # (B, h, T, C/H)
+        else:
+            y = self._attention_with_keyed_dropout(q, k, v, keys)  # (B, h, T, C/H)
+        y = y.transpose(1, 2).reshape(batch, seq, -1)  # (B, T, h * C/H)
+        return self.resid_dropout(self.proj(y), keys)  # (B, T, C)
+
+    def _attention_with_keyed_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                      keys: SampleKeys) -> torch.Tensor:
+        """Causal attention whose weights (B, h, T, T) are dropped by sample-keyed masks drawn
+        for all H heads, of which this rank keeps its own ``h``."""
+        local_heads, seq = q.shape[1], q.shape[2]
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_width)  # (B, h, T, T)
+        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)  # (T, T)
+        weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)  # (B, h, T, T)
+        keep = keys.keep_mask(self.attn_dropout.site, (self.heads, seq, seq), self.attn_dropout.p, q.device)
+        keep = keep[:, self.head_offset : self.head_offset + local_heads]  # (B, h, T, T)
+        weights = weights * keep / (1.0 - self.attn_dropout.p)
+        return weights @ v  # (B, h, T, C/H)
 
 
 class MLP(nn.Module):
     """Position-wise feed-forward network, 4x wider inside, GELU activation."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.fc = nn.Linear(config.width, 4 * config.width)
         self.proj = nn.Linear(4 * config.width, config.width)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = SiteDropout(config.dropout, site=3 + 3 * layer)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x))))  # (B, T, C)
+    def forward(self, x: torch.Tensor, keys: SampleKeys | None = None) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))), keys)  # (B, T, C)
 
 
 class Block(nn.Module):
     """One pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.ln_attn = nn.LayerNorm(config.width)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_mlp = nn.LayerNorm(config.width)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layer)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_attn(x))  # (B, T, C)
-        return x + self.mlp(self.ln_mlp(x))  # (B, T, C)
+    def forward(self, x: torch.Tensor, keys: SampleKeys | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_attn(x), keys)  # (B, T, C)
+        return x + self.mlp(self.ln_mlp(x), keys)  # (B, T, C)
 
 
 class GPT(nn.Module):
@@ -119,8 +147,8 @@ class GPT(nn.Module):
         self.config = config
         self.tok_emb = nn.Embedding(VOCAB_SIZE, config.width)
         self.pos_emb = nn.Embedding(config.block_size, config.width)
-        self.emb_dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
+        self.emb_dropout = SiteDropout(config.dropout, site=0)
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.depth))
         self.ln_final = nn.LayerNorm(config.width)
         self.head = nn.Linear(config.width, VOCAB_SIZE, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: one (V, C) tensor, two names
@@ -139,12 +167,16 @@ class GPT(nn.Module):
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                dropout_keys: SampleKeys | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next-byte logits, and the mean cross-entropy loss if ``targets`` is given.
 
         Args:
             idx: (B, T) int64 byte values, T <= ``config.block_size``.
             targets: (B, T) int64 next bytes, or ``None``.
+            dropout_keys: the B samples' keys: dropout masks then come from them
+                (:class:`~spotrun.examples.keyed_dropout.SampleKeys`) instead of the global
+                torch generator; ``None`` for ordinary dropout.
 
         Returns:
             ``(logits, loss)``: logits (B, T, V) float; loss a scalar tensor, or ``None``.
@@ -156,9 +188,9 @@ class GPT(nn.Module):
         if seq > self.config.block_size:
             raise ConfigError(f"sequence length {seq} exceeds block_size {self.config.block_size}")
         positions = torch.arange(seq, device=idx.device)  # (T,)
-        x = self.emb_dropout(self.tok_emb(idx) + self.pos_emb(positions))  # (B, T, C)
+        x = self.emb_dropout(self.tok_emb(idx) + self.pos_emb(positions), dropout_keys)  # (B, T, C)
         for block in self.blocks:
-            x = block(x)  # (B, T, C)
+            x = block(x, dropout_keys)  # (B, T, C)
         logits = self.head(self.ln_final(x))  # (B, T, V)
         if targets is None:
             return logits, None

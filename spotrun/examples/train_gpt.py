@@ -8,17 +8,24 @@ Data parallel (DDP over ``gloo`` on CPU, ``nccl`` on GPU), under the supervisor:
 
     spotrun run -- torchrun --nproc-per-node 2 -m spotrun.examples.train_gpt --steps 600
 
+``--fsdp`` shards the model with FSDP2 instead of DDP, ``--tp N`` splits every block over
+``N`` ranks (tensor parallel), and both combine (see :mod:`spotrun.examples.parallel`).
+``--batch-size`` is the global batch: samples per step over all data-parallel ranks.
+
 Every rank seeds torch, Python's ``random`` and NumPy before building the model, so replicas
 start identical and a fresh start is reproducible (what ``spotrun drill``'s exact check
 compares against, when the drill starts without a checkpoint); the
-data loader gives each rank its own slice of every epoch. The checkpointed state is
+data loader gives each data-parallel rank its own slice of every epoch. The checkpointed state is
 the raw model (tied weights included), AdamW, the LR scheduler and the data loader's
 position; RNG state is saved per rank by :class:`spotrun.Checkpointer`. A save request
 (signal or supervisor) makes every rank save the same step and exit with code 0.
 
 With ``--log-file``, rank 0 appends one JSON line per step:
-``{"step": int, "loss": float, "lr": float}``; ``loss`` is the mean over ranks at full
-precision, ``lr`` the learning rate that step used. Everything else goes to stderr.
+``{"step": int, "loss": float, "lr": float, "samples": str}``; ``loss`` is the mean over the
+global batch at full precision (the mean of the data-parallel ranks' means), ``lr`` the
+learning rate that step used, ``samples`` the first 16 hex characters of SHA-256 over the
+sorted dataset indices of the step's global batch, comma-joined (the same digest in two runs
+means the same samples). Everything else goes to stderr.
 """
 
 from __future__ import annotations
@@ -37,12 +44,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import lr_scheduler
 
 import spotrun
 from spotrun.errors import ConfigError
 from spotrun.examples.gpt import GPT, GPTConfig
+from spotrun.examples.keyed_dropout import SampleKeys
+from spotrun.examples.parallel import Layout, Parallel
+from spotrun.examples.samples import IndexedSamples, global_batch, samples_digest
 from spotrun.examples.stdlib_text import DEFAULT_MAX_BYTES, StdlibText
 
 log = logging.getLogger("spotrun.examples.train_gpt")
@@ -59,7 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=2, help="transformer blocks (default: %(default)s)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=64, help="tokens per sample (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=16, help="samples per step per rank (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="global batch: samples per step over all data-parallel ranks; must divide by "
+                        "their number, world size / --tp (default: %(default)s)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and optimizer state with FSDP2 instead of DDP")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: ranks that split each block; divides the world size "
+                        "and --heads (default: %(default)s)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
     p.add_argument("--schedule", choices=("onecycle", "cosine", "constant"), default="onecycle",
                    help="learning-rate schedule (default: %(default)s)")
@@ -68,11 +84,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1,
                    help="AdamW weight decay on matrices (default: %(default)s)")
     p.add_argument("--dropout", type=float, default=0.1, help="dropout probability (default: %(default)s)")
+    p.add_argument("--sample-keyed-dropout", action="store_true",
+                   help="draw each dropout mask from (seed, sample index, layer, step) instead of the "
+                        "rank's generator: the same masks at any world size or layout")
     p.add_argument("--seed", type=int, default=0, help="seed of the model init and data order (default: %(default)s)")
     p.add_argument("--save-interval", type=int, default=100,
                    help="save every this many steps; 0 = only on request and at the end (default: %(default)s)")
     p.add_argument("--sync-saves", action="store_true",
                    help="periodic saves block training until they commit (default: written in the background)")
+    p.add_argument("--no-checkpoints", action="store_true",
+                   help="train without spotrun: no restore, no saves, no save requests (comparisons only)")
     p.add_argument("--checkpoint-uri", default=None,
                    help="checkpoint root (directory or s3://...); default $SPOTRUN_CHECKPOINT_URI, else ./checkpoints")
     p.add_argument("--log-file", default=None, help="append one JSON line per step here (rank 0)")
@@ -92,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--intra-op-threads must be at least 1")
     if args.warmup_steps is None:
         args.warmup_steps = args.steps // 10
-    for name in ("steps", "batch_size", "log_interval"):
+    for name in ("steps", "batch_size", "log_interval", "tp"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("warmup_steps", "save_interval", "num_workers", "step_sleep_s", "weight_decay"):
@@ -173,23 +194,16 @@ def build_scheduler(opt: torch.optim.Optimizer, schedule: str, steps: int, warmu
     raise ConfigError(f"unknown schedule {schedule!r}")
 
 
-def mean_over_ranks(value: torch.Tensor, rt: Runtime) -> float:
-    """``value`` (a scalar tensor) averaged over all ranks, as a Python float."""
-    value = value.detach().clone()
-    if rt.distributed:
-        dist.all_reduce(value)
-        value /= rt.world_size
-    return value.item()
-
-
-def train_step(ddp: nn.Module, opt: torch.optim.Optimizer, sched: lr_scheduler.LRScheduler,
-               x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """One optimizer step on the batch ``x``, ``y`` (each (B, T)); returns (loss, lr used)."""
+def train_step(model: nn.Module, parallel: Parallel, opt: torch.optim.Optimizer, sched: lr_scheduler.LRScheduler,
+               x: torch.Tensor, y: torch.Tensor, keys: SampleKeys | None) -> tuple[torch.Tensor, float]:
+    """One optimizer step on the local batch ``x``, ``y`` (each (B, T)) with ``model`` (the module
+    to call: a DDP wrapper or the sharded model); returns (this rank's mean loss, lr used)."""
     lr = sched.get_last_lr()[0]
-    _, loss = ddp(x, y)  # scalar
+    _, loss = model(x, y, keys)  # scalar
     opt.zero_grad(set_to_none=True)
-    loss.backward()  # DDP averages gradients over ranks here
-    nn.utils.clip_grad_norm_(ddp.parameters(), GRAD_CLIP_NORM)
+    loss.backward()  # DDP and FSDP average gradients over the data-parallel ranks here
+    parallel.sync_gradients(model)  # tensor parallel without FSDP: averaged here
+    parallel.clip_gradients(model, GRAD_CLIP_NORM)
     opt.step()
     sched.step()
     return loss, lr
@@ -198,19 +212,20 @@ def train_step(ddp: nn.Module, opt: torch.optim.Optimizer, sched: lr_scheduler.L
 class Progress:
     """Per-step metrics line (rank 0, ``--log-file``) and periodic loss + tokens/s on stderr."""
 
-    def __init__(self, args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None:
+    def __init__(self, args: argparse.Namespace, metrics: TextIO | None) -> None:
         self._metrics = metrics
         self._interval = args.log_interval
-        self._tokens_per_step = args.batch_size * args.block_size * rt.world_size
+        self._tokens_per_step = args.batch_size * args.block_size  # --batch-size is global
         self._window_start = time.perf_counter()
         self._window_steps = 0
         self.first_loss: float | None = None
         self.last_loss: float | None = None
 
-    def record(self, step: int, loss: float, lr: float) -> None:
-        """Note that ``step`` finished with mean ``loss`` at learning rate ``lr``."""
+    def record(self, step: int, loss: float, lr: float, samples: str) -> None:
+        """Note that ``step`` finished with mean ``loss`` at learning rate ``lr`` on the global
+        batch whose digest is ``samples``."""
         if self._metrics is not None:
-            self._metrics.write(json.dumps({"step": step, "loss": loss, "lr": lr}) + "\n")
+            self._metrics.write(json.dumps({"step": step, "loss": loss, "lr": lr, "samples": samples}) + "\n")
             self._metrics.flush()
         if self.first_loss is None:
             self.first_loss = loss
@@ -226,46 +241,56 @@ class Progress:
 
 
 def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None:
-    """Run (or resume) training up to ``args.steps``; returns early after a requested save."""
+    """Run (or resume) training up to ``args.steps``; returns early after a requested save.
+
+    Raises:
+        ConfigError: a layout or global batch this world size cannot run (before training).
+    """
+    layout = Layout(rt.world_size, tp=args.tp, fsdp=args.fsdp)
+    layout.check(args.heads, rt.distributed)
+    per_rank_batch = layout.per_rank_batch(args.batch_size)
     torch.manual_seed(args.seed)  # identical replicas: every rank draws the same init
     random.seed(args.seed)  # unused here, but saved with every checkpoint: a fresh start is reproducible
     np.random.seed(args.seed)
     config = GPTConfig(block_size=args.block_size, width=args.width, depth=args.depth,
                        heads=args.heads, dropout=args.dropout)
     model = GPT(config).to(rt.device)
-    ddp = (DistributedDataParallel(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
-           if rt.distributed else model)
-    opt = build_optimizer(model, args.lr, args.weight_decay)
+    parallel = Parallel(layout, rt.device)
+    trained = parallel.wrap(model, rt.device)  # the module to call; `model` stays the raw one
+    opt = build_optimizer(model, args.lr, args.weight_decay)  # after sharding: DTensor parameters
     sched = build_scheduler(opt, args.schedule, args.steps, args.warmup_steps)
     dataset = StdlibText(args.block_size, max_bytes=args.max_bytes)
     loader = spotrun.ResumableDataLoader(
-        dataset, batch_size=args.batch_size, shuffle=True, seed=args.seed,
-        num_replicas=rt.world_size, rank=rt.rank, num_workers=args.num_workers,
+        IndexedSamples(dataset), batch_size=per_rank_batch, shuffle=True, seed=args.seed,
+        num_replicas=layout.dp, rank=parallel.dp_rank, num_workers=args.num_workers,
         pin_memory=rt.device.type == "cuda",
     )
-    log.info("model: %d parameters; data: %d bytes, %d samples of %d tokens; world size %d on %s",
-             model.num_parameters(), dataset.data.numel(), len(dataset), args.block_size, rt.world_size, rt.device)
+    log.info("model: %d parameters; data: %d bytes, %d samples of %d tokens; %s on %s; "
+             "global batch %d, %d per data-parallel rank", model.num_parameters(), dataset.data.numel(),
+             len(dataset), args.block_size, layout.describe(), rt.device, args.batch_size, per_rank_batch)
 
-    ckpt = spotrun.Checkpointer(
+    ckpt = None if args.no_checkpoints else spotrun.Checkpointer(
         state={"model": model, "optimizer": opt, "scheduler": sched, "data": loader},
         uri=args.checkpoint_uri, interval_steps=args.save_interval, background_saves=not args.sync_saves,
     )
     try:
-        step = ckpt.restore()
-        log.info("incarnation %d: %s", ckpt.incarnation,
+        step = ckpt.restore() if ckpt else 0
+        log.info("incarnation %s: %s", ckpt.incarnation if ckpt else "-",
                  f"resumed from step {step}" if step else "fresh start")
-        progress = Progress(args, rt, metrics)
-        ddp.train()
+        progress = Progress(args, metrics)
+        trained.train()
         while step < args.steps:
-            for x, y in loader:
+            for x, y, indices in loader:
                 x = x.to(rt.device, non_blocking=True)  # (B, T)
                 y = y.to(rt.device, non_blocking=True)  # (B, T)
-                loss, lr = train_step(ddp, opt, sched, x, y)
+                keys = SampleKeys(args.seed, step + 1, indices.tolist()) if args.sample_keyed_dropout else None
+                loss, lr = train_step(trained, parallel, opt, sched, x, y, keys)
                 step += 1
-                progress.record(step, mean_over_ranks(loss, rt), lr)
+                batch = global_batch(indices.to(rt.device), parallel.dp_group) if layout.dp > 1 else indices.tolist()
+                progress.record(step, parallel.mean_over_dp(loss), lr, samples_digest(batch))
                 if args.step_sleep_s:
                     time.sleep(args.step_sleep_s)
-                if ckpt.end_of_step(step):
+                if ckpt and ckpt.end_of_step(step):
                     if ckpt.last_saved_step == step:
                         log.info("step %d saved on request; stopping", step)
                     else:
@@ -273,14 +298,16 @@ def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None
                     return
                 if step >= args.steps:
                     break
-        ckpt.save(step, reason="final")
+        if ckpt:
+            ckpt.save(step, reason="final")
         if progress.first_loss is None:
             log.info("nothing to do: step %d already reached", step)
         else:
             log.info("finished at step %d: first loss %.4f, final loss %.4f",
                      step, progress.first_loss, progress.last_loss)
     finally:
-        ckpt.close()
+        if ckpt:
+            ckpt.close()
 
 
 def intra_op_threads(requested: int | None, rt: Runtime) -> tuple[int | None, str]:
@@ -307,7 +334,8 @@ def intra_op_threads(requested: int | None, rt: Runtime) -> tuple[int | None, st
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (0 on completion and after a requested save,
-    1 when a newer start of the job took over the checkpoint root)."""
+    1 when a newer start of the job took over the checkpoint root, 2 when the options or the
+    checkpoint do not fit: found before training)."""
     args = parse_args(argv)
     rt = setup_runtime()
     logging.basicConfig(level=logging.INFO if rt.rank == 0 else logging.WARNING, stream=sys.stderr,
@@ -329,6 +357,13 @@ def main(argv: list[str] | None = None) -> int:
     except spotrun.FencedError as exc:  # a newer start of this job owns the checkpoints: this copy is an orphan
         log.error("stopping: %s", exc)
         return 1
+    except ConfigError as exc:  # found before training started; every rank finds the same
+        log.error("cannot train: %s", exc)
+        return 2
+    except spotrun.StateMismatchError as exc:  # the checkpoint does not fit these settings; every rank finds the same
+        log.error("cannot resume: %s (nothing was changed; resume with the settings it was saved with, or "
+                  "--checkpoint-uri elsewhere; --batch-size is the global batch)", exc)
+        return 2
     finally:
         if metrics is not None:
             metrics.close()

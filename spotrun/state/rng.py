@@ -14,6 +14,7 @@ Shapes and dtypes of the captured tensors:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 from typing import Any
@@ -82,3 +83,23 @@ class RNGState:
                 torch.cuda.set_rng_state(device_state, device=index)
         elif cuda_states:
             log.warning("checkpoint holds CUDA RNG states but CUDA is not available; skipped")
+
+
+def reseed_new_rank(rank: int) -> int:
+    """Give a rank that has no saved RNG state of its own (the job grew) streams of its own.
+
+    Policy (a resume at another world size): rank ``r`` restores the generators saved by
+    rank ``r mod N`` (N: the saved world size); a rank ``r >= N``, whose restored state
+    duplicates rank ``r mod N``'s, then reseeds every generator (Python, NumPy, torch CPU and
+    each CUDA device) from the SHA-256 of that restored torch CPU state and ``r``: the same
+    seed at every such resume, and a different stream on every rank.
+
+    Returns:
+        The seed used (64 bits).
+    """
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes() + f"rank {rank}".encode()).digest()
+    seed = int.from_bytes(digest[:8], "little")
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also every CUDA device
+    return seed

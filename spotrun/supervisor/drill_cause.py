@@ -1,7 +1,8 @@
 """Why a drill's resumed run is not bit-identical to its reference run: the likeliest cause,
 read from the differences alone (:mod:`spotrun.supervisor.drill_reference`).
 
-In order: the two runs computed with different settings (each rank's ``numerics`` state,
+In order: the two runs ran on different numbers of ranks (an elastic node range); they
+computed with different settings (each rank's ``numerics`` state,
 :mod:`spotrun.state.numerics`: thread count, torch, CPU type, GPUs); only RNG states differ
 after a fresh start (the job does not seed); only floating-point values differ, by
 rounding-sized amounts, while everything else (data position, RNG states, counters) is
@@ -28,6 +29,11 @@ def likely_cause(differences: list[Difference], start_step: int | None) -> str:
 
     ``start_step``: the step both runs started from; ``None`` when both started fresh.
     """
+    world = [d for d in differences if d.key == "world_size"]
+    if world:
+        return (f"the two runs ran on different numbers of ranks ({world[0].what}, the resumed run's first; an "
+                "elastic torchrun --nnodes MIN:MAX gets as many nodes as join its rendezvous): a bit-for-bit "
+                "comparison needs the same world size; drill with a fixed --nnodes, or with all MAX nodes up")
     settings = [d for d in differences if _is_numerics(d.key)]
     if settings:
         named = "; ".join(f"{d.key.replace(f'/{NUMERICS_STATE_NAME}/', ' ')}: {d.what}" for d in settings)

@@ -21,7 +21,10 @@ The measurements come from this launch's workers (``saves.json`` in the control 
 checkpoint it resumed from (:class:`spotrun.manifest.SaveTiming`: that save's slowest
 shard write, plus :data:`COMMIT_ALLOWANCE_S` for the collectives and the manifest). With
 neither there is no estimate and the supervisor asks for the save anyway (bounded by the
-deadline, as always).
+deadline, as always). A checkpoint saved by more ranks than this launch starts (for an elastic
+``torchrun --nnodes MIN:MAX``: than the fewest it may start) had each rank write a smaller
+share: its shard-write time is scaled up by the ratio (never down: fewer ranks than now may
+have shared a node's bandwidth).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from spotrun.checkpoint.in_flight import Choice, choose
 from spotrun.control import SaveInProgress, SaveStats
 from spotrun.manifest import Manifest
+from spotrun.rank_layout import ranks
 from spotrun.save_meter import full_save_estimate
 
 #: Seconds added to a manifest's recorded shard-write time for the rest of a save (the
@@ -57,6 +61,8 @@ class SaveEstimate:
             measured (an estimate from a manifest's shard-write time); 0 otherwise.
         in_flight_background: the save in progress runs in the background (the workers reach
             the step boundary meanwhile, and may abandon it).
+        write_scaled: for the log, how a manifest's shard-write time was scaled for fewer ranks
+            now (``"x 4/2: saved by 4 ranks, 2 now"``); ``None`` when it was not.
         in_flight_written: for the log, how much of a background save in flight is written
             (``"1.2 of 3.0 MiB written"``); ``None`` when not known.
     """
@@ -69,6 +75,7 @@ class SaveEstimate:
     throughput_bytes_per_s: float
     basis: str
     allowance_s: float = 0.0
+    write_scaled: str | None = None
     in_flight_background: bool = False
     in_flight_written: str | None = None
 
@@ -97,8 +104,10 @@ class SaveEstimate:
             parts.append(f"{self.in_flight_s:.1f} s to finish the save of step {self.in_flight_step} in progress")
         parts.append(f"{self.boundary_s:.1f} s to the next step boundary")
         if self.allowance_s:
+            scaled = f" ({self.write_scaled})" if self.write_scaled else ""
             parts.append(f"{self.save_s:.1f} s to save {_amount(self.size_bytes)}: the recorded shard write of "
-                         f"{self.save_s - self.allowance_s:.1f} s + {self.allowance_s:.1f} s allowed for the commit")
+                         f"{self.save_s - self.allowance_s:.1f} s{scaled} + {self.allowance_s:.1f} s allowed for "
+                         "the commit")
         else:
             parts.append(f"{self.save_s:.1f} s to save {_amount(self.size_bytes)} at "
                          f"{_amount(self.throughput_bytes_per_s)}/s")
@@ -109,7 +118,7 @@ class SaveEstimate:
 
 
 def estimate_emergency_save(
-    stats: SaveStats | None, resumed: Manifest | None, now_unix_s: float
+    stats: SaveStats | None, resumed: Manifest | None, now_unix_s: float, *, ranks_now: int | None = None,
 ) -> SaveEstimate | None:
     """Estimate the emergency save from the measurements at hand (see the module docstring).
 
@@ -117,6 +126,8 @@ def estimate_emergency_save(
         stats: this launch's measurements (``saves.json``), or ``None``.
         resumed: the manifest of the checkpoint this launch resumed from, or ``None``.
         now_unix_s: the current time, seconds since the epoch.
+        ranks_now: the ranks this launch starts (the fewest, for an elastic range); ``None``
+            when unknown. Scales an estimate from ``resumed`` saved by more ranks.
 
     Returns:
         The estimate, or ``None`` when nothing was measured yet.
@@ -124,15 +135,19 @@ def estimate_emergency_save(
     step_time_s = stats.step_time_s if stats is not None else None
     check_interval_steps = stats.check_interval_steps if stats is not None else 1
     measured = full_save_estimate(stats.recent) if stats is not None else None
+    scaled = None  # how a manifest's write time was scaled, for the log
     if measured is not None:
         size_bytes, throughput, save_s = measured
         n = len(stats.recent)
         basis = f"{n} save{'s' if n > 1 else ''} of this launch"
     elif resumed is not None and resumed.timing is not None:
         size_bytes = resumed.size_bytes
-        save_s = resumed.timing.write_s + COMMIT_ALLOWANCE_S
+        scale = resumed.world_size / ranks_now if ranks_now and resumed.world_size > ranks_now else 1.0
+        save_s = resumed.timing.write_s * scale + COMMIT_ALLOWANCE_S
         throughput = _throughput(size_bytes, save_s)
         basis = f"the manifest of step {resumed.step}"
+        if scale != 1.0:
+            scaled = f"x {resumed.world_size}/{ranks_now}: saved by {resumed.world_size} ranks, {ranks(ranks_now)} now"
         if step_time_s is None:
             step_time_s = resumed.timing.step_time_s
     else:
@@ -150,6 +165,7 @@ def estimate_emergency_save(
         throughput_bytes_per_s=throughput,
         basis=basis,
         allowance_s=allowance_s,
+        write_scaled=scaled,
         in_flight_background=in_progress is not None and in_progress.background,
         in_flight_written=None if in_progress is None or not in_progress.bytes_total else
         f"{_amount(in_progress.bytes_done)} of {_amount(in_progress.bytes_total)} written",

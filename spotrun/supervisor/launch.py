@@ -14,9 +14,11 @@ import uuid
 from dataclasses import dataclass
 
 from spotrun import env as spotrun_env
+from spotrun import rank_layout
 from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.catalog import StepInfo
 from spotrun.storage import LocalStorage, Storage
+from spotrun.supervisor.torchrun_command import TorchrunLaunch
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +66,31 @@ def find_resume_point(storage: Storage) -> StepInfo | None:
     if resume is None:
         log.info("no complete checkpoint under %s: fresh start", storage.uri)
     else:
-        log.info(
-            "resuming from step %d under %s (%s checkpoint, world size %s)",
-            resume.step, storage.uri, resume.reason, resume.world_size,
-        )
+        log.info("resuming from step %d under %s (%s checkpoint)", resume.step, storage.uri, resume.reason)
     return resume
+
+
+def describe_start(resume: StepInfo | None, launch: TorchrunLaunch | None) -> str:
+    """The start log's line on ranks: the resumed step, how many ranks saved it (and their
+    meshes), how many are launched now.
+
+    ``"step 200 (saved by 4 ranks, mesh 2x2) resumes on 1 to 2 nodes x 1 process = 1 to 2 ranks
+    (torchrun --nnodes 1:2: the count is known after the rendezvous, ...)"``; for a fixed count
+    that differs from the saved one the line says the workers reshard; ``launch`` ``None`` (not
+    a torchrun command) leaves the count to the workers.
+    """
+    if launch is None:
+        now = "as many ranks as the launch command starts (not a torchrun command: the workers log the count)"
+    else:
+        now = launch.describe()
+    if resume is None or resume.manifest is None:
+        return f"fresh start on {now}"
+    manifest = resume.manifest
+    text = (f"step {resume.step} (saved by {rank_layout.describe_layout(manifest.world_size, manifest.meshes)}) "
+            f"resumes on {now}")
+    if launch is not None and not launch.elastic and launch.min_ranks not in (None, manifest.world_size):
+        text += f"; another world size than the checkpoint's {manifest.world_size}: the workers reshard it"
+    return text
 
 
 def plan_launch(

@@ -37,13 +37,53 @@ def check_resume_point(storage: Storage, *, declined: bool = False) -> None:
                     why, newest.step, newest.reason)
 
 
-def workers_saved_on_their_own(control_dir: str) -> bool:
-    """Whether the workers reported an emergency checkpoint. Workers can be told to stop without
-    the supervisor (a SIGTERM to their process groups, systemd's control-group kill): their
-    emergency checkpoint means "preempted". True too when the report is unreadable (the caller
-    reads it again and logs why)."""
+def trained_on_after(control_dir: str, step: int) -> int | None:
+    """The newest step this launch's workers saved, or are saving, after ``step``; ``None`` if none.
+
+    A step after the one the workers stopped at means torchrun started them again within this
+    launch: an elastic job's node joined or left (torchrun stops the workers with SIGTERM, on
+    which they take an emergency checkpoint, and starts them on the new node count), or its own
+    ``--max-restarts`` restarted a failed group. Read from ``saves.json``, which only this launch's
+    workers on this node write.
+    """
     try:
-        report = control.read_commit_report(control_dir)
+        stats = control.read_save_stats(control_dir)
+    except SpotrunError:
+        return None
+    if stats is None:
+        return None
+    later = [r.step for r in stats.recent if r.step > step]
+    if stats.in_progress is not None and stats.in_progress.step > step:
+        later.append(stats.in_progress.step)
+    return max(later) if later else None
+
+
+def commit_report(control_dir: str) -> control.CommitReport | None:
+    """The workers' emergency commit report, unless the workers trained on after it in this launch
+    (:func:`trained_on_after`: logged, and ``None`` returned, since that checkpoint did not end it).
+
+    Raises:
+        ConfigError: the report is unreadable.
+    """
+    report = control.read_commit_report(control_dir)
+    if report is None:
+        return None
+    later = trained_on_after(control_dir, report.step)
+    if later is None:
+        return report
+    log.info("the workers took an emergency checkpoint of step %d, then torchrun started them again in this "
+             "launch (an elastic node change, or its --max-restarts) and they saved step %d: that "
+             "checkpoint did not end the launch", report.step, later)
+    return None
+
+
+def workers_saved_on_their_own(control_dir: str) -> bool:
+    """Whether the workers reported an emergency checkpoint that ended this launch. Workers can be
+    told to stop without the supervisor (a SIGTERM to their process groups, systemd's control-group
+    kill): their emergency checkpoint means "preempted". True too when the report is unreadable
+    (the caller reads it again and logs why)."""
+    try:
+        report = commit_report(control_dir)
     except SpotrunError:
         return True
     if report is not None and os.environ.get(STOP_AT_STEP):
@@ -63,6 +103,8 @@ def workers_stopped_without_save(control_dir: str) -> bool:
     except SpotrunError as exc:
         log.error("%s", exc)
         return False
+    if step is not None and trained_on_after(control_dir, step) is not None:
+        return False  # torchrun started them again in this launch (see trained_on_after)
     if step is not None:
         log.warning("the workers stopped after step %d without saving (no time for an emergency checkpoint)",
                     step)

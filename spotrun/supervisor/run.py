@@ -22,6 +22,12 @@ and every worker watches the supervisor (:mod:`spotrun.supervisor_watch`), takes
 emergency checkpoint at its next step boundary and ends itself a grace period after the
 supervisor died at the latest.
 
+Before each launch it logs the resumed step, how many ranks saved it, and how many the command
+starts (read from a torchrun command line, :mod:`spotrun.supervisor.torchrun_command`; for an
+elastic ``--nnodes MIN:MAX`` the range). An emergency checkpoint after which the same launch's
+workers trained on (torchrun started them again on a node change) does not end the launch
+(:func:`spotrun.supervisor.outcome.commit_report`).
+
 Before asking for the save it estimates how long it would take
 (:mod:`spotrun.supervisor.estimate`: the save in progress, the next step boundary, and the
 bytes of the last save at the slowest measured throughput). When that does not fit in the
@@ -66,11 +72,12 @@ from spotrun.storage import Storage, open_storage
 from spotrun.supervisor import outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.estimate import decide, estimate_emergency_save
-from spotrun.supervisor.launch import LaunchPlan, plan_launch
+from spotrun.supervisor.launch import LaunchPlan, describe_start, plan_launch
 from spotrun.notices import is_stop
 from spotrun.supervisor.cloud_notices import CloudNotices
 from spotrun.supervisor.notices import CHILD_EVENT, IgnoredSignal, Inbox, Notice, signal_notices
 from spotrun.supervisor.signals import describe as describe_signals
+from spotrun.supervisor.torchrun_command import TorchrunLaunch, read_torchrun_command
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +106,9 @@ def supervise(config: SupervisorConfig) -> int:
         StorageError: the storage failed its preflight check (nothing was launched; the
             message names the cause), or the checkpoints could not be listed.
     """
+    launch = read_torchrun_command(config.command)  # a --nnodes torchrun refuses: before anything else
+    for warning in launch.warnings() if launch is not None else ():
+        log.warning("%s", warning)
     preflight.check_storage(config.checkpoint_uri, s3_endpoint_url=config.s3_endpoint_url)
     with contextlib.ExitStack() as stack:
         inbox = stack.enter_context(Inbox(config.notice_signal_numbers))
@@ -114,14 +124,16 @@ def supervise(config: SupervisorConfig) -> int:
         stack.callback(shutil.rmtree, control_root, ignore_errors=True)
         if not process.become_subreaper():
             log.debug("could not become a child subreaper; orphaned workers go to init")
-        return _Supervisor(config, storage, inbox, control_root).run()
+        return _Supervisor(config, storage, inbox, control_root, launch).run()
 
 
 class _Supervisor:
     """State of one ``supervise`` call; see the module docstring for the behaviour."""
 
-    def __init__(self, config: SupervisorConfig, storage: Storage, inbox: Inbox, control_root: str):
+    def __init__(self, config: SupervisorConfig, storage: Storage, inbox: Inbox, control_root: str,
+                 launch: TorchrunLaunch | None):
         self.config = config
+        self.launch = launch  # the rank count the torchrun command asks for; None: not torchrun
         self.storage = storage
         self.inbox = inbox
         self.control_root = control_root
@@ -162,6 +174,7 @@ class _Supervisor:
                 s3_endpoint_url=self.config.s3_endpoint_url, supervisor_pid=os.getpid(),
             )
             self.resumed_manifest = plan.resume.manifest if plan.resume is not None else None
+            log.info("%s", describe_start(plan.resume, self.launch))
             code = self._run_once(plan, control_dir)
             stopped_without_save = outcome.workers_stopped_without_save(control_dir)
             if self.notice is not None or stopped_without_save or outcome.workers_saved_on_their_own(control_dir):
@@ -312,7 +325,8 @@ class _Supervisor:
             stats = None
         now_s = time.time()
         left_s = deadline_unix_s - now_s
-        estimate = estimate_emergency_save(stats, self.resumed_manifest, now_s)
+        estimate = estimate_emergency_save(stats, self.resumed_manifest, now_s,
+                                           ranks_now=self.launch.min_ranks if self.launch else None)
         if estimate is None:
             log.warning("emergency checkpoint requested: no save measured yet to estimate it from; "
                         "the save is bounded by the deadline (%.1f s left)", left_s)
@@ -336,7 +350,7 @@ class _Supervisor:
 
     def _preempted_exit_code(self, code: int, control_dir: str, *, stopped_without_save: bool) -> int:
         try:
-            report = control.read_commit_report(control_dir)
+            report = outcome.commit_report(control_dir)
         except SpotrunError as exc:
             log.error("%s", exc)
             report = None

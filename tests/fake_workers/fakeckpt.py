@@ -26,11 +26,13 @@ def write_step(
     incarnation: int = 0,
     created_unix_s: float | None = None,
     shard_bytes: int = 100,
+    meshes: list[dict] | None = None,
 ) -> None:
     """Write ``step`` under ``root``: one shard per rank, then (if ``commit``) the manifest.
 
     ``root`` is a local directory or any URI ``open_storage`` takes (``s3://...``).
-    ``corrupt`` records a wrong size for rank 0's shard in the manifest.
+    ``corrupt`` records a wrong size for rank 0's shard in the manifest. ``meshes``: the
+    manifest's device meshes (``[{"shape": [2, 2], "dim_names": [...] or None}]``; default none).
     """
     storage = open_storage(root) if "://" in root else LocalStorage(root, fsync=False)
     records = []
@@ -45,6 +47,6 @@ def write_step(
         step=step, world_size=world_size, files=records, tensors={}, state={},
         rank_state=[{} for _ in range(world_size)], reason=reason,
         created_unix_s=time.time() if created_unix_s is None else created_unix_s,
-        run_id=run_id, incarnation=incarnation,
+        run_id=run_id, incarnation=incarnation, meshes=list(meshes or []),
     )
     storage.put_if_absent(manifest_key(step, incarnation), manifest.to_json())

@@ -1,0 +1,344 @@
+"""Reading boxes of global tensors out of the chunks that hold them, whatever layout wrote
+them (format 4): the resharding restore.
+
+Each rank asks for the box of every tensor it holds now (its local shard's offsets and
+lengths; all of it for a replicated tensor) and a contiguous CPU tensor to receive it.
+For each box the chunk layout in the manifest says which chunks overlap it; the writers'
+index files say where those chunks lie in their files. The overlap of a box and a chunk is
+a set of byte runs in the chunk (contiguous bytes of its row-major order) that map one to one
+onto runs of the box: each run is read straight into the receiving tensor's memory (scatter
+reads, ``Storage.read_into``; ranged GETs on S3, ``preadv`` locally). Nothing of a tensor
+is ever assembled in full unless the rank holds all of it.
+
+Verification: every byte read is checked. Files are hashed in blocks
+(:data:`~spotrun.checkpoint.stream.CHECKSUM_BLOCK_BYTES`, 1 MiB), whose BLAKE3 digests the
+writer's index records (and whose digest of digests the manifest records); a read covers
+the whole blocks around what it needs - the bytes this rank does not need go to a scratch
+buffer and are hashed only - so a rank reads at most one block more on each side of each
+range. Reads run in parallel, in units of up to
+:data:`~spotrun.checkpoint.stream.CHECKSUM_CHUNK_BYTES`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import blake3
+import torch
+
+from spotrun.checkpoint.chunks import Box, byte_runs, overlap
+from spotrun.checkpoint.layout import file_key
+from spotrun.checkpoint.rank_index import RankIndex, chunk_key
+from spotrun.checkpoint.reader import _dtype_info, _read
+from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, byte_view
+from spotrun.errors import CorruptShardError
+from spotrun.manifest import FileRecord, Manifest, TensorRecord
+from spotrun.storage.base import Storage
+
+
+@dataclass
+class BoxRead:
+    """One box to read: of tensor ``name`` (its manifest ``record``), into ``into``
+    (a contiguous CPU tensor of the record's dtype and the box's lengths)."""
+
+    name: str
+    record: TensorRecord
+    box: Box
+    into: torch.Tensor
+
+
+#: Overlaps whose contiguous runs are shorter than this (a column slice of rows, e.g. a
+#: row-wise tensor-parallel shard of a row-sharded save) are read as whole rows into a
+#: scratch buffer of at most CHECKSUM_CHUNK_BYTES and copied from there with one strided copy,
+#: instead of one scatter entry per run. Only for rows of at most one block, whose bytes the
+#: block checksums make this rank read anyway.
+SMALL_RUN_BYTES = 64 * 2**10
+
+
+class _ScratchPool:
+    """Scratch buffers of up to one read unit, reused from slab to slab (a fresh buffer costs a
+    page fault per 4 KiB when first written)."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            for i, buffer in enumerate(self._free):
+                if buffer.numel() >= nbytes:
+                    return self._free.pop(i)
+        return torch.empty(max(nbytes, CHECKSUM_CHUNK_BYTES), dtype=torch.uint8)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buffer)
+
+
+class _Slab:
+    """Rows of a chunk read into a scratch buffer (taken when its first part is read), then
+    copied into the receiving box once every part of it has been read and verified."""
+
+    def __init__(self, nbytes: int, copy: Callable[[torch.Tensor], None], pool: _ScratchPool) -> None:
+        self.nbytes = nbytes
+        self.copy = copy
+        self.pending = 1  # parts not yet read (a slab cut by a read unit has two)
+        self._pool = pool
+        self._scratch: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def view(self, lo: int, hi: int) -> torch.Tensor:
+        with self._lock:
+            if self._scratch is None:
+                self._scratch = self._pool.take(self.nbytes)
+            return self._scratch[lo:hi]
+
+    def part_read(self) -> None:
+        with self._lock:
+            self.pending -= 1
+            if self.pending:
+                return
+            scratch, self._scratch = self._scratch, None
+        self.copy(scratch[: self.nbytes])
+        self._pool.give_back(scratch)
+
+
+@dataclass
+class _Piece:
+    begin: int  # byte range [begin, end) of the file
+    end: int
+    target: torch.Tensor | None  # 1-D uint8 view of the receiving memory, or None: a slab's
+    slab: _Slab | None = None
+    slab_offset: int = 0  # where [begin, end) starts in the slab
+
+
+def dtype_of(record: TensorRecord, where: str) -> torch.dtype:
+    """The torch dtype of a record.
+
+    Raises:
+        CorruptShardError: a dtype this torch lacks or cannot decode.
+    """
+    dtype, problem = _dtype_info(record.dtype)
+    if problem is not None:
+        raise CorruptShardError(f"{where}: {problem}")
+    assert dtype is not None
+    return dtype
+
+
+class ChunkReader:
+    """Reads boxes of one step's tensors (see the module docstring).
+
+    Args:
+        storage: where the step lies.
+        manifest: its manifest (format 4).
+    """
+
+    def __init__(self, storage: Storage, manifest: Manifest) -> None:
+        self._storage = storage
+        self._manifest = manifest
+        self._files: dict[str, FileRecord] = {f.path: f for f in manifest.files}
+        self._index_of_rank: dict[int, FileRecord] = {
+            f.rank: f for f in manifest.files if f.path.endswith(".index.json")}
+        self._indexes: dict[int, RankIndex] = {}
+        self._lock = threading.Lock()
+        self._scratch = _ScratchPool()
+        self.bytes_read = 0
+
+    def _index(self, rank: int) -> RankIndex:
+        if rank in self._indexes:
+            return self._indexes[rank]
+        record = self._index_of_rank.get(rank)
+        step = self._manifest.step
+        if record is None:
+            raise CorruptShardError(f"step {step}: the manifest lists no index of rank {rank}")
+        key = file_key(step, record.path)
+        where = f"{self._storage.uri}/{key}"
+        data = self._storage.get(key)
+        self.bytes_read += len(data)
+        if len(data) != record.size_bytes or hashlib.sha256(data).hexdigest() != record.digest:
+            raise CorruptShardError(f"{where}: size or checksum does not match the manifest")
+        index = RankIndex.from_json(data, where=where)
+        index.check_against({f.path: f.digest for f in self._manifest.files if f.rank == rank}, where)
+        self._indexes[rank] = index
+        return index
+
+    def read(self, reads: list[BoxRead]) -> None:
+        """Fill every ``into`` with its box, verifying each block read.
+
+        Raises:
+            CorruptShardError: a chunk missing from its writer's index, a block whose
+                digest differs, a file shorter than recorded, a malformed index.
+            StorageError: a read failed.
+        """
+        pieces: dict[tuple[int, int], list[_Piece]] = {}  # (writer rank, file index) -> pieces
+        for item in reads:
+            self._plan(item, pieces)
+        units = []
+        for (rank, file_index), file_pieces in pieces.items():
+            units.extend(self._units(self._indexes[rank], file_index, file_pieces))
+        if len(units) <= 1:
+            for unit in units:
+                self._read_unit(*unit)
+            return
+        with ThreadPoolExecutor(max_workers=min(self._storage.read_concurrency, len(units)),
+                                thread_name_prefix="spotrun-read") as pool:
+            for future in [pool.submit(self._read_unit, *unit) for unit in units]:
+                future.result()
+
+    def _plan(self, item: BoxRead, pieces: dict[tuple[int, int], list[_Piece]]) -> None:
+        record = item.record
+        where = f"step {self._manifest.step}: tensor {item.name!r}"
+        itemsize = dtype_of(record, where).itemsize
+        target = byte_view(item.into)
+        box_offsets, box_lengths = item.box
+        if math.prod(box_lengths) == 0:
+            return
+        assert record.chunks is not None
+        writer = record.chunks.whole_writer
+        if writer is not None and tuple(box_lengths) == tuple(record.shape):  # all of a whole tensor
+            index = self._index(writer)
+            file_index, begin, end = self._located(index, item.name, where)
+            if end - begin != target.numel():
+                raise CorruptShardError(f"{where}: chunk holds {end - begin} bytes, not {target.numel()}")
+            pieces.setdefault((writer, file_index), []).append(_Piece(begin, end, target))
+            return
+        for chunk in record.chunks.overlapping(item.box):
+            common = overlap((chunk.offsets, chunk.lengths), item.box)
+            assert common is not None
+            index = self._index(chunk.writer)
+            key = chunk_key(item.name, chunk.offsets, chunk.lengths, record.shape)
+            file_index, begin, end = self._located(index, key, where)
+            if end - begin != chunk.numel * itemsize:
+                raise CorruptShardError(f"{where}: chunk {key!r} holds {end - begin} bytes, "
+                                        f"not {chunk.numel * itemsize}")
+            in_chunk = (tuple(o - c for o, c in zip(common[0], chunk.offsets)), common[1])
+            in_box = (tuple(o - b for o, b in zip(common[0], box_offsets)), common[1])
+            source_run, source_starts = byte_runs(chunk.lengths, in_chunk, itemsize)
+            target_run, target_starts = byte_runs(box_lengths, in_box, itemsize)
+            run = min(source_run, target_run)  # one divides the other
+            row_bytes = math.prod(chunk.lengths[1:]) * itemsize
+            if run < SMALL_RUN_BYTES and len(source_starts) * (source_run // run) > 1 \
+                    and row_bytes <= index.files[file_index].block_bytes:
+                self._plan_slabs(item, chunk.lengths, in_chunk, in_box, begin, row_bytes,
+                                 pieces.setdefault((chunk.writer, file_index), []))
+                continue
+            split_source, split_target = source_run // run, target_run // run
+            sources = [s + k * run for s in source_starts for k in range(split_source)]
+            targets = [t + k * run for t in target_starts for k in range(split_target)]
+            found = pieces.setdefault((chunk.writer, file_index), [])
+            found.extend(_Piece(begin + s, begin + s + run, target[t : t + run]) for s, t in zip(sources, targets))
+
+    def _plan_slabs(self, item: BoxRead, lengths: tuple[int, ...], in_chunk: Box, in_box: Box, begin: int,
+                    row_bytes: int, found: list[_Piece]) -> None:
+        """Read the rows of a chunk that hold ``in_chunk`` in slabs of up to a read unit's bytes;
+        each slab's part of the box is copied into ``item.into`` (at ``in_box``) by one copy."""
+        first, count = in_chunk[0][0], in_chunk[1][0]
+        inner = tuple(slice(o, o + n) for o, n in zip(in_chunk[0][1:], in_chunk[1][1:]))
+        inner_target = tuple(slice(o, o + n) for o, n in zip(in_box[0][1:], in_box[1][1:]))
+        per_slab = max(1, CHECKSUM_CHUNK_BYTES // row_bytes)
+        for row in range(first, first + count, per_slab):
+            rows = min(per_slab, first + count - row)
+            at = in_box[0][0] + row - first
+
+            def copy(scratch: torch.Tensor, rows: int = rows, at: int = at) -> None:
+                source = scratch.view(item.into.dtype).view((rows,) + tuple(lengths[1:]))
+                item.into[(slice(at, at + rows),) + inner_target].copy_(source[(slice(None),) + inner])
+
+            start = begin + row * row_bytes
+            found.append(_Piece(start, start + rows * row_bytes, None, _Slab(rows * row_bytes, copy, self._scratch)))
+
+    @staticmethod
+    def _located(index: RankIndex, key: str, where: str) -> tuple[int, int, int]:
+        try:
+            return index.chunks[key]
+        except KeyError:
+            raise CorruptShardError(f"{where}: chunk {key!r} is missing from rank {index.rank}'s index") from None
+
+    def _units(self, index: RankIndex, file_index: int, file_pieces: list[_Piece]) -> list[tuple]:
+        """Split one file's pieces into read units: whole blocks, up to a chunk's bytes each."""
+        item = index.files[file_index]
+        block = item.block_bytes
+        per_unit = max(1, CHECKSUM_CHUNK_BYTES // block)
+        file_pieces.sort(key=lambda p: p.begin)
+        blocks = sorted({b for p in file_pieces for b in range(p.begin // block, (p.end - 1) // block + 1)})
+        units = []
+        group: list[int] = []
+        for b in blocks:
+            if group and (b != group[-1] + 1 or len(group) == per_unit):
+                units.append(group)
+                group = []
+            group.append(b)
+        if group:
+            units.append(group)
+        result = []
+        cursor = 0
+        for group in units:
+            start, stop = group[0] * block, min((group[-1] + 1) * block, item.size_bytes)
+            inside = []
+            while cursor < len(file_pieces) and file_pieces[cursor].begin < stop:
+                inside.append(file_pieces[cursor])
+                cursor += 1
+            # a piece that runs past this unit goes on in the next one
+            if inside and inside[-1].end > stop:
+                last = inside[-1]
+                cut = stop - last.begin
+                cursor -= 1
+                if last.slab is None:
+                    inside[-1] = _Piece(last.begin, stop, last.target[:cut])
+                    file_pieces[cursor] = _Piece(stop, last.end, last.target[cut:])
+                else:
+                    last.slab.pending += 1
+                    inside[-1] = _Piece(last.begin, stop, None, last.slab, last.slab_offset)
+                    file_pieces[cursor] = _Piece(stop, last.end, None, last.slab, last.slab_offset + cut)
+            result.append((index, file_index, start, stop, inside))
+        return result
+
+    def _read_unit(self, index: RankIndex, file_index: int, start: int, stop: int, inside: list[_Piece]) -> None:
+        item = index.files[file_index]
+        key = file_key(self._manifest.step, item.path)
+        where = f"{self._storage.uri}/{key}"
+        if self._files.get(item.path) is None or self._files[item.path].size_bytes != item.size_bytes:
+            raise CorruptShardError(f"{where}: not in the manifest with the size its index records")
+        views: list[memoryview] = []
+        position = start
+        for piece in inside:
+            if piece.begin > position:
+                views.append(memoryview(bytearray(piece.begin - position)))
+            target = piece.target if piece.slab is None else \
+                piece.slab.view(piece.slab_offset, piece.slab_offset + piece.end - piece.begin)
+            views.append(memoryview(target.numpy()))
+            position = piece.end
+        if position < stop:
+            views.append(memoryview(bytearray(stop - position)))
+        _read(self._storage, key, start, views, where)
+        with self._lock:
+            self.bytes_read += stop - start
+        block = item.block_bytes
+        digest = blake3.blake3()
+        position = start  # start is a block boundary; stop one too, or the file's end
+        for view in views:
+            offset = 0
+            while offset < len(view):
+                block_end = (position // block + 1) * block
+                take = min(len(view) - offset, block_end - position)
+                digest.update(view[offset : offset + take])
+                offset += take
+                position += take
+                if position == block_end or position == stop:
+                    self._check_block(item, (position - 1) // block, digest, where)
+                    digest = blake3.blake3()
+        for piece in inside:  # verified: slabs whose every part is read go to their boxes
+            if piece.slab is not None:
+                piece.slab.part_read()
+
+    @staticmethod
+    def _check_block(item, number: int, digest, where: str) -> None:
+        if digest.hexdigest() != item.block_digests[number]:
+            raise CorruptShardError(f"{where}: block {number} (bytes {number * item.block_bytes}-"
+                                    f"{(number + 1) * item.block_bytes}) does not match its checksum")
+
