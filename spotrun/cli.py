@@ -21,14 +21,14 @@ here only, never at import time: timestamped lines on stderr, prefixed ``spotrun
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
 
+from spotrun.commands import register_all
+from spotrun.commands._shared import add_storage_options, open_existing_root
 from spotrun.env import DEFAULT_CHECKPOINT_URI
 from spotrun.errors import ConfigError, SpotrunError
 from spotrun.supervisor.signals import DEFAULT_NOTICE_SIGNALS
@@ -59,7 +59,7 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
     )
     run.add_argument("--checkpoint-uri", default=DEFAULT_CHECKPOINT_URI, metavar="URI",
                      help="checkpoint root: local dir, file:// or s3://bucket/prefix (default %(default)s)")
-    _add_storage_options(run)
+    add_storage_options(run)
     run.add_argument("--grace-period-s", type=float, default=30.0, metavar="S",
                      help="seconds from a notice to the hard kill (default %(default)s, as Kubernetes); the "
                      "emergency checkpoint must commit by notice + grace period - safety margin")
@@ -86,7 +86,7 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
     ls = sub.add_parser("ls", parents=[common], help="list checkpoints and whether they are complete")
     ls.add_argument("uri", metavar="URI", nargs="?", default=DEFAULT_CHECKPOINT_URI,
                     help=f"checkpoint root: local dir, file:// or s3://bucket/prefix (default {DEFAULT_CHECKPOINT_URI})")
-    _add_storage_options(ls)
+    add_storage_options(ls)
     ls.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     ls.set_defaults(handler=_cmd_ls, default_log_level="warning")
 
@@ -109,7 +109,7 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
                          help="serve the notice S seconds after the launch (default 60)")
     drill.add_argument("--checkpoint-uri", default=DEFAULT_CHECKPOINT_URI, metavar="URI",
                        help="checkpoint root: local dir, file:// or s3://bucket/prefix (default %(default)s)")
-    _add_storage_options(drill)
+    add_storage_options(drill)
     drill.add_argument("--grace-period-s", type=float, default=None, metavar="S",
                        help="seconds from the notice to its deadline (default: the cloud's own lead, "
                        "aws 120, gcp/azure/signal 30; a GCP notice always gets the supervisor's 30 s window)")
@@ -134,17 +134,10 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
         help="check that the checkpoint storage can be written, read, listed and deleted",
     )
     check.add_argument("uri", metavar="URI", help="checkpoint root: local dir, file:// or s3://bucket/prefix")
-    _add_storage_options(check)
+    add_storage_options(check)
     check.set_defaults(handler=_cmd_preflight, default_log_level="warning")
+    register_all(sub, common)
     return parser
-
-
-def _add_storage_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--s3-endpoint-url", default=None, metavar="URL",
-        help="S3 endpoint for s3:// URIs, e.g. http://minio:9000 (default: the standard AWS "
-        "settings such as AWS_ENDPOINT_URL); run passes it on to the workers",
-    )
 
 
 def _add_notice_options(parser: argparse.ArgumentParser) -> None:
@@ -251,18 +244,9 @@ def _cmd_drill(args: argparse.Namespace) -> int:
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     from spotrun.checkpoint.catalog import list_steps
-    from spotrun.errors import ObjectNotFoundError
-    from spotrun.storage import LocalStorage, open_storage
-    from spotrun.supervisor.config import storage_options
 
-    storage = open_storage(args.uri, **storage_options(args.uri, s3_endpoint_url=args.s3_endpoint_url))
+    storage = open_existing_root(args.uri, args.s3_endpoint_url)
     steps = list_steps(storage)
-    if not steps:  # like ls: a root that does not exist is an error, an empty one is not
-        if isinstance(storage, LocalStorage) and not os.path.isdir(storage.uri):
-            what = "not a directory" if os.path.exists(storage.uri) else "no such directory"
-            raise ObjectNotFoundError(errno.ENOENT, f"{what}: {storage.uri}")
-        if not isinstance(storage, LocalStorage) and not storage.list(""):
-            raise ObjectNotFoundError(errno.ENOENT, f"nothing is stored under {storage.uri} (no such prefix)")
     if args.json:
         print(json.dumps([{**s.to_json(), "meshes": s.manifest.meshes if s.manifest else None,
                            "layout": _layout(s)} for s in steps], indent=1))

@@ -60,6 +60,7 @@ import logging
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -76,6 +77,7 @@ from spotrun.supervisor.launch import LaunchPlan, describe_start, plan_launch
 from spotrun.notices import is_stop
 from spotrun.supervisor.cloud_notices import CloudNotices
 from spotrun.supervisor.notices import CHILD_EVENT, IgnoredSignal, Inbox, Notice, signal_notices
+from spotrun.supervisor.observers import Observers
 from spotrun.supervisor.signals import describe as describe_signals
 from spotrun.supervisor.torchrun_command import TorchrunLaunch, read_torchrun_command
 
@@ -88,7 +90,7 @@ EXIT_PREEMPTED_NOT_SAVED = 142
 _REAP_AFTER_KILL_S = 30.0
 
 
-def supervise(config: SupervisorConfig) -> int:
+def supervise(config: SupervisorConfig, observers: Observers | None = None) -> int:
     """Run the launch command under supervision until it finishes or is preempted.
 
     Must be called from the main thread of a process that has no other children to wait
@@ -97,6 +99,11 @@ def supervise(config: SupervisorConfig) -> int:
     for every signal that would end the process (notices and ignored signals, see
     :mod:`spotrun.supervisor.signals`) and SIGCHLD while it runs and restores the old
     ones afterwards.
+
+    Args:
+        config: the options.
+        observers: told of every event of :mod:`spotrun.supervisor.observers` (the event log,
+            the metrics) and closed at the end; ``None``: none.
 
     Returns:
         The exit code (see the module docstring).
@@ -124,15 +131,20 @@ def supervise(config: SupervisorConfig) -> int:
         stack.callback(shutil.rmtree, control_root, ignore_errors=True)
         if not process.become_subreaper():
             log.debug("could not become a child subreaper; orphaned workers go to init")
-        return _Supervisor(config, storage, inbox, control_root, launch).run()
+        observers = observers or Observers()
+        stack.callback(observers.close)
+        observers.emit("start", host=socket.gethostname(), pid=os.getpid(), command=list(config.command),
+                       grace_period_s=config.grace_period_s, checkpoint_uri=config.checkpoint_uri)
+        return _Supervisor(config, storage, inbox, control_root, launch, observers).run()
 
 
 class _Supervisor:
     """State of one ``supervise`` call; see the module docstring for the behaviour."""
 
     def __init__(self, config: SupervisorConfig, storage: Storage, inbox: Inbox, control_root: str,
-                 launch: TorchrunLaunch | None):
+                 launch: TorchrunLaunch | None, observers: Observers):
         self.config = config
+        self.observers = observers
         self.launch = launch  # the rank count the torchrun command asks for; None: not torchrun
         self.storage = storage
         self.inbox = inbox
@@ -147,17 +159,24 @@ class _Supervisor:
         self.acknowledgements: list[tuple[Notice, object]] = []  # called once the save committed
         self.resumed_manifest: Manifest | None = None  # of the checkpoint the running command resumed
         self.save_declined = False  # a save could not commit in time: the workers stop without one
+        self.saved_step: int | None = None  # the emergency checkpoint's step, once it is complete
 
     # --- the launch / restart loop ---------------------------------------------
 
     def run(self) -> int:
         try:
-            return self._launch_loop()
-        except BaseException:
+            code = self._launch_loop()
+        except BaseException as exc:
             if self.child is not None and self.child_returncode is None:
                 log.error("supervisor failed while pid %d runs: killing its process tree", self.child.pid)
                 process.kill_tree(os.getpid(), self.child.pid)
+            self.observers.emit("exit", code=2 if isinstance(exc, SpotrunError) else None, reason="error",
+                                error=f"{type(exc).__name__}: {exc}")
             raise
+        reason = {EXIT_FINISHED: "finished", EXIT_PREEMPTED_SAVED: "preempted_saved",
+                  EXIT_PREEMPTED_NOT_SAVED: "preempted_not_saved"}.get(code, "failed")
+        self.observers.emit("exit", code=code, reason=reason, step=self.saved_step)
+        return code
 
     def _launch_loop(self) -> int:
         plan: LaunchPlan | None = None
@@ -175,7 +194,12 @@ class _Supervisor:
             )
             self.resumed_manifest = plan.resume.manifest if plan.resume is not None else None
             log.info("%s", describe_start(plan.resume, self.launch))
+            self.observers.emit(
+                "launch", attempt=attempt, incarnation=plan.incarnation, run_id=plan.run_id,
+                resumed_step=plan.resume.step if plan.resume is not None else None,
+                resumed_world_size=self.resumed_manifest.world_size if self.resumed_manifest else None)
             code = self._run_once(plan, control_dir)
+            self.observers.emit("command_exit", code=code, incarnation=plan.incarnation)
             stopped_without_save = outcome.workers_stopped_without_save(control_dir)
             if self.notice is not None or stopped_without_save or outcome.workers_saved_on_their_own(control_dir):
                 return self._preempted_exit_code(code, control_dir, stopped_without_save=stopped_without_save)
@@ -191,6 +215,7 @@ class _Supervisor:
                 "the command failed with exit code %d: restart %d of %d in %.1f s",
                 code, attempt, self.config.max_restarts, delay_s,
             )
+            self.observers.emit("restart", attempt=attempt, code=code, delay_s=delay_s)
             self._wait(delay_s, until_notice=True)
 
     def _run_once(self, plan: LaunchPlan, control_dir: str) -> int:
@@ -275,6 +300,8 @@ class _Supervisor:
 
     def _on_notice(self, notice: Notice) -> None:
         """The one place where a notice turns into a save request (signals and clouds alike)."""
+        self.observers.emit("notice", source=notice.source, kind=notice.kind,
+                            deadline_unix_s=notice.deadline_unix_s, stop=is_stop(notice))
         if not is_stop(notice):  # e.g. an AWS rebalance recommendation: checkpoint, keep going
             log.warning("%s from %s: asking the workers for an ordinary checkpoint", notice.kind, notice.source)
             if self.control_dir is not None:
@@ -328,11 +355,14 @@ class _Supervisor:
         estimate = estimate_emergency_save(stats, self.resumed_manifest, now_s,
                                            ranks_now=self.launch.min_ranks if self.launch else None)
         if estimate is None:
-            log.warning("emergency checkpoint requested: no save measured yet to estimate it from; "
-                        "the save is bounded by the deadline (%.1f s left)", left_s)
+            message = (f"emergency checkpoint requested: no save measured yet to estimate it from; "
+                       f"the save is bounded by the deadline ({left_s:.1f} s left)")
+            log.warning("%s", message)
+            self.observers.emit("decision", save=True, message=message)
             return True
         decision = decide(estimate, left_s)
         log.warning("%s", decision.message)
+        self.observers.emit("decision", save=decision.save, message=decision.message)
         return decision.save
 
     def _deadline_passed(self) -> bool:
@@ -372,6 +402,7 @@ class _Supervisor:
             )
             return EXIT_PREEMPTED_NOT_SAVED
         log.info("emergency checkpoint of step %d is complete: exiting %d", report.step, EXIT_PREEMPTED_SAVED)
+        self.saved_step = report.step
         self._acknowledge()
         return EXIT_PREEMPTED_SAVED
 

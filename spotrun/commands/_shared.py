@@ -1,0 +1,43 @@
+"""What several subcommands share: the storage options and opening a root that must exist."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+
+from spotrun.env import DEFAULT_CHECKPOINT_URI
+from spotrun.storage import Storage
+
+URI_HELP = f"checkpoint root: local dir, file:// or s3://bucket/prefix (default {DEFAULT_CHECKPOINT_URI})"
+
+
+def add_storage_options(parser: argparse.ArgumentParser) -> None:
+    """``--s3-endpoint-url URL``: the S3-compatible endpoint for ``s3://`` URIs."""
+    parser.add_argument(
+        "--s3-endpoint-url", default=None, metavar="URL",
+        help="S3 endpoint for s3:// URIs, e.g. http://minio:9000 (default: the standard AWS "
+        "settings such as AWS_ENDPOINT_URL); run passes it on to the workers",
+    )
+
+
+def open_existing_root(uri: str, s3_endpoint_url: str | None) -> Storage:
+    """Open the checkpoint root ``uri``, which must exist (like ``ls``: a root that does not
+    exist is an error, an empty one is not).
+
+    Raises:
+        ObjectNotFoundError: no such local directory, or nothing stored under the S3 prefix.
+        ConfigError: a bad URI or endpoint.
+    """
+    from spotrun.errors import ObjectNotFoundError
+    from spotrun.storage import LocalStorage, open_storage
+    from spotrun.supervisor.config import storage_options
+
+    storage = open_storage(uri, **storage_options(uri, s3_endpoint_url=s3_endpoint_url))
+    if isinstance(storage, LocalStorage):
+        if not os.path.isdir(storage.uri):
+            what = "not a directory" if os.path.exists(storage.uri) else "no such directory"
+            raise ObjectNotFoundError(errno.ENOENT, f"{what}: {storage.uri}")
+    elif not storage.list(""):
+        raise ObjectNotFoundError(errno.ENOENT, f"nothing is stored under {storage.uri} (no such prefix)")
+    return storage
