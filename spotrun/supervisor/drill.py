@@ -137,7 +137,7 @@ def _phase_notice(config: DrillConfig, storage: Storage, fake: FakeServer | None
     proc = _start_supervisor(config, _notice_options(config.cloud, fake), config.lead_s)
     event_id = None
     try:
-        while not _trigger_reached(config, storage, launched_s):
+        while not _trigger_reached(config, storage, launched_s, proc):
             code = _wait_exit(proc, _POLL_S)
             if code is not None:
                 report.first_exit_code = code
@@ -182,7 +182,9 @@ def _phase_notice(config: DrillConfig, storage: Storage, fake: FakeServer | None
         _check_acknowledgement(fake, event_id, report)
 
 
-def _trigger_reached(config: DrillConfig, storage: Storage, launched_s: float) -> bool:
+def _trigger_reached(config: DrillConfig, storage: Storage, launched_s: float, proc: subprocess.Popen) -> bool:
+    if config.cloud == "signal" and not process.catches_signal(proc.pid, signal.SIGTERM):
+        return False  # still starting up: a SIGTERM now would kill it instead of being a notice
     if config.after_steps is not None:
         newest = _newest_complete_step(storage)
         return newest is not None and newest >= config.after_steps

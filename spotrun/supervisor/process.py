@@ -95,6 +95,23 @@ def descendants(root_pid: int) -> list[ProcInfo]:
     return [info for info in found if info.state != "Z"]
 
 
+def catches_signal(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``signum`` (the ``SigCgt`` mask of
+    ``/proc/<pid>/status``, proc(5)); False when it is gone or the mask cannot be read.
+
+    A signal sent before the handler is in place takes the default action (for SIGTERM: the
+    process dies), so a sender that must be heard waits for this first.
+    """
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
 def is_alive(info: ProcInfo) -> bool:
     """Whether the very process ``info`` names still runs (a zombie does not count)."""
     now = _read_stat(info.pid)
