@@ -220,7 +220,7 @@ def test_a_shard_rewritten_without_a_tensor_names_the_missing_tensor(fmt, tiny, 
     assert any(line.startswith(f"step {step}: {shard.name}: has ") for line in lines)
 
 
-def test_a_flipped_byte_in_one_rank_of_a_sharded_checkpoint_names_that_rank_s_file(sharded, tmp_path, capsys):
+def test_in_a_sharded_checkpoint_a_flipped_byte_and_an_edited_index_are_each_named(sharded, tmp_path, capsys):
     root = pathlib.Path(shutil.copytree(sharded, tmp_path / "ck"))
     shard = next((root / "step-000000003").glob("rank-00001.*.safetensors"))
     flip(shard, shard.stat().st_size - 3)
@@ -346,3 +346,6 @@ def test_on_s3_a_good_checkpoint_passes_and_a_replaced_object_is_named(s3_bucket
     code, lines, _ = verify(uri, "--all", capsys=capsys)
     assert code == 1
     assert lines[0] == f"step 1: {shard}: digest mismatch in bytes {BLOCK_BYTES}-{len(data)} (blake3-chunks)"
+
+    code, lines, err = verify(f"s3://{s3_bucket.name}-missing/job", capsys=capsys)  # no such bucket
+    assert (code, lines) == (2, []) and err.startswith("spotrun: error: ") and len(err.splitlines()) == 1

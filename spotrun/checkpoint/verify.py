@@ -247,6 +247,8 @@ class _StepCheck:
         return index
 
     def _header(self, record: FileRecord, size_bytes: int) -> ShardHeader | None:
+        if size_bytes < 8 and size_bytes != record.size_bytes:
+            return None  # reported by its size
         try:
             header = read_header(self._storage, file_key(self._step, record.path), size_bytes, record.size_bytes)
         except CorruptShardError as exc:

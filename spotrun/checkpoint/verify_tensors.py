@@ -20,17 +20,15 @@ safetensors' own loader demands, and so whoever reads the checkpoint without spo
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from spotrun.checkpoint import reader
 from spotrun.checkpoint.chunk_reader import dtype_of
 from spotrun.checkpoint.rank_index import RankIndex, chunk_key
-from spotrun.checkpoint.shard import SAFETENSORS_MAX_HEADER_BYTES
 from spotrun.checkpoint.stream import SAFETENSORS_CODES
-from spotrun.errors import CorruptShardError, ObjectTooShortError
+from spotrun.errors import CorruptShardError
 from spotrun.manifest import STORED_AS_BYTES, Manifest, TensorRecord
 from spotrun.storage.base import Storage
 
@@ -77,25 +75,11 @@ def read_header(storage: Storage, key: str, size_bytes: int, recorded_bytes: int
             the reason alone, without the file's name).
         ObjectNotFoundError, StorageError: the reads failed.
     """
-    if size_bytes < 8:
-        raise CorruptShardError(f"{size_bytes} bytes, too few for a safetensors file")
-    prefix = bytearray(8)
-    storage.read_into(key, 0, [memoryview(prefix)])
-    (header_bytes,) = struct.unpack("<Q", prefix)
-    if header_bytes > SAFETENSORS_MAX_HEADER_BYTES or 8 + header_bytes > size_bytes:
-        raise CorruptShardError(f"safetensors header length {header_bytes} does not fit the file's {size_bytes} bytes")
-    raw = bytearray(header_bytes)
     try:
-        storage.read_into(key, 8, [memoryview(raw)])
-    except ObjectTooShortError as exc:  # shrank since it was listed
-        raise CorruptShardError(f"shorter than its header says ({exc})") from exc
-    try:
-        header = json.loads(raw.decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CorruptShardError(f"the safetensors header does not parse: {exc}") from exc
-    return _parse(header, 8 + header_bytes, recorded_bytes if size_bytes == recorded_bytes else None)
+        header, head = reader.read_header(storage, key, size_bytes, where=key)
+    except CorruptShardError as exc:
+        raise CorruptShardError(str(exc).removeprefix(f"{key}: ")) from exc
+    return _parse(header, len(head), recorded_bytes if size_bytes == recorded_bytes else None)
 
 
 def _parse(header: dict, data_start: int, end_bytes: int | None) -> ShardHeader:
