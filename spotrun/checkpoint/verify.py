@@ -168,8 +168,8 @@ class _StepCheck:
         self._check_identity()
         present = self._check_presence()
         data = [(r, size) for r, size in present.items() if not _is_index(r)]
-        with ThreadPoolExecutor(max_workers=self._storage.read_concurrency,
-                                thread_name_prefix="spotrun-verify") as pool:
+        pool = ThreadPoolExecutor(max_workers=self._storage.read_concurrency, thread_name_prefix="spotrun-verify")
+        try:
             index_jobs = {r.rank: (r.path, pool.submit(self._load_index, r) if r in present else None)
                           for r in manifest.files if _is_index(r)}
             header_jobs = {r.path: pool.submit(self._header, r, size) for r, size in data}
@@ -179,6 +179,8 @@ class _StepCheck:
             finishers = [self._submit_digest(pool, r, blocks.get(r.path)) for r, size in data if size == r.size_bytes]
             for finish in finishers:
                 finish()
+        finally:  # on a storage error or Ctrl-C, the reads still queued are dropped
+            pool.shutdown(wait=True, cancel_futures=True)
         if manifest.format_version >= 4:
             found = check_chunks(manifest, indexes, headers)
         else:
