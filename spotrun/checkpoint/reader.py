@@ -82,6 +82,34 @@ def _destination(record: TensorRecord, given: torch.Tensor | None, where: str) -
     return torch.empty(record.shape, dtype=dtype), code, shape, nbytes
 
 
+def read_header(storage: Storage, key: str, size_bytes: int, *, where: str) -> tuple[dict, bytes]:
+    """The JSON header of the safetensors file ``key`` of ``size_bytes`` (as parsed: name ->
+    entry, and ``"__metadata__"``) and the file's first bytes up to its data (the 8-byte header
+    length and the JSON), read with two small reads.
+
+    Raises:
+        CorruptShardError: the file is too short for a header, or its header does not fit its
+            ``size_bytes``, is shorter than that, or does not parse (``where`` starts the message).
+        StorageError: a read failed.
+    """
+    if size_bytes < 8:
+        raise CorruptShardError(f"{where}: {size_bytes} bytes recorded, too few for a safetensors file")
+    prefix = bytearray(8)
+    _read(storage, key, 0, [memoryview(prefix)], where)
+    (header_bytes,) = struct.unpack("<Q", prefix)
+    if header_bytes > SAFETENSORS_MAX_HEADER_BYTES or 8 + header_bytes > size_bytes:
+        raise CorruptShardError(f"{where}: header length {header_bytes} does not fit the file's {size_bytes} bytes")
+    header_raw = bytearray(header_bytes)
+    _read(storage, key, 8, [memoryview(header_raw)], where)
+    try:
+        header = json.loads(header_raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptShardError(f"{where}: the safetensors header does not parse: {exc}") from exc
+    return header, bytes(prefix) + bytes(header_raw)
+
+
 def read_shard_into(
     storage: Storage,
     key: str,
@@ -107,24 +135,9 @@ def read_shard_into(
         StorageError: a read failed.
     """
     size = record.size_bytes
-    if size < 8:
-        raise CorruptShardError(f"{where}: {size} bytes recorded, too few for a safetensors file")
     chunk_bytes = record.chunk_bytes or size
-    prefix = bytearray(8)
-    _read(storage, key, 0, [memoryview(prefix)], where)
-    (header_bytes,) = struct.unpack("<Q", prefix)
-    if header_bytes > SAFETENSORS_MAX_HEADER_BYTES or 8 + header_bytes > size:
-        raise CorruptShardError(f"{where}: header length {header_bytes} does not fit the file's {size} bytes")
-    header_raw = bytearray(header_bytes)
-    _read(storage, key, 8, [memoryview(header_raw)], where)
-    head = bytes(prefix) + bytes(header_raw)
-    try:
-        header = json.loads(header_raw.decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CorruptShardError(f"{where}: the safetensors header does not parse: {exc}") from exc
-    data_start = 8 + header_bytes
+    header, head = read_header(storage, key, size, where=where)
+    data_start = len(head)
 
     tensors: dict[str, torch.Tensor] = {}
     pieces: list[_Piece] = []

@@ -1,0 +1,201 @@
+"""The tensor half of ``spotrun verify``: is every tensor the manifest lists in its file, with
+the recorded dtype, shape and bytes?
+
+A shard file is a safetensors file (8-byte little-endian header length, a JSON header, the
+tensors' bytes back to back). Only the header is read here (two small reads: the length, then
+the JSON); the bytes themselves are checked by their digests (:mod:`spotrun.checkpoint.verify`).
+
+* Formats 1-3: each tensor record names its ``file``; the header must hold the tensor's name
+  with the safetensors dtype code and shape it is stored under (for ``stored_as: "bytes"``, a
+  1-D ``U8`` tensor of ``numel * itemsize`` elements) and that many bytes.
+* Format 4: each tensor is one or more chunks; the writer's rank index maps each chunk's key
+  (:func:`~spotrun.checkpoint.rank_index.chunk_key`) to ``[file index, begin, end)``. The key
+  must be in the index, and in that file's header with the chunk's dtype code and lengths, at
+  exactly those bytes.
+
+Every header must also describe a valid safetensors file: entries with a dtype, a shape and
+data offsets, back to back from the start of the data to the file's recorded end (what
+safetensors' own loader demands, and so whoever reads the checkpoint without spotrun).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from spotrun.checkpoint import reader
+from spotrun.checkpoint.chunk_reader import dtype_of
+from spotrun.checkpoint.rank_index import RankIndex, chunk_key
+from spotrun.checkpoint.stream import SAFETENSORS_CODES
+from spotrun.errors import CorruptShardError
+from spotrun.manifest import STORED_AS_BYTES, Manifest, TensorRecord
+from spotrun.storage.base import Storage
+
+#: (file path or ``None`` for the step as a whole, reason): one problem found.
+Finding = tuple[str | None, str]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a safetensors header: dtype code, shape, and its bytes ``[begin, end)``
+    in the file (absolute offsets)."""
+
+    code: str
+    shape: list[int]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A parsed safetensors header.
+
+    Attributes:
+        data_start: the file offset where the tensors' bytes begin (8 + header length).
+        entries: tensor name -> :class:`Entry` (valid entries only).
+        problems: what is wrong with the header itself (bad entries, gaps, overlaps).
+    """
+
+    data_start: int
+    entries: dict[str, Entry]
+    problems: list[str]
+
+
+def read_header(storage: Storage, key: str, size_bytes: int, recorded_bytes: int) -> ShardHeader:
+    """Read and parse the safetensors header of ``key`` (two reads: 8 bytes, then the JSON).
+
+    Args:
+        size_bytes: the file's size as listed.
+        recorded_bytes: its size in the manifest; the entries must end exactly there when
+            the two agree (a file of the wrong size is reported by its size already).
+
+    Raises:
+        CorruptShardError: the header does not fit the file or does not parse (the message is
+            the reason alone, without the file's name).
+        ObjectNotFoundError, StorageError: the reads failed.
+    """
+    try:
+        header, head = reader.read_header(storage, key, size_bytes, where=key)
+    except CorruptShardError as exc:
+        raise CorruptShardError(str(exc).removeprefix(f"{key}: ")) from exc
+    return _parse(header, len(head), recorded_bytes if size_bytes == recorded_bytes else None)
+
+
+def _parse(header: dict, data_start: int, end_bytes: int | None) -> ShardHeader:
+    entries: dict[str, Entry] = {}
+    problems: list[str] = []
+    for name, raw in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = raw.get("data_offsets") if isinstance(raw, dict) else None
+        shape = raw.get("shape") if isinstance(raw, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] and isinstance(raw.get("dtype"), str)
+                and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            problems.append(f"tensor {name} has no valid dtype, shape and data_offsets in the header")
+            continue
+        entries[name] = Entry(raw["dtype"], shape, data_start + offsets[0], data_start + offsets[1])
+    covered = data_start
+    for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin != covered:
+            problems.append(f"tensor {name} starts at byte {entry.begin}, not at {covered} where the one "
+                            "before it ends")
+        covered = max(covered, entry.end)
+    if end_bytes is not None and covered != end_bytes and not problems:
+        problems.append(f"the header describes {covered} bytes, the manifest records {end_bytes}")
+    return ShardHeader(data_start, entries, problems)
+
+
+def _stored_form(record: TensorRecord, lengths: list[int] | tuple[int, ...], name: str) -> tuple[str, list[int], int]:
+    """The safetensors dtype code, shape and byte count a file holds for ``lengths`` elements
+    of ``record``'s tensor.
+
+    Raises:
+        CorruptShardError: a dtype this torch lacks or cannot decode.
+    """
+    dtype = dtype_of(record, f"tensor {name}")
+    nbytes = math.prod(lengths) * dtype.itemsize
+    if record.stored_as == STORED_AS_BYTES:
+        return "U8", [nbytes], nbytes
+    return SAFETENSORS_CODES.get(dtype, "?"), list(lengths), nbytes
+
+
+def _mismatch(entry: Entry, key: str, code: str, shape: list[int], nbytes: int, record: TensorRecord) -> str | None:
+    if entry.code == code and entry.shape == shape and entry.end - entry.begin == nbytes:
+        return None
+    wanted = f"{record.dtype}{shape}" if record.stored_as != STORED_AS_BYTES else f"{record.dtype} as {code}{shape}"
+    return (f"tensor {key} is stored as {entry.code}{entry.shape} ({entry.end - entry.begin} bytes); "
+            f"the manifest says {wanted} ({nbytes} bytes)")
+
+
+def check_whole_tensors(manifest: Manifest, headers: dict[str, ShardHeader]) -> Iterator[Finding]:
+    """Formats 1-3: every tensor record against its file's header (files without a readable
+    header, already reported, are skipped)."""
+    for name, record in manifest.tensors.items():
+        header = headers.get(record.file or "")
+        if header is None:
+            continue
+        try:
+            code, shape, nbytes = _stored_form(record, record.shape, name)
+        except CorruptShardError as exc:
+            yield record.file, str(exc)
+            continue
+        entry = header.entries.get(name)
+        if entry is None:
+            yield record.file, f"tensor {name} missing from the file"
+            continue
+        problem = _mismatch(entry, name, code, shape, nbytes, record)
+        if problem is not None:
+            yield record.file, problem
+
+
+def check_chunks(manifest: Manifest, indexes: dict[int, tuple[str, RankIndex | None]],
+                 headers: dict[str, ShardHeader]) -> Iterator[Finding]:
+    """Format 4: every chunk of every tensor against its writer's index and its file's header.
+
+    Args:
+        indexes: writer rank -> (its index file's path, the parsed index, or ``None`` when the
+            index is missing or broken: already reported, its chunks are skipped).
+        headers: data file path -> its header (files without one are skipped).
+    """
+    unindexed: set[int] = set()
+    for name, record in manifest.tensors.items():
+        if record.chunks is None:
+            yield None, f"tensor {name} has no chunk layout in a format-{manifest.format_version} manifest"
+            continue
+        for chunk in record.chunks.chunks():
+            if chunk.writer not in indexes:
+                if chunk.writer not in unindexed:
+                    unindexed.add(chunk.writer)
+                    yield None, f"the manifest lists no index of rank {chunk.writer}, which wrote chunks"
+                continue
+            index_path, index = indexes[chunk.writer]
+            if index is None:
+                continue
+            key = chunk_key(name, chunk.offsets, chunk.lengths, record.shape)
+            located = index.chunks.get(key)
+            if located is None:
+                yield index_path, f"chunk {key} missing from rank {chunk.writer}'s index"
+                continue
+            file_index, begin, end = located
+            path = index.files[file_index].path
+            header = headers.get(path)
+            if header is None:
+                continue
+            try:
+                code, shape, nbytes = _stored_form(record, chunk.lengths, name)
+            except CorruptShardError as exc:
+                yield path, str(exc)
+                continue
+            entry = header.entries.get(key)
+            if entry is None:
+                yield path, f"tensor {key} missing from the file"
+                continue
+            problem = _mismatch(entry, key, code, shape, nbytes, record)
+            if problem is None and (entry.begin, entry.end) != (begin, end):
+                problem = (f"tensor {key} lies at bytes {entry.begin}-{entry.end}; rank {chunk.writer}'s "
+                           f"index says {begin}-{end}")
+            if problem is not None:
+                yield path, problem
+
