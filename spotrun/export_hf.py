@@ -66,20 +66,18 @@ def find_step(storage: Storage, step: int | None) -> catalog.StepInfo:
         ObjectNotFoundError: ``step`` is not complete (absent, incomplete, corrupt, fenced).
         NoCheckpointError: no complete step at all.
     """
-    steps = catalog.list_steps(storage)
-    complete = [s for s in steps if s.status == catalog.COMPLETE]
     if step is None:
-        if not complete:
+        info = catalog.newest_complete(storage)
+        if info is None:
             raise NoCheckpointError(f"no complete step under {storage.uri} (spotrun ls shows what is there)")
-        return complete[-1]
-    for info in complete:
-        if info.step == step:
-            return info
-    found = next((s for s in steps if s.step == step), None)
-    why = "absent" if found is None else f"{found.status}: {found.problem}"
-    choices = ", ".join(str(s.step) for s in complete[-10:]) or "none"
+        return info
+    info = catalog.inspect_step(storage, step)
+    if info is not None and info.status == catalog.COMPLETE:
+        return info
+    why = "absent" if info is None else f"{info.status}: {info.problem}"
+    complete = [str(s.step) for s in catalog.list_steps(storage) if s.status == catalog.COMPLETE]
     raise ObjectNotFoundError(errno.ENOENT, f"step {step} under {storage.uri} is not complete ({why}); "
-                                            f"complete steps: {choices}")
+                                            f"newest complete steps: {', '.join(complete[-10:]) or 'none'}")
 
 
 def export_hf(source: Storage, out: Storage, *, step: int | None = None, state_name: str = "model",
@@ -118,7 +116,7 @@ def export_hf(source: Storage, out: Storage, *, step: int | None = None, state_n
         out.delete(INDEX_NAME)  # first: no index may name a half-replaced set of files
     reader = ChunkReader(source, manifest) if manifest.format_version >= 4 else None
     file_sizes: dict[str, int] = {}
-    with progress_bar(2 * plan.total_size_bytes, f"export step {plan.step}") as bar:
+    with progress_bar(2 * plan.total_size_bytes, f"export step {plan.step}: read + write") as bar:
         for shard in plan.shards:
             file_sizes[shard.filename] = _write_shard(source, out, manifest, plan, shard, reader, bar)
         if len(plan.shards) > 1:

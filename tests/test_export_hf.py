@@ -197,6 +197,12 @@ def test_export_refuses_clearly_and_writes_nothing(tmp_path, capsys):
     assert "not complete (incomplete: no manifest" in line and "complete steps: 4" in line
     line = refused(capsys, str(root), str(out), "--state", "extra")
     assert "tensor 'z' has dtype complex64" in line
+    [data] = (root / "step-000000004").glob("rank-*.safetensors")
+    flipped = bytearray(data.read_bytes())
+    flipped[-1] ^= 1
+    data.write_bytes(flipped)
+    line = refused(capsys, str(root), str(out))
+    assert f"{data.name}: block 0" in line and "does not match its checksum" in line
     assert not out.exists()
 
 
@@ -230,3 +236,24 @@ def test_export_from_and_to_s3_writes_the_same_files_as_a_local_export(reference
     assert [o.key for o in out.list("")] == sorted(os.listdir(local))
     for name in os.listdir(local):
         assert out.get(name) == (local / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_export_holds_one_output_file_and_bounded_buffers_not_the_model(tmp_path):
+    """Peak extra resident memory of an export (tests/memory_probe.py, a fresh child process):
+    a 96 MiB float32 model exported in files of 8 MiB holds at most one file's tensors, the
+    local writer's three 8 MiB buffers and the reader's scratch (8 MiB): 40 MiB, well under the
+    model, so an export that assembled the whole model (or even half of it) would fail."""
+    from tests.memory_probe import EXPORT_SHARD_BYTES, MIB
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.memory_probe", "spotrun-export-hf", "--state-mib", "288", "--root", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPOTRUN_")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    model_bytes = result["state_bytes"] / 3  # parameters, of parameters + AdamW's two moments
+    bound = EXPORT_SHARD_BYTES + 3 * 8 * MIB + 8 * MIB
+    print(f"export of a {model_bytes / MIB:.0f} MiB model: {result['extra_bytes'] / MIB:.1f} MiB extra at peak")
+    assert bound < model_bytes / 2
+    assert result["extra_bytes"] <= bound

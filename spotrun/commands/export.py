@@ -62,7 +62,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     width = max(len(name) for name in result.file_sizes)
     tensors_in = {s.filename: len(s.tensors) for s in plan.shards}
     for name, size_bytes in result.file_sizes.items():
-        what = f"{tensors_in[name]} tensors" if name in tensors_in else "index"
+        count = tensors_in.get(name)
+        what = "index" if count is None else f"{count} tensor{'s' if count != 1 else ''}"
         print(f"  {name.ljust(width)}  {human_size(size_bytes):>10}  {what}")
     for key, kept in plan.tied.items():
         how = "left out (--drop-tied)" if plan.dropped_tied else "written as a copy of it"
