@@ -140,7 +140,8 @@ def _write_shard(source: Storage, out: Storage, manifest: Manifest, plan: Export
         values.update(read_whole_tensors(source, manifest, batch, reader))
         bar.update(sum(sizes[name] for name in batch))
     file = ShardSource({t.key: values[t.source] for t in shard.tensors}, plan.metadata())
-    bar.total += file.size_bytes - shard.size_bytes  # the header
+    # the bar counted each tensor's bytes twice: a tied copy is read once, and the header is written too
+    bar.total += (sum(sizes.values()) - shard.size_bytes) + (file.size_bytes - shard.size_bytes)
     out.put_stream(shard.filename, file, chunk_bytes=CHECKSUM_CHUNK_BYTES,
                    on_chunk=lambda _offset, data: bar.update(len(data)))
     return file.size_bytes

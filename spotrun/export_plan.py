@@ -232,8 +232,9 @@ def _resolve(manifest: Manifest, state_name: str,
 
 
 def _shards(tensors: list[ExportedTensor], max_shard_size_bytes: int) -> tuple[ExportShard, ...]:
-    """Tensors into files in order, as Hugging Face splits them: a tensor that would take a file
-    past the limit starts the next one; a tensor over the limit alone gets a file of its own."""
+    """Tensors into files as Hugging Face splits them: in order, a tensor that would take the
+    open file past the limit starts the next one; a tensor over the limit gets a file of its own
+    at once (before the open file is closed), so no file is cut short for it."""
     groups: list[list[ExportedTensor]] = []
     current: list[ExportedTensor] = []
     current_bytes = 0

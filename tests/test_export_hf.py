@@ -28,6 +28,8 @@ from spotrun.checkpoint.restore import load_committed
 from spotrun.cli import main
 from spotrun.examples.gpt import GPT, GPTConfig
 from spotrun.examples.train_gpt import parse_args
+from spotrun.export_plan import parse_size, plan_export
+from spotrun.manifest import Manifest, TensorRecord
 from spotrun.storage import open_storage
 from tests.s3_server import moto_endpoint, s3_bucket  # noqa: F401
 from tests.trainrun import REFERENCE_STEPS, TRAIN_ARGS
@@ -257,3 +259,23 @@ def test_export_holds_one_output_file_and_bounded_buffers_not_the_model(tmp_path
     print(f"export of a {model_bytes / MIB:.0f} MiB model: {result['extra_bytes'] / MIB:.1f} MiB extra at peak")
     assert bound < model_bytes / 2
     assert result["extra_bytes"] <= bound
+
+
+@pytest.mark.parametrize("text, size_bytes", [
+    ("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("40KB", 40_000), ("2GiB", 2 * 2**30), ("1.5MiB", 3 * 2**19),
+    ("123", 123), ("7 gb", 7 * 10**9), ("64B", 64),
+])
+def test_shard_sizes_count_as_hugging_face_counts_them(text, size_bytes):
+    assert parse_size(text) == size_bytes
+
+
+def test_files_are_cut_as_hugging_face_cuts_them_a_tensor_over_the_limit_alone():
+    sizes = {"a": 30, "b": 30, "big": 500, "c": 50, "d": 10}  # float32 elements; the limit is 100 floats
+    manifest = Manifest(step=7, world_size=1, files=[], rank_state=[{}],
+                        tensors={f"model/{k}": TensorRecord(file="f", dtype="float32", shape=[n]) for k, n in sizes.items()},
+                        state={"model": {k: {"__tensor__": f"model/{k}"} for k in sizes}, "step": 7})
+    plan = plan_export(manifest, "model", max_shard_size_bytes=400)
+    # as huggingface_hub.split_torch_state_dict_into_shards: the big tensor's file is closed at once
+    assert [[t.key for t in s.tensors] for s in plan.shards] == [["big"], ["a", "b"], ["c", "d"]]
+    assert [s.filename for s in plan.shards] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert plan.total_size_bytes == 4 * sum(sizes.values())
