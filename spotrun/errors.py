@@ -104,3 +104,9 @@ class FencedError(CheckpointSaveError):
 class SaveAbortedError(CheckpointSaveError):
     """A background save was abandoned on purpose (an emergency save of a newer step
     replaced it); nothing of it was committed."""
+
+
+class ExportError(SpotrunError):
+    """A checkpoint cannot be exported as asked (``spotrun export``): no such state, a dtype
+    the target format cannot hold, an output that already holds exported files. Found
+    before anything is written."""

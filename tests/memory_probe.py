@@ -161,12 +161,39 @@ def spotrun_background_save(model, optimizer, root: str) -> dict[str, PeakMemory
     return {"spotrun-background-save": peak}
 
 
+#: Most tensor bytes per file of the measured ``spotrun export`` (``--max-shard-size``).
+EXPORT_SHARD_BYTES = 8 * MIB
+
+
+def spotrun_export_hf(model, optimizer, root: str) -> dict[str, PeakMemory]:
+    """``spotrun export --format hf`` of a saved step's model (its parameters only, a third of
+    the state) in files of at most :data:`EXPORT_SHARD_BYTES`, cold; a small export elsewhere
+    first, so that imports are not counted."""
+    from spotrun.export_hf import export_hf
+    from spotrun.storage import LocalStorage
+
+    directory = os.path.join(root, "ck")
+    for where, state in ((os.path.join(root, "warm-up"), {"x": torch.ones(4)}), (directory, model)):
+        ckpt = _checkpointer({"model": state}, where)
+        ckpt.restore()
+        ckpt.save(1)
+        ckpt.close()
+    export_hf(LocalStorage(os.path.join(root, "warm-up")), LocalStorage(os.path.join(root, "warm-up-hf")))
+    evict_from_page_cache(directory)
+    result, peak = measure(lambda: export_hf(LocalStorage(directory), LocalStorage(os.path.join(root, "hf")),
+                                             max_shard_size_bytes=EXPORT_SHARD_BYTES))
+    if len(result.plan.shards) < 2:
+        raise RuntimeError("the measured export wrote one file: the model is not larger than a file")
+    return {"spotrun-export-hf": peak}
+
+
 #: Action name -> function(model, optimizer, scratch root) -> {measurement name: PeakMemory}.
 ACTIONS: dict[str, Callable[..., dict[str, PeakMemory]]] = {
     "known-allocation": known_allocation,
     "spotrun-sync-save": spotrun_sync_save,
     "spotrun-save-and-restore": spotrun_save_and_restore,
     "spotrun-background-save": spotrun_background_save,
+    "spotrun-export-hf": spotrun_export_hf,
 }
 
 

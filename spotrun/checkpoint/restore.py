@@ -128,6 +128,26 @@ def load_committed(storage: Storage, step: int, rank: int, world_size: int) -> L
     return load_step(storage, step, catalog.committed(storage, step).manifest_key, rank, world_size)
 
 
+def read_whole_tensors(storage: Storage, manifest: Manifest, names: list[str],
+                       reader: ChunkReader | None = None) -> dict[str, torch.Tensor]:
+    """Whole tensors of a committed step by manifest name (``model/layer.weight``; aliases
+    resolved), each a new contiguous CPU tensor of its recorded dtype and global shape, every
+    byte read verified (for tools such as ``spotrun export``).
+
+    Format 4 reads each tensor's chunks from whichever ranks wrote them (``reader``: one
+    :class:`ChunkReader` of the step to reuse, so each index file is read once); formats 1-3
+    read the files that hold the tensors.
+
+    Raises:
+        CorruptShardError: a name the manifest lacks, a checksum or size that differs, a
+            dtype this torch cannot decode.
+        StorageError: a read failed.
+    """
+    if manifest.format_version >= 4:
+        return _fetch_chunked(reader or ChunkReader(storage, manifest), manifest, names, {})
+    return _fetch_tensors(storage, manifest, names, {})
+
+
 def _fetch_tensors(storage: Storage, manifest: Manifest, names: list[str],
                    destinations: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     records = {f.path: f for f in manifest.files}
