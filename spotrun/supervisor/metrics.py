@@ -21,8 +21,7 @@ name                                             type      meaning
 ``incarnation``                                  gauge     incarnation of the current (last) launch
 ``resumed_step``                                 gauge     step the current launch resumed from (0: fresh start)
 ``newest_complete_step``                         gauge     newest step this node knows complete: the resumed
-                                                           one, or a later save that committed (absent until
-                                                           one is known, as the two below)
+                                                           one, or a later save that committed
 ``newest_complete_step_timestamp_seconds``       gauge     when that step was committed (Unix time)
 ``newest_complete_step_age_seconds``             gauge     seconds since then, at collection time: the work a
                                                            preemption now would lose
@@ -39,11 +38,15 @@ name                                             type      meaning
 ``emergency_save_decisions_total{decision}``     counter   ``save`` or ``stop_without_save`` after a notice
 ``restarts_total``                               counter   restarts after a crash (``--max-restarts``)
 ``last_command_exit_code``                       gauge     exit code of the command's last launch
-``exit_code``                                    gauge     spotrun's exit code; only once it exited
+``exit_code``                                    gauge     spotrun's exit code
 ``exit_reason{reason}``                          gauge     1 for the reason spotrun exited (finished,
                                                            preempted_saved, preempted_not_saved, failed,
-                                                           error); only once it exited
+                                                           error)
 ===============================================  ========  ======================================================
+
+A gauge appears once its value is known (no ``exit_code`` while spotrun runs, no
+``newest_complete_step`` before a step is complete, no restore figures after a fresh
+start); counters and histograms are there from the start.
 
 Only one node's view: on a multi-node job every node's supervisor exports its own.
 """
@@ -81,7 +84,6 @@ class SupervisorMetrics:
         self._control_dir: str | None = None
         self._counted_saves: set[tuple[int, float]] = set()  # (step, committed_unix_s) of this launch
         self._newest: tuple[int, float] | None = None  # (step, committed_unix_s)
-        self._exited = False
 
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
             return Gauge(name, doc, labels, registry=None)
@@ -117,10 +119,15 @@ class SupervisorMetrics:
         self.command_exit_code = gauge("spotrun_last_command_exit_code", "Exit code of the command's last launch.")
         self.exit_code = gauge("spotrun_exit_code", "spotrun's exit code (once it exited).")
         self.exit_reason = gauge("spotrun_exit_reason", "1 for the reason spotrun exited.", ("reason",))
-        self._always = [
-            self.start_time, self.launches, self.incarnation, self.resumed_step, self.step_time, self.saves, self.save_duration, self.save_stall, self.saved_bytes,
-            self.last_save_duration, self.last_save_size, self.last_restore_duration, self.last_restore_bytes,
-            self.notices, self.decisions, self.restarts, self.command_exit_code,
+        self._set_gauges: set[Gauge] = set()  # a gauge is shown once set: absent means not known yet
+        self._always = [  # counters and histograms: 0 is a true count
+            self.launches, self.saves, self.save_duration, self.save_stall, self.saved_bytes, self.notices,
+            self.decisions, self.restarts,
+        ]
+        self._gauges = [  # in the order shown
+            self.start_time, self.incarnation, self.resumed_step, self.step_time, self.last_save_duration,
+            self.last_save_size, self.last_restore_duration, self.last_restore_bytes, self.command_exit_code,
+            self.newest_step, self.newest_time, self.newest_age, self.exit_code, self.exit_reason,
         ]
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -138,15 +145,15 @@ class SupervisorMetrics:
         """Nothing to release (the exporters own the outputs)."""
 
     def _on_start(self, fields: dict[str, Any]) -> None:
-        self.start_time.set(fields["time_unix_s"])
+        self._set(self.start_time, fields["time_unix_s"])
 
     def _on_launch(self, fields: dict[str, Any]) -> None:
         self.launches.inc()
-        self.incarnation.set(fields["incarnation"])
+        self._set(self.incarnation, fields["incarnation"])
         self._control_dir = fields.get("control_dir")
         self._counted_saves = set()
         step = fields.get("resumed_step")
-        self.resumed_step.set(step or 0)
+        self._set(self.resumed_step, step or 0)
         created_unix_s = fields.get("resumed_created_unix_s")
         if step is not None and created_unix_s is not None:
             self._complete(step, created_unix_s)
@@ -158,7 +165,7 @@ class SupervisorMetrics:
         self.decisions.labels(decision="save" if fields["save"] else "stop_without_save").inc()
 
     def _on_command_exit(self, fields: dict[str, Any]) -> None:
-        self.command_exit_code.set(fields["code"])
+        self._set(self.command_exit_code, fields["code"])
         self._refresh()  # the launch's last measurements, before a restart starts another
 
     def _on_restart(self, fields: dict[str, Any]) -> None:
@@ -171,9 +178,9 @@ class SupervisorMetrics:
             if report is not None and report.step == fields["step"]:
                 self._complete(report.step, report.committed_unix_s)
         if fields.get("code") is not None:
-            self.exit_code.set(fields["code"])
+            self._set(self.exit_code, fields["code"])
         self.exit_reason.labels(reason=fields["reason"]).set(1)
-        self._exited = True
+        self._set_gauges.add(self.exit_reason)
 
     # --- measurements of the workers -------------------------------------------------
 
@@ -182,11 +189,15 @@ class SupervisorMetrics:
         with self._lock:
             self._refresh()
 
+    def _set(self, gauge: Gauge, value: float) -> None:
+        gauge.set(value)
+        self._set_gauges.add(gauge)
+
     def _complete(self, step: int, committed_unix_s: float) -> None:
         if self._newest is None or (step, committed_unix_s) > self._newest:
             self._newest = (step, committed_unix_s)
-            self.newest_step.set(step)
-            self.newest_time.set(committed_unix_s)
+            self._set(self.newest_step, step)
+            self._set(self.newest_time, committed_unix_s)
 
     def _refresh(self) -> None:
         """Read ``saves.json`` of the current launch; count the saves not counted yet."""
@@ -196,10 +207,10 @@ class SupervisorMetrics:
         if stats is None:
             return
         if stats.step_time_s is not None:
-            self.step_time.set(stats.step_time_s)
+            self._set(self.step_time, stats.step_time_s)
         if stats.restore is not None:
-            self.last_restore_duration.set(stats.restore.duration_s)
-            self.last_restore_bytes.set(stats.restore.bytes_read)
+            self._set(self.last_restore_duration, stats.restore.duration_s)
+            self._set(self.last_restore_bytes, stats.restore.bytes_read)
         for record in stats.recent:
             key = (record.step, record.committed_unix_s)
             if key in self._counted_saves:
@@ -209,8 +220,8 @@ class SupervisorMetrics:
             self.save_duration.observe(record.duration_s)
             self.save_stall.observe(record.duration_s if record.stall_s is None else record.stall_s)
             self.saved_bytes.inc(record.size_bytes)
-            self.last_save_duration.set(record.duration_s)
-            self.last_save_size.set(record.size_bytes)
+            self._set(self.last_save_duration, record.duration_s)
+            self._set(self.last_save_size, record.size_bytes)
             self._complete(record.step, record.committed_unix_s)
 
     # --- collector ---------------------------------------------------------------------
@@ -219,12 +230,9 @@ class SupervisorMetrics:
         """Every metric, with the workers' measurements read again first."""
         with self._lock:
             self._refresh()
-            shown = list(self._always)
-            if self._newest is not None:  # absent until a step is known: 0 would claim step 0
-                self.newest_age.set(max(0.0, self._clock() - self._newest[1]))
-                shown += [self.newest_step, self.newest_time, self.newest_age]
-            if self._exited:
-                shown += [self.exit_code, self.exit_reason]
+            if self._newest is not None:
+                self._set(self.newest_age, max(0.0, self._clock() - self._newest[1]))
+            shown = [*self._always, *(g for g in self._gauges if g in self._set_gauges)]
             families = [family for metric in shown for family in metric.collect()]
         yield from families
 
