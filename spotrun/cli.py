@@ -253,6 +253,7 @@ def _cmd_drill(args: argparse.Namespace) -> int:
         checkpoint_uri=args.checkpoint_uri, s3_endpoint_url=args.s3_endpoint_url,
         grace_period_s=args.grace_period_s, restart_timeout_s=args.restart_timeout_s,
         exact_check=args.exact_check, reference_uri=args.reference_uri, keep_reference=args.keep_reference,
+        log_format=args.effective_log_format,
     ))
     print(json.dumps(report.to_json(), indent=1) if args.json else report.summary())
     if report.notice_unix_s is None and report.first_exit_code == 2:
