@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from typing import Any
 
@@ -219,7 +220,10 @@ class Checkpointer(StoppingMixin):
                 training starts, so the first save does not fail hours later).
             NoCheckpointError: complete steps exist but none of them loads.
         """
+        started_s = time.monotonic()
         step, manifest = self._restore()
+        if manifest is not None:
+            self._meter.restore_ended(step, time.monotonic() - started_s, self.restore_bytes_read)
         check_serialisable(self._state, self._rank_state)  # refused before this start leaves any trace on the root
         self._incarnation = resume.claim_incarnation(
             self._storage, resumed_step=step if manifest else None, run_id=self._run_id,

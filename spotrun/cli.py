@@ -14,8 +14,11 @@
 store (MinIO, R2, ...); without it boto3's standard AWS settings apply.
 
 Errors of spotrun itself (:class:`~spotrun.errors.SpotrunError`: a bad option, URI or
-storage failure) print one line ``spotrun: error: ...`` and exit 2. Logging is configured
-here only, never at import time: timestamped lines on stderr, prefixed ``spotrun:``.
+storage failure) print one line ``spotrun: error: ...`` (a JSON log record with
+``--log-format json``) and exit 2. Logging is configured here only, never at import time:
+on stderr, timestamped lines prefixed ``spotrun:``, or with ``--log-format json`` (every
+subcommand; default ``$SPOTRUN_LOG_FORMAT``, else text) one JSON object per line
+(:mod:`spotrun.logs`), which ``run`` passes on to the launch command.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from spotrun.commands import register_all
 from spotrun.commands._shared import add_storage_options, open_existing_root
 from spotrun.env import DEFAULT_CHECKPOINT_URI
 from spotrun.errors import ConfigError, SpotrunError
+from spotrun.logs import LOG_FORMATS, configure_logging, log_format_from_env
 from spotrun.supervisor.signals import DEFAULT_NOTICE_SIGNALS
 
 EXIT_USAGE = 2
@@ -42,6 +46,11 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
     common.add_argument(
         "--log-level", choices=_LOG_LEVELS, default=None,
         help="log verbosity on stderr (default: info for run, warning for ls)",
+    )
+    common.add_argument(
+        "--log-format", choices=LOG_FORMATS, default=None,
+        help="log lines on stderr: text, or json (one object per line: time, level, logger, message, ...); "
+        "default $SPOTRUN_LOG_FORMAT, else text. run passes it to the launch command as $SPOTRUN_LOG_FORMAT",
     )
     parser = argparse.ArgumentParser(
         prog="spotrun",
@@ -74,6 +83,7 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
     run.add_argument("--restart-backoff-s", type=float, default=10.0, metavar="S",
                      help="wait before the first restart, doubled each time, at most 300 s (default %(default)s)")
     _add_notice_options(run)
+    _add_metrics_options(run)
     run.add_argument("--config", metavar="FILE",
                      help="YAML file of defaults for the options above, keys in snake_case "
                      "(grace_period_s: 110); options given here override it (see configs/)")
@@ -166,17 +176,20 @@ def _add_notice_options(parser: argparse.ArgumentParser) -> None:
                         help="this VM's name in Azure Scheduled Events (default: asked from IMDS)")
 
 
-def _configure_logging(level_name: str) -> None:
-    formatter = logging.Formatter(
-        "spotrun: %(asctime)s.%(msecs)03dZ %(levelname)s %(message)s", datefmt="%Y-%m-%dT%H:%M:%S"
-    )
-    formatter.converter = time.gmtime
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(formatter)
-    logger = logging.getLogger("spotrun")
-    logger.handlers[:] = [handler]
-    logger.setLevel(level_name.upper())
-    logger.propagate = False
+def _add_metrics_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve Prometheus metrics on http://ADDRESS:PORT/metrics while spotrun runs "
+                        "(0: a free port, named in the log)")
+    parser.add_argument("--metrics-address", default=None, metavar="ADDRESS",
+                        help="address of the metrics endpoint (default 0.0.0.0: every interface, as a "
+                        "Prometheus scraping pods needs; 127.0.0.1 keeps it to this machine)")
+    parser.add_argument("--metrics-textfile", default=None, metavar="PATH",
+                        help="write the metrics to this .prom file for node_exporter's textfile collector "
+                        "(atomically, at every event, every 15 s and at exit: it keeps the exit code)")
+
+
+def _configure_logging(level_name: str, log_format: str) -> None:
+    configure_logging(level_name, log_format=log_format, logger="spotrun", prefix="spotrun:")
 
 
 def _launch_command(args: argparse.Namespace) -> list[str]:
@@ -222,8 +235,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
             azure_vm_name=args.azure_vm_name,
             notice_file=args.notice_file,
         ),
+        log_format=args.effective_log_format,
     )
-    return supervise(config)
+    from spotrun.supervisor.metrics_export import metrics_observers
+    from spotrun.supervisor.observers import Observers
+
+    observers = Observers(metrics_observers(args.metrics_port, args.metrics_address, args.metrics_textfile))
+    return supervise(config, observers)
 
 
 def _cmd_drill(args: argparse.Namespace) -> int:
@@ -235,6 +253,7 @@ def _cmd_drill(args: argparse.Namespace) -> int:
         checkpoint_uri=args.checkpoint_uri, s3_endpoint_url=args.s3_endpoint_url,
         grace_period_s=args.grace_period_s, restart_timeout_s=args.restart_timeout_s,
         exact_check=args.exact_check, reference_uri=args.reference_uri, keep_reference=args.keep_reference,
+        log_format=args.effective_log_format,
     ))
     print(json.dumps(report.to_json(), indent=1) if args.json else report.summary())
     if report.notice_unix_s is None and report.first_exit_code == 2:
@@ -305,24 +324,35 @@ def _error_text(exc: SpotrunError) -> str:
     return str(exc)
 
 
+def _report_error(exc: SpotrunError, log_format: str) -> int:
+    """Say ``spotrun: error: ...`` (a JSON record in the json format); the exit code."""
+    if log_format == "json":
+        logging.getLogger("spotrun").error("%s", _error_text(exc), extra={"error": type(exc).__name__})
+    else:
+        print(f"spotrun: error: {_error_text(exc)}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``spotrun`` console script; returns the exit code."""
     args = _build_parser().parse_args(argv)
-    if getattr(args, "config", None) is not None:
-        from spotrun.config_file import load_run_config
+    log_format = "text"
+    try:
+        log_format = args.log_format or log_format_from_env() or log_format
+        _configure_logging(args.log_level or args.default_log_level, log_format)
+        if getattr(args, "config", None) is not None:
+            from spotrun.config_file import load_run_config
 
-        try:
-            file_defaults = load_run_config(args.config)
-        except SpotrunError as exc:
-            print(f"spotrun: error: {_error_text(exc)}", file=sys.stderr)
-            return EXIT_USAGE
-        args = _build_parser(run_defaults=file_defaults).parse_args(argv)
+            args = _build_parser(run_defaults=load_run_config(args.config)).parse_args(argv)
+            log_format = args.log_format or log_format  # the command line, else the file, else as before
+            _configure_logging(args.log_level or args.default_log_level, log_format)
+    except SpotrunError as exc:
+        return _report_error(exc, log_format)
     args.raw_argv = list(sys.argv[1:] if argv is None else argv)
-    _configure_logging(args.log_level or args.default_log_level)
+    args.effective_log_format = log_format
     try:
         return args.handler(args)
     except SpotrunError as exc:
-        print(f"spotrun: error: {_error_text(exc)}", file=sys.stderr)
-        return EXIT_USAGE
+        return _report_error(exc, log_format)
     except KeyboardInterrupt:
         return 130

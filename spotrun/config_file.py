@@ -23,6 +23,11 @@ notice_file        string    path watched by the ``file`` notice source (drills)
 notice_signals     string    signals that are notices, comma-separated (``TERM,INT,HUP,USR1,USR2``,
                              the default) or ``none``; a YAML list of names is accepted too
 log_level          string    one of :data:`LOG_LEVELS`; ``null``: the subcommand's default
+log_format         string    ``text`` or ``json`` (:mod:`spotrun.logs`); ``null``: ``$SPOTRUN_LOG_FORMAT``,
+                             else ``text``
+metrics_port       integer   serve Prometheus metrics on this port (:mod:`spotrun.supervisor.metrics_export`)
+metrics_address    string    the endpoint's address (default ``0.0.0.0``)
+metrics_textfile   string    write the metrics to this ``.prom`` file (node_exporter textfile collector)
 =================  ========  ==============================================================
 
 Numbers may be written as integers or decimals (``30`` or ``30.5``); they are returned
@@ -56,6 +61,7 @@ from collections.abc import Mapping
 import yaml
 
 from spotrun.errors import ConfigError
+from spotrun.logs import LOG_FORMATS
 
 #: Values of ``log_level``.
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -78,12 +84,17 @@ RUN_KEYS: dict[str, str] = {
     "azure_metadata_endpoint": _STR,
     "azure_vm_name": _STR,
     "log_level": _STR,
+    "log_format": _STR,
+    "metrics_port": _INT,
+    "metrics_address": _STR,
+    "metrics_textfile": _STR,
 }
-_CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS}
+_CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "log_format": LOG_FORMATS}
 #: Keys whose "not set" (``null`` or an empty string) means "use the built-in behaviour".
 _NULLABLE = frozenset({
     "s3_endpoint_url", "notice_file", "aws_metadata_endpoint", "gcp_metadata_host",
-    "azure_metadata_endpoint", "azure_vm_name", "log_level",
+    "azure_metadata_endpoint", "azure_vm_name", "log_level", "log_format", "metrics_port", "metrics_address",
+    "metrics_textfile",
 })
 
 _EXPANSION = re.compile(r"\$\$|\$\{([^}]*)\}|\$\{")

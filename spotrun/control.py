@@ -21,10 +21,12 @@ Files (all written atomically by rename):
                                rebalance recommendation); each new ``seq`` asks once.
     ``saves.json``             workers -> supervisor: the save now in progress (for a background
                                save: its progress, bytes written and seconds left) and the last few
-                               committed saves (bytes, seconds, time training was blocked), and the
-                               step time: what the supervisor estimates an emergency save from.
-                               Written by local rank 0 of each node when a save starts and ends,
-                               and about once a second while a background save is in flight.
+                               committed saves (bytes, seconds, time training was blocked), the
+                               step time, and this launch's restore (seconds, bytes read): what the
+                               supervisor estimates an emergency save from and reports as metrics.
+                               Written by local rank 0 of each node after its restore, when a save
+                               starts and ends, and about once a second while a background save is
+                               in flight.
 """
 
 from __future__ import annotations
@@ -254,6 +256,24 @@ class SaveInProgress:
 
 
 @dataclass(frozen=True)
+class RestoreRecord:
+    """The restore of this launch, as measured by local rank 0 of a node.
+
+    Attributes:
+        step: the restored step.
+        duration_s: seconds :meth:`spotrun.Checkpointer.restore` took (listing, reading,
+            verifying, applying, fallbacks to older steps included).
+        bytes_read: bytes this rank read from storage (0 for steps written before format 4).
+        restored_unix_s: when the restore ended (seconds since the epoch).
+    """
+
+    step: int
+    duration_s: float
+    bytes_read: int
+    restored_unix_s: float
+
+
+@dataclass(frozen=True)
 class SaveStats:
     """Contents of ``saves.json``.
 
@@ -264,12 +284,14 @@ class SaveStats:
         step_time_s: seconds one training step takes (the slowest of the recent steps,
             saves excluded); ``None`` before two steps ran.
         check_interval_steps: steps between two looks at the save request.
+        restore: this launch's restore of a step; ``None`` before it ended or on a fresh start.
     """
 
     in_progress: SaveInProgress | None
     recent: tuple[SaveRecord, ...]
     step_time_s: float | None
     check_interval_steps: int = 1
+    restore: RestoreRecord | None = None
 
 
 def write_save_stats(control_dir: str, stats: SaveStats) -> None:
@@ -279,6 +301,7 @@ def write_save_stats(control_dir: str, stats: SaveStats) -> None:
         "recent": [asdict(r) for r in stats.recent],
         "step_time_s": stats.step_time_s,
         "check_interval_steps": stats.check_interval_steps,
+        "restore": None if stats.restore is None else asdict(stats.restore),
     }
     _write_json_atomically(os.path.join(control_dir, SAVES_FILE), doc)
 
@@ -312,11 +335,17 @@ def read_save_stats(control_dir: str) -> SaveStats | None:
             for r in doc.get("recent", [])
         )
         step_time_s = doc.get("step_time_s")
+        raw = doc.get("restore")
+        restore = None if raw is None else RestoreRecord(
+            step=_number(raw["step"], int), duration_s=_number(raw["duration_s"], float),
+            bytes_read=_number(raw["bytes_read"], int), restored_unix_s=_number(raw["restored_unix_s"], float),
+        )
         return SaveStats(
             in_progress=in_progress,
             recent=recent,
             step_time_s=None if step_time_s is None else _number(step_time_s, float),
             check_interval_steps=_number(doc.get("check_interval_steps", 1), int),
+            restore=restore,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"control file {path} is malformed: {exc!r}") from exc

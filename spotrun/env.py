@@ -31,6 +31,10 @@ STOP_AT_STEP = "SPOTRUN_STOP_AT_STEP"
 SUPERVISOR_PID = "SPOTRUN_SUPERVISOR_PID"
 #: The supervisor's grace period in seconds (``--grace-period-s``).
 GRACE_PERIOD_S = "SPOTRUN_GRACE_PERIOD_S"
+#: Log line format, ``text`` or ``json`` (``--log-format``): ``spotrun run`` sets it for the launch
+#: command to its own format; :func:`spotrun.logs.configure_logging` reads it. Read by every
+#: ``spotrun`` subcommand too when ``--log-format`` is not given.
+LOG_FORMAT = "SPOTRUN_LOG_FORMAT"
 
 DEFAULT_CHECKPOINT_URI = "./checkpoints"
 #: The safety margin when the grace period is long enough for it, in seconds.

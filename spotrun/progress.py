@@ -26,19 +26,24 @@ def _enabled() -> bool | None:
     return None
 
 
-def progress_bar(total: float | None, description: str, *, unit: str = "B", delay_s: float = DEFAULT_DELAY_S) -> Any:
+def progress_bar(total: float | None, description: str, *, unit: str = "B", delay_s: float | None = None,
+                 show: bool = True) -> Any:
     """A tqdm bar on stderr (a context manager with ``update(n)``; thread-safe updates).
 
     Args:
         total: the amount of work (bytes for ``unit="B"``, shown in binary units), or ``None``.
         description: a few words before the bar (``"verify step 1200"``).
         unit: ``"B"`` for bytes, else the name of the counted thing (``"file"``).
-        delay_s: seconds before the bar appears at all (short work prints nothing).
+        delay_s: seconds before the bar appears at all (short work prints nothing); ``None``:
+            :data:`DEFAULT_DELAY_S`.
+        show: ``False``: no bar whatever the terminal (e.g. on every local rank but 0 of a
+            training job, whose ranks share one terminal).
     """
     from tqdm import tqdm
 
     byte_units = unit == "B"
     return tqdm(
         total=total, desc=description, unit=unit, unit_scale=byte_units, unit_divisor=1024 if byte_units else 1000,
-        disable=_enabled(), file=sys.stderr, delay=delay_s, leave=False, dynamic_ncols=True,
+        disable=_enabled() if show else True, file=sys.stderr, delay=DEFAULT_DELAY_S if delay_s is None else delay_s,
+        leave=False, dynamic_ncols=True,
     )

@@ -59,6 +59,7 @@ class SaveMeter:
         self._recorded_step_time_s: float | None = None
         self._recent: list[control.SaveRecord] = []
         self._in_progress: control.SaveInProgress | None = None
+        self._restore: control.RestoreRecord | None = None
         self._progress_published_s = 0.0
         self._lock = threading.Lock()  # a background save ends (and publishes) on its own thread
         self._steps_lock = threading.Lock()  # the step times alone: a step never waits for a publication
@@ -74,6 +75,14 @@ class SaveMeter:
     def restored(self, recorded_step_time_s: float | None) -> None:
         """Take the step time recorded in the checkpoint just restored, in seconds."""
         self._recorded_step_time_s = recorded_step_time_s
+
+    def restore_ended(self, step: int, duration_s: float, bytes_read: int) -> None:
+        """Publish this launch's restore of ``step``: ``duration_s`` seconds, ``bytes_read``
+        bytes read by this rank (shown by the supervisor's metrics)."""
+        with self._lock:
+            self._restore = control.RestoreRecord(step=step, duration_s=round(duration_s, 6), bytes_read=bytes_read,
+                                                  restored_unix_s=time.time())
+            self._publish()
 
     def step_boundary(self) -> None:
         """Call at each step boundary: the time since the previous one is a step's duration."""
@@ -160,7 +169,7 @@ class SaveMeter:
         try:
             control.write_save_stats(self._control_dir, control.SaveStats(
                 in_progress=self._in_progress, recent=tuple(self._recent), step_time_s=self.step_time_s,
-                check_interval_steps=self._check_interval_steps,
+                check_interval_steps=self._check_interval_steps, restore=self._restore,
             ))
         except OSError as exc:  # the supervisor then estimates from less; training goes on
             log.warning("cannot write the save measurements for the supervisor: %s", exc)

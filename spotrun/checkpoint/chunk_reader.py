@@ -38,6 +38,7 @@ from spotrun.checkpoint.reader import _dtype_info, _read
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, byte_view
 from spotrun.errors import CorruptShardError
 from spotrun.manifest import FileRecord, Manifest, TensorRecord
+from spotrun.progress import progress_bar
 from spotrun.storage.base import Storage
 
 
@@ -136,9 +137,12 @@ class ChunkReader:
     Args:
         storage: where the step lies.
         manifest: its manifest (format 4).
+        progress: a :func:`~spotrun.progress.progress_bar` with this description over the
+            bytes of each :meth:`read` (on a terminal, for reads of more than a few seconds);
+            ``None``: no bar.
     """
 
-    def __init__(self, storage: Storage, manifest: Manifest) -> None:
+    def __init__(self, storage: Storage, manifest: Manifest, *, progress: str | None = None) -> None:
         self._storage = storage
         self._manifest = manifest
         self._files: dict[str, FileRecord] = {f.path: f for f in manifest.files}
@@ -147,6 +151,8 @@ class ChunkReader:
         self._indexes: dict[int, RankIndex] = {}
         self._lock = threading.Lock()
         self._scratch = _ScratchPool()
+        self._progress = progress
+        self._bar = None
         self.bytes_read = 0
 
     def _index(self, rank: int) -> RankIndex:
@@ -181,14 +187,16 @@ class ChunkReader:
         units = []
         for (rank, file_index), file_pieces in pieces.items():
             units.extend(self._units(self._indexes[rank], file_index, file_pieces))
-        if len(units) <= 1:
-            for unit in units:
-                self._read_unit(*unit)
-            return
-        with ThreadPoolExecutor(max_workers=min(self._storage.read_concurrency, len(units)),
-                                thread_name_prefix="spotrun-read") as pool:
-            for future in [pool.submit(self._read_unit, *unit) for unit in units]:
-                future.result()
+        total_bytes = sum(stop - start for _, _, start, stop, _ in units)
+        with progress_bar(total_bytes, self._progress or "", show=self._progress is not None) as self._bar:
+            if len(units) <= 1:
+                for unit in units:
+                    self._read_unit(*unit)
+                return
+            with ThreadPoolExecutor(max_workers=min(self._storage.read_concurrency, len(units)),
+                                    thread_name_prefix="spotrun-read") as pool:
+                for future in [pool.submit(self._read_unit, *unit) for unit in units]:
+                    future.result()
 
     def _plan(self, item: BoxRead, pieces: dict[tuple[int, int], list[_Piece]]) -> None:
         record = item.record
@@ -318,6 +326,7 @@ class ChunkReader:
         _read(self._storage, key, start, views, where)
         with self._lock:
             self.bytes_read += stop - start
+            self._bar.update(stop - start)
         block = item.block_bytes
         digest = blake3.blake3()
         position = start  # start is a block boundary; stop one too, or the file's end

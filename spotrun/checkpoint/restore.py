@@ -7,7 +7,8 @@ is fetched once and its size and SHA-256 are checked against the manifest before
 is parsed; tensors are checked against the recorded dtype and shape, and tensors stored
 as raw bytes are viewed as their recorded dtype (:mod:`spotrun.checkpoint.dtypes`). A
 step this reader cannot decode (a dtype this torch lacks, bytes that do not fit the
-record) fails verification like a bad checksum: :class:`CorruptShardError`.
+record) fails verification like a bad checksum: :class:`CorruptShardError`. Local rank 0
+shows a bar of the bytes it reads on a terminal (:mod:`spotrun.progress`; format 4).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from spotrun import dist
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.chunk_reader import BoxRead, ChunkReader, dtype_of
 from spotrun.checkpoint.sharded import is_dtensor, local_box
@@ -98,7 +100,8 @@ def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int,
         raise ManifestError(f"{storage.uri}/{key} says step {manifest.step}, not {step}")
     rank_source = rank % manifest.world_size
     rank_skeleton = manifest.rank_state[rank_source]
-    reader = ChunkReader(storage, manifest) if manifest.format_version >= 4 else None
+    reader = ChunkReader(storage, manifest, progress=f"restore step {step}" if dist.local_rank() == 0 else None) \
+        if manifest.format_version >= 4 else None
     try:
         needed = tree.tensor_names(manifest.state) + tree.tensor_names(rank_skeleton)
         if reader is not None:

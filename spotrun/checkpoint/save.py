@@ -26,6 +26,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ from spotrun.errors import (
     StateMismatchError,
 )
 from spotrun.manifest import FileRecord, Manifest
+from spotrun.progress import progress_bar
 from spotrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ log = logging.getLogger(__name__)
 
 class SaveProgress:
     """Bytes written so far by this rank's part of a save (read by another thread to
-    estimate when a save in flight will commit).
+    estimate when a save in flight will commit); ``on_add(nbytes)`` is also called at each add.
 
     Attributes:
         bytes_total: bytes this rank writes (0 until known).
@@ -69,15 +71,18 @@ class SaveProgress:
         started_monotonic_s: when the write began (``time.monotonic``), ``None`` before.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_add: Callable[[int], object] | None = None) -> None:
         self.bytes_total = 0
         self.bytes_done = 0
         self.started_monotonic_s: float | None = None
+        self._on_add = on_add
         self._lock = threading.Lock()
 
     def add(self, nbytes: int) -> None:
         with self._lock:
             self.bytes_done += nbytes
+            if self._on_add is not None:
+                self._on_add(nbytes)
 
     def remaining_s(self) -> float | None:
         """Seconds the rest of the write should take at the rate seen so far; ``None``
@@ -270,7 +275,7 @@ def save_step(
     Raises:
         Everything :func:`commit_save` raises.
     """
-    return commit_save(storage, prepare_save(step, replicated, rank_local), context, limits)
+    return commit_save(storage, prepare_save(step, replicated, rank_local), context, limits, show_progress=True)
 
 
 def commit_save(
@@ -282,6 +287,7 @@ def commit_save(
     group: Any = None,
     abort: threading.Event | None = None,
     progress: SaveProgress | None = None,
+    show_progress: bool = False,
 ) -> SavedStep:
     """Write this rank's shard of ``prepared`` and commit the step (collective on ``group``:
     every rank calls it for the same step; a background thread passes its own group).
@@ -290,7 +296,8 @@ def commit_save(
     shard is split into several files. ``abort`` (set on every rank) abandons the save:
     nothing is committed and every rank raises :class:`SaveAbortedError` (unless rank 0
     had already committed, in which case the save succeeds everywhere). ``progress`` is
-    updated as bytes are written.
+    updated as bytes are written. ``show_progress``: a bar of the bytes local rank 0 writes, on
+    a terminal (:mod:`spotrun.progress`; not for background saves: it would cut through training output).
 
     Returns:
         The committed manifest (rank 0 only) and the step's size in bytes (every rank,
@@ -353,10 +360,13 @@ def commit_save(
     try:
         write_started_s = time.monotonic()
         parts = split_into_parts(prepared.tensors, limits or ShardLimits())
+        bytes_total = sum(t.numel() * t.element_size() for t in prepared.tensors.values())
         if progress is not None:
-            progress.bytes_total = sum(t.numel() * t.element_size() for t in prepared.tensors.values())
+            progress.bytes_total = bytes_total
             progress.started_monotonic_s = write_started_s
-        records, index = write_shard(storage, prepared, context.incarnation, parts, abort=abort, progress=progress)
+        with progress_bar(bytes_total, f"save step {step}", show=show_progress and dist.local_rank() == 0) as bar:
+            records, index = write_shard(storage, prepared, context.incarnation, parts, abort=abort,
+                                         progress=progress or SaveProgress(on_add=bar.update))
         if abort is not None and abort.is_set():  # abandoned while its last bytes were written
             raise SaveAbortedError(f"save of step {step} abandoned")
         records.append(write_index(storage, index, context.incarnation))

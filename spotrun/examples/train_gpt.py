@@ -53,6 +53,7 @@ from spotrun.examples.keyed_dropout import SampleKeys
 from spotrun.examples.parallel import Layout, Parallel
 from spotrun.examples.samples import IndexedSamples, global_batch, samples_digest
 from spotrun.examples.stdlib_text import DEFAULT_MAX_BYTES, StdlibText
+from spotrun.logs import configure_logging
 
 log = logging.getLogger("spotrun.examples.train_gpt")
 
@@ -338,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint do not fit: found before training)."""
     args = parse_args(argv)
     rt = setup_runtime()
-    logging.basicConfig(level=logging.INFO if rt.rank == 0 else logging.WARNING, stream=sys.stderr,
-                        format=f"[rank {rt.rank}] %(asctime)s %(message)s")
+    # text, or one JSON object per line under spotrun run --log-format json ($SPOTRUN_LOG_FORMAT)
+    configure_logging(logging.INFO if rt.rank == 0 else logging.WARNING, prefix=f"[rank {rt.rank}]",
+                      fields={"rank": rt.rank})
     threads, source = intra_op_threads(args.intra_op_threads, rt)
     if threads is not None:
         # Always through torch.set_num_threads, also for a count from $OMP_NUM_THREADS: it

@@ -44,6 +44,8 @@ class SupervisorConfig:
         notice_signals: the signals that are notices, comma-separated (``"TERM,INT,HUP,USR1,USR2"``,
             the default), or ``"none"``; every other signal that would end the supervisor is
             logged and ignored (see :mod:`spotrun.supervisor.signals`).
+        log_format: ``text`` or ``json``, passed to the launch command as ``$SPOTRUN_LOG_FORMAT``
+            (:mod:`spotrun.logs`); ``None``: whatever the environment has.
 
     Raises:
         ConfigError: an empty command or an out-of-range value.
@@ -60,6 +62,7 @@ class SupervisorConfig:
     notice: str = "auto"
     notice_options: NoticeOptions = field(default_factory=NoticeOptions)
     notice_signals: str = DEFAULT_NOTICE_SIGNALS
+    log_format: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))

@@ -346,6 +346,8 @@ def _start_supervisor(config: DrillConfig, notice_options: list[str], grace_peri
                "--grace-period-s", str(grace_period_s), *notice_options]
     if config.s3_endpoint_url:
         command += ["--s3-endpoint-url", config.s3_endpoint_url]
+    if config.log_format:
+        command += ["--log-format", config.log_format]
     env = {k: v for k, v in os.environ.items() if k != STOP_AT_STEP}
     if stop_at_step is not None:
         env[STOP_AT_STEP] = str(stop_at_step)

@@ -43,6 +43,7 @@ class DrillConfig:
             ``None``: a temporary directory for a local ``checkpoint_uri``,
             ``s3://bucket/prefix-drill-reference/<random>`` for ``s3://bucket/prefix``.
         keep_reference: leave the reference run's checkpoints in place (the report names them).
+        log_format: ``--log-format`` of every ``spotrun run`` it starts; ``None``: their default.
 
     Raises:
         ConfigError: no command, an unknown cloud, both or bad triggers, bad durations, a
@@ -61,6 +62,7 @@ class DrillConfig:
     exact_check: bool = True
     reference_uri: str | None = None
     keep_reference: bool = False
+    log_format: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))

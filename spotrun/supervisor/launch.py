@@ -103,6 +103,7 @@ def plan_launch(
     base_env: dict[str, str] | None = None,
     s3_endpoint_url: str | None = None,
     supervisor_pid: int | None = None,
+    log_format: str | None = None,
 ) -> LaunchPlan:
     """Choose the resume point and build the launch command's environment.
 
@@ -122,6 +123,8 @@ def plan_launch(
         supervisor_pid: the supervisor's process id, passed as ``SPOTRUN_SUPERVISOR_PID`` with
             ``SPOTRUN_GRACE_PERIOD_S``: the workers stop when it is gone
             (:mod:`spotrun.supervisor_watch`); ``None`` leaves both out.
+        log_format: passed as ``SPOTRUN_LOG_FORMAT`` (:mod:`spotrun.logs`); ``None``: as in
+            ``base_env``.
 
     Raises:
         StorageError: listing the checkpoints failed.
@@ -149,6 +152,8 @@ def plan_launch(
         env.pop(spotrun_env.RESUME_STEP, None)
     else:
         env[spotrun_env.RESUME_STEP] = str(resume.step)
+    if log_format is not None:
+        env[spotrun_env.LOG_FORMAT] = log_format
     env.setdefault(TORCH_SHUTDOWN_TIMEOUT, str(math.ceil(grace_period_s)))
     for name in (spotrun_env.SUPERVISOR_PID, spotrun_env.GRACE_PERIOD_S):
         env.pop(name, None)  # never a stale one from this process's own environment

@@ -191,13 +191,16 @@ class _Supervisor:
                 self.storage, self.config.checkpoint_uri, control_dir=control_dir,
                 grace_period_s=self.config.grace_period_s, previous=plan,
                 s3_endpoint_url=self.config.s3_endpoint_url, supervisor_pid=os.getpid(),
+                log_format=self.config.log_format,
             )
             self.resumed_manifest = plan.resume.manifest if plan.resume is not None else None
             log.info("%s", describe_start(plan.resume, self.launch))
             self.observers.emit(
                 "launch", attempt=attempt, incarnation=plan.incarnation, run_id=plan.run_id,
                 resumed_step=plan.resume.step if plan.resume is not None else None,
-                resumed_world_size=self.resumed_manifest.world_size if self.resumed_manifest else None)
+                resumed_world_size=self.resumed_manifest.world_size if self.resumed_manifest else None,
+                resumed_created_unix_s=self.resumed_manifest.created_unix_s if self.resumed_manifest else None,
+                control_dir=control_dir)
             code = self._run_once(plan, control_dir)
             self.observers.emit("command_exit", code=code, incarnation=plan.incarnation)
             stopped_without_save = outcome.workers_stopped_without_save(control_dir)

@@ -1,0 +1,246 @@
+"""Prometheus metrics of one ``spotrun run`` supervisor (one node).
+
+:class:`SupervisorMetrics` is both an observer of the supervisor's events
+(:mod:`spotrun.supervisor.observers`) and a Prometheus collector in a registry of its own
+(no global state). The events give notices, decisions, launches, restarts and the exit;
+the workers' measurements that local rank 0 publishes in the launch's control directory
+(``saves.json``, :mod:`spotrun.control`) give the saves and the restore, read again by
+:meth:`SupervisorMetrics.refresh` (the exporter calls it every second), at every collection
+(a scrape, a textfile write) and at the end of each launch. A committed save is counted
+once; ``saves.json`` remembers the last :data:`~spotrun.control.RECENT_SAVES` saves, so saves
+are missed only when more than that commit between two reads.
+:mod:`spotrun.supervisor.metrics_export` serves the registry over HTTP or writes it to a file.
+
+Metrics (every name starts with ``spotrun_``; ``_seconds``/``_bytes`` give the unit):
+
+===============================================  ========  ======================================================
+name                                             type      meaning
+===============================================  ========  ======================================================
+``start_time_seconds``                           gauge     when this supervisor started (Unix time)
+``launches_total``                               counter   launches of the command (first start and restarts)
+``incarnation``                                  gauge     incarnation of the current (last) launch
+``resumed_step``                                 gauge     step the current launch resumed from (0: fresh start)
+``newest_complete_step``                         gauge     newest step this node knows complete: the resumed
+                                                           one, or a later save that committed
+``newest_complete_step_timestamp_seconds``       gauge     when that step was committed (Unix time)
+``newest_complete_step_age_seconds``             gauge     seconds since then, at collection time: the work a
+                                                           preemption now would lose
+``step_time_seconds``                            gauge     seconds per training step (slowest of the last 16)
+``saves_total{reason}``                          counter   committed saves (periodic, emergency, final, ...)
+``save_duration_seconds``                        histogram seconds from a save's start to its commit
+``save_stall_seconds``                           histogram seconds training was blocked by a save
+``saved_bytes_total``                            counter   bytes of all committed saves' shard files
+``last_save_duration_seconds``                   gauge     the newest save's duration
+``last_save_size_bytes``                         gauge     the newest save's shard bytes (all ranks)
+``last_restore_duration_seconds``                gauge     seconds the newest restore took (local rank 0)
+``last_restore_read_bytes``                      gauge     bytes local rank 0 read in it
+``notices_total{source}``                        counter   preemption notices (signal, aws, gcp, azure, file)
+``emergency_save_decisions_total{decision}``     counter   ``save`` or ``stop_without_save`` after a notice
+``restarts_total``                               counter   restarts after a crash (``--max-restarts``)
+``last_command_exit_code``                       gauge     exit code of the command's last launch
+``exit_code``                                    gauge     spotrun's exit code
+``exit_reason{reason}``                          gauge     1 for the reason spotrun exited (finished,
+                                                           preempted_saved, preempted_not_saved, failed,
+                                                           error)
+===============================================  ========  ======================================================
+
+A gauge appears once its value is known (no ``exit_code`` while spotrun runs, no
+``newest_complete_step`` before a step is complete, no restore figures after a fresh
+start); counters and histograms are there from the start.
+
+Only one node's view: on a multi-node job every node's supervisor exports its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+
+from spotrun import control
+from spotrun.errors import SpotrunError
+
+log = logging.getLogger(__name__)
+
+#: Histogram buckets of save durations and stalls, in seconds (a stall of 10 ms to a save of 30 min).
+SAVE_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, float("inf"))
+
+
+class SupervisorMetrics:
+    """The supervisor's metrics: an observer of its events and the collector of :attr:`registry`.
+
+    Args:
+        clock: seconds since the epoch (for the age of the newest step); injectable for tests.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()  # events come on the supervisor's thread, collections on others
+        self._control_dir: str | None = None
+        self._counted_saves: set[tuple[int, float]] = set()  # (step, committed_unix_s) of this launch
+        self._newest: tuple[int, float] | None = None  # (step, committed_unix_s)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, labels, registry=None)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels, registry=None)
+
+        self.start_time = gauge("spotrun_start_time_seconds", "When this supervisor started (Unix time).")
+        self.launches = counter("spotrun_launches", "Launches of the command (first start and restarts).")
+        self.incarnation = gauge("spotrun_incarnation", "Incarnation of the current (last) launch.")
+        self.resumed_step = gauge("spotrun_resumed_step", "Step the current launch resumed from (0: fresh start).")
+        self.newest_step = gauge("spotrun_newest_complete_step", "Newest step this node knows complete.")
+        self.newest_time = gauge("spotrun_newest_complete_step_timestamp_seconds",
+                                 "When the newest complete step was committed (Unix time).")
+        self.newest_age = gauge("spotrun_newest_complete_step_age_seconds",
+                                "Seconds since the newest complete step was committed.")
+        self.step_time = gauge("spotrun_step_time_seconds", "Seconds per training step (slowest of the last 16).")
+        self.saves = counter("spotrun_saves", "Committed saves, by reason.", ("reason",))
+        self.save_duration = Histogram("spotrun_save_duration_seconds", "Seconds from a save's start to its commit.",
+                                       buckets=SAVE_BUCKETS_S, registry=None)
+        self.save_stall = Histogram("spotrun_save_stall_seconds", "Seconds training was blocked by a save.",
+                                    buckets=SAVE_BUCKETS_S, registry=None)
+        self.saved_bytes = counter("spotrun_saved_bytes", "Bytes of the shard files of all committed saves.")
+        self.last_save_duration = gauge("spotrun_last_save_duration_seconds", "The newest save's duration.")
+        self.last_save_size = gauge("spotrun_last_save_size_bytes", "The newest save's shard bytes (all ranks).")
+        self.last_restore_duration = gauge("spotrun_last_restore_duration_seconds",
+                                           "Seconds the newest restore took (local rank 0).")
+        self.last_restore_bytes = gauge("spotrun_last_restore_read_bytes", "Bytes local rank 0 read in the newest restore.")
+        self.notices = counter("spotrun_notices", "Preemption notices, by source.", ("source",))
+        self.decisions = counter("spotrun_emergency_save_decisions",
+                                 "Decisions after a notice: save or stop_without_save.", ("decision",))
+        self.restarts = counter("spotrun_restarts", "Restarts after a crash.")
+        self.command_exit_code = gauge("spotrun_last_command_exit_code", "Exit code of the command's last launch.")
+        self.exit_code = gauge("spotrun_exit_code", "spotrun's exit code (once it exited).")
+        self.exit_reason = gauge("spotrun_exit_reason", "1 for the reason spotrun exited.", ("reason",))
+        self._set_gauges: set[Gauge] = set()  # a gauge is shown once set: absent means not known yet
+        self._always = [  # counters and histograms: 0 is a true count
+            self.launches, self.saves, self.save_duration, self.save_stall, self.saved_bytes, self.notices,
+            self.decisions, self.restarts,
+        ]
+        self._gauges = [  # in the order shown
+            self.start_time, self.incarnation, self.resumed_step, self.step_time, self.last_save_duration,
+            self.last_save_size, self.last_restore_duration, self.last_restore_bytes, self.command_exit_code,
+            self.newest_step, self.newest_time, self.newest_age, self.exit_code, self.exit_reason,
+        ]
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    # --- observer -----------------------------------------------------------------
+
+    def event(self, name: str, fields: dict[str, Any]) -> None:
+        """Take one supervisor event (see :mod:`spotrun.supervisor.observers`)."""
+        with self._lock:
+            handler = getattr(self, f"_on_{name}", None)
+            if handler is not None:
+                handler(fields)
+
+    def close(self) -> None:
+        """Nothing to release (the exporters own the outputs)."""
+
+    def _on_start(self, fields: dict[str, Any]) -> None:
+        self._set(self.start_time, fields["time_unix_s"])
+
+    def _on_launch(self, fields: dict[str, Any]) -> None:
+        self.launches.inc()
+        self._set(self.incarnation, fields["incarnation"])
+        self._control_dir = fields.get("control_dir")
+        self._counted_saves = set()
+        step = fields.get("resumed_step")
+        self._set(self.resumed_step, step or 0)
+        created_unix_s = fields.get("resumed_created_unix_s")
+        if step is not None and created_unix_s is not None:
+            self._complete(step, created_unix_s)
+
+    def _on_notice(self, fields: dict[str, Any]) -> None:
+        self.notices.labels(source=fields["source"]).inc()
+
+    def _on_decision(self, fields: dict[str, Any]) -> None:
+        self.decisions.labels(decision="save" if fields["save"] else "stop_without_save").inc()
+
+    def _on_command_exit(self, fields: dict[str, Any]) -> None:
+        self._set(self.command_exit_code, fields["code"])
+        self._refresh()  # the launch's last measurements, before a restart starts another
+
+    def _on_restart(self, fields: dict[str, Any]) -> None:
+        self.restarts.inc()
+
+    def _on_exit(self, fields: dict[str, Any]) -> None:
+        self._refresh()
+        if fields.get("step") is not None and self._control_dir is not None:
+            report = _quietly(control.read_commit_report, self._control_dir)
+            if report is not None and report.step == fields["step"]:
+                self._complete(report.step, report.committed_unix_s)
+        if fields.get("code") is not None:
+            self._set(self.exit_code, fields["code"])
+        self.exit_reason.labels(reason=fields["reason"]).set(1)
+        self._set_gauges.add(self.exit_reason)
+
+    # --- measurements of the workers -------------------------------------------------
+
+    def refresh(self) -> None:
+        """Read the workers' measurements of the current launch again (cheap: one small file)."""
+        with self._lock:
+            self._refresh()
+
+    def _set(self, gauge: Gauge, value: float) -> None:
+        gauge.set(value)
+        self._set_gauges.add(gauge)
+
+    def _complete(self, step: int, committed_unix_s: float) -> None:
+        if self._newest is None or (step, committed_unix_s) > self._newest:
+            self._newest = (step, committed_unix_s)
+            self._set(self.newest_step, step)
+            self._set(self.newest_time, committed_unix_s)
+
+    def _refresh(self) -> None:
+        """Read ``saves.json`` of the current launch; count the saves not counted yet."""
+        if self._control_dir is None:
+            return
+        stats = _quietly(control.read_save_stats, self._control_dir)
+        if stats is None:
+            return
+        if stats.step_time_s is not None:
+            self._set(self.step_time, stats.step_time_s)
+        if stats.restore is not None:
+            self._set(self.last_restore_duration, stats.restore.duration_s)
+            self._set(self.last_restore_bytes, stats.restore.bytes_read)
+        for record in stats.recent:
+            key = (record.step, record.committed_unix_s)
+            if key in self._counted_saves:
+                continue
+            self._counted_saves.add(key)
+            self.saves.labels(reason=record.reason).inc()
+            self.save_duration.observe(record.duration_s)
+            self.save_stall.observe(record.duration_s if record.stall_s is None else record.stall_s)
+            self.saved_bytes.inc(record.size_bytes)
+            self._set(self.last_save_duration, record.duration_s)
+            self._set(self.last_save_size, record.size_bytes)
+            self._complete(record.step, record.committed_unix_s)
+
+    # --- collector ---------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        """Every metric, with the workers' measurements read again first."""
+        with self._lock:
+            self._refresh()
+            if self._newest is not None:
+                self._set(self.newest_age, max(0.0, self._clock() - self._newest[1]))
+            shown = [*self._always, *(g for g in self._gauges if g in self._set_gauges)]
+            families = [family for metric in shown for family in metric.collect()]
+        yield from families
+
+
+def _quietly(read: Callable[[str], Any], control_dir: str) -> Any:
+    """``read(control_dir)``, or ``None`` (logged at debug) when the file is malformed."""
+    try:
+        return read(control_dir)
+    except SpotrunError as exc:
+        log.debug("metrics: %s", exc)
+        return None
