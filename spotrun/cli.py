@@ -223,7 +223,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             notice_file=args.notice_file,
         ),
     )
-    return supervise(config)
+    from spotrun.supervisor.event_log import EventLogObserver
+    from spotrun.supervisor.observers import Observers
+    return supervise(config, Observers([EventLogObserver.for_config(config)]))
 
 
 def _cmd_drill(args: argparse.Namespace) -> int:
