@@ -283,7 +283,8 @@ class EventLog:
         except Exception as exc:  # noqa: BLE001 - the event log never stops the job
             if not self._failing:
                 log.warning("cannot write the event log %s/%s: %s (tried again at the next record)",
-                            self.storage.uri, self.key, exc)
+                            self.storage.uri, self.key, exc.strerror if isinstance(exc, OSError) and exc.strerror
+                            else exc)
             self._failing = True
             return False
         if self._failing:

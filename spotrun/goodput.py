@@ -91,12 +91,14 @@ class Incarnation:
     notice_to_exit_s: float | None
     ended: str
     interval_steps: int | None
+    event_interval_s: float | None = None
 
 
 @dataclass(frozen=True)
 class Totals:
     """Sums over every incarnation (seconds, steps) and the goodput (0..1; ``None`` when no
-    wall time was recorded)."""
+    wall time was recorded). ``startup_s`` / ``notice_to_exit_s`` are ``None`` when no
+    incarnation had one."""
 
     incarnations: int
     wall_s: float
@@ -105,10 +107,10 @@ class Totals:
     steps_lost: int
     useful_s: float
     lost_s: float
-    startup_s: float
+    startup_s: float | None
     restore_s: float
     save_stall_s: float
-    notice_to_exit_s: float
+    notice_to_exit_s: float | None
     training_s: float
     goodput: float | None
     interruptions: int
@@ -258,7 +260,7 @@ def account(rank_objects: Mapping[int, Sequence[dict[str, Any]]], supervisor_lau
             step_time_s=step_time_s, useful_s=kept * (step_time_s or 0.0), lost_s=lost * (step_time_s or 0.0),
             notice_to_exit_s=_notice_to_exit_s(launch) if position + 1 == len(sharing) else None,
             ended=_ending(launch, records, position + 1 == len(sharing)),
-            interval_steps=start.get("interval_steps")))
+            interval_steps=start.get("interval_steps"), event_interval_s=start.get("event_interval_s")))
     owned = {id(launch) for launch in owners.values() if launch is not None}
     for launch in supervisor_launches:  # launches that never started training
         if id(launch) in owned or _overlaps_training(launch, rows):
@@ -291,10 +293,14 @@ def _totals(rows: Sequence[Incarnation]) -> Totals:
         elapsed_s=(max(r.ended_unix_s for r in rows) - min(r.began_unix_s for r in rows)) if rows else 0.0,
         steps_trained=sum(r.steps_trained for r in rows), steps_lost=sum(r.steps_lost for r in rows),
         useful_s=useful_s, lost_s=sum(r.lost_s for r in rows),
-        startup_s=sum(r.startup_s or 0.0 for r in rows), restore_s=sum(r.restore_s for r in rows),
-        save_stall_s=sum(r.save_stall_s for r in rows),
-        notice_to_exit_s=sum(r.notice_to_exit_s or 0.0 for r in rows),
+        startup_s=_sum_known(r.startup_s for r in rows), restore_s=sum(r.restore_s for r in rows),
+        save_stall_s=sum(r.save_stall_s for r in rows), notice_to_exit_s=_sum_known(r.notice_to_exit_s for r in rows),
         training_s=sum(r.training_s for r in rows),
         goodput=useful_s / wall_s if wall_s > 0 else None,
         interruptions=len(interrupted),
         unsaved_interruptions=sum(1 for r in interrupted if r.ended not in SAVED_ENDINGS))
+
+
+def _sum_known(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None

@@ -8,7 +8,8 @@ Records of ``events/incarnation-<N>.rank-00000.jsonl`` (every record also has ``
 ``start``      this start claimed incarnation ``incarnation``; ``resumed_step`` (None: fresh, or a
                save without ``restore()``), ``restore_s`` (seconds in ``restore()``, listing,
                reading, verifying and claiming), ``restore_bytes_read`` (rank 0's),
-               ``world_size``, ``interval_steps``, ``launch_incarnation`` (the supervisor's
+               ``world_size``, ``interval_steps``, ``event_interval_s`` (the progress record's
+               interval), ``launch_incarnation`` (the supervisor's
                ``$SPOTRUN_INCARNATION``; None without one), ``supervisor_pid``, ``host``, ``pid``.
                Its time is the end of the restore: training starts then.
 ``save``       one save ended: ``step``, ``reason`` (periodic, requested, emergency, final,
@@ -80,7 +81,7 @@ class TrainingEvents:
         self._log = EventLog(self._storage, rank_key(incarnation, 0), progress_interval_s=self._interval_s)
         self._append("start", incarnation=incarnation, resumed_step=resumed_step, restore_s=round(restore_s, 6),
                      restore_bytes_read=restore_bytes_read, world_size=dist.world_size(),
-                     interval_steps=self._interval_steps,
+                     interval_steps=self._interval_steps, event_interval_s=self._interval_s,
                      launch_incarnation=self._env.incarnation if self._env.control_dir else None,
                      supervisor_pid=self._env.supervisor_pid, host=socket.gethostname(), pid=os.getpid())
 

@@ -109,6 +109,12 @@ def render(uri: str, accounting, advice) -> str:
               f"interruptions: {totals.interruptions}, {totals.unsaved_interruptions} of them without a saved stop"
               + (f"; {advice.interruptions_per_hour:.3g} per hour of wall time"
                  if advice.interruptions_per_hour is not None else "")]
+    unended = [r for r in accounting.incarnations if r.ended == "no_exit_recorded" and r.number is not None]
+    if unended:
+        lines.append(f"no_exit_recorded: killed without notice (or still running): up to "
+                     f"{duration(max(r.event_interval_s or 0.0 for r in unended))} of the end of incarnation "
+                     f"{', '.join(str(r.number) for r in unended)} is not in the log (the interval of its progress "
+                     f"record, $SPOTRUN_EVENT_INTERVAL_S), so its wall time, steps trained and steps lost may be more")
     lines.append(_advice_text(advice))
     return "\n".join(lines)
 
