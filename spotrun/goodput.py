@@ -24,12 +24,13 @@ Definitions (times in seconds; every figure from the records, none guessed):
   of the next incarnation (steps trained and then trained again); **steps kept** the rest.
 * **training time**: from the end of the restore (the start record) to ``t_L``, less the
   time training was blocked by saves of steps before ``L`` (their ``stall_s``: a background
-  save's staging copy, a synchronous save's whole duration). **step time**: training time /
-  steps trained.
+  save's staging copy and any wait for the save before it, a synchronous save's whole
+  duration). **step time**: training time / steps trained.
 * **useful time**: steps kept x step time - the time spent training steps that were kept.
   **lost time**: steps lost x step time. **goodput** = total useful time / total wall time.
 * **start-up**: launch to the start of ``restore()`` (process start, ``torchrun``, imports,
-  process group); **restore**: ``restore()`` (read, verify, claim); **save stall**: as above;
+  process group, building the model and the data); **restore**: ``restore()`` (read, verify,
+  claim); **save stall**: as above;
   **notice to exit**: the supervisor's first stop notice to its exit (the emergency save and
   the shutdown).
 """
@@ -67,7 +68,9 @@ class Incarnation:
     ``restarted`` (the command failed and the supervisor launched it again), ``error``,
     ``stopped_saved`` / ``stopped_not_saved`` (told to stop, no supervisor exit recorded),
     ``exited`` (``close()`` without a stop), or ``no_exit_recorded`` (killed without notice,
-    or still running). Figures that cannot be known are ``None``.
+    or still running). Figures that cannot be known are ``None``. ``end_recorded`` is False
+    for ``no_exit_recorded``: the log stops up to ``event_interval_s`` before the end, so its
+    wall time, last step, steps trained and steps lost are lower bounds.
     """
 
     number: int | None
@@ -92,6 +95,7 @@ class Incarnation:
     ended: str
     interval_steps: int | None
     event_interval_s: float | None = None
+    end_recorded: bool = True
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,8 @@ def _match(start: dict[str, Any], candidates: list[Launch]) -> Launch | None:
     """The launch that started the training start ``start`` (rank 0's start record)."""
     began = start["time_unix_s"] - start.get("restore_s", 0.0)
     fitting = [launch for launch in candidates
-               if launch.host == key_host(str(start.get("host"))) and launch.incarnation == start.get("launch_incarnation")
+               if launch.host == key_host(str(start.get("host")))
+               and launch.incarnation == start.get("launch_incarnation")
                and launch.began_unix_s <= began]
     return max(fitting, key=lambda launch: launch.began_unix_s) if fitting else None
 
@@ -242,6 +247,7 @@ def account(rank_objects: Mapping[int, Sequence[dict[str, Any]]], supervisor_lau
             ended = max([_last_time(records)] + ([launch.ended_unix_s] if launch is not None else []))
         resumed = resumed_of(n)
         last, last_s = _reached(records, resumed)
+        ending = _ending(launch, records, position + 1 == len(sharing))
         following = resumed_of(numbers[index + 1]) if index + 1 < len(numbers) else None
         lost = max(0, last - following) if following is not None else 0
         kept = max(0, (min(last, following) if following is not None else last) - resumed)
@@ -259,8 +265,8 @@ def account(rank_objects: Mapping[int, Sequence[dict[str, Any]]], supervisor_lau
             restore_s=restore_s, save_stall_s=stall_s, saves=len(saves), training_s=training_s,
             step_time_s=step_time_s, useful_s=kept * (step_time_s or 0.0), lost_s=lost * (step_time_s or 0.0),
             notice_to_exit_s=_notice_to_exit_s(launch) if position + 1 == len(sharing) else None,
-            ended=_ending(launch, records, position + 1 == len(sharing)),
-            interval_steps=start.get("interval_steps"), event_interval_s=start.get("event_interval_s")))
+            ended=ending, interval_steps=start.get("interval_steps"), event_interval_s=start.get("event_interval_s"),
+            end_recorded=ending != "no_exit_recorded"))
     owned = {id(launch) for launch in owners.values() if launch is not None}
     for launch in supervisor_launches:  # launches that never started training
         if id(launch) in owned or _overlaps_training(launch, rows):

@@ -15,8 +15,9 @@ between failures, the interval of computation between checkpoints that minimises
 How the run's figures fill them in:
 
 * ``C`` is the mean **stall** of the committed periodic saves - the training time each
-  checkpoint costs. For a background save that is the staging copy, not the whole save: the
-  write runs while training goes on. (A synchronous save's stall is its whole duration.)
+  checkpoint costs. For a background save that is the staging copy (and any wait for the
+  save before it), not the whole save: the write runs while training goes on. (A synchronous
+  save's stall is its whole duration.)
 * ``M`` is wall time / the interruptions whose **stop was not saved** (killed without
   notice, a failed command, an emergency save that did not commit). A preemption whose
   emergency checkpoint committed loses no step whatever the interval, so it does not count

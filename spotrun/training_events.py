@@ -59,7 +59,6 @@ class TrainingEvents:
 
     def __init__(self, storage: Storage, env: WorkerEnv, interval_s: float | None, interval_steps: int) -> None:
         self._storage = storage
-        self._records = dist.rank() == 0
         self._env = env
         self._interval_s = progress_interval_s(interval_s)
         self._interval_steps = interval_steps
@@ -75,7 +74,7 @@ class TrainingEvents:
         nothing restored): open its object and record the start."""
         restore_s = 0.0 if self._restore_started_s is None else time.monotonic() - self._restore_started_s
         self._restore_started_s = None
-        if not self._records:
+        if dist.rank() != 0:  # asked here, not earlier: the process group exists once restore() ran
             return
         self.close()  # a second restore() claims another incarnation
         self._log = EventLog(self._storage, rank_key(incarnation, 0), progress_interval_s=self._interval_s)

@@ -87,7 +87,7 @@ def test_rank_0_records_its_start_saves_and_exit_and_the_next_start_its_resume_p
     assert (start["incarnation"], start["resumed_step"], start["world_size"], start["interval_steps"],
             start["launch_incarnation"]) == (0, None, 1, 2, None)
     assert all(r["committed"] and r["background"] and r["reason"] == "periodic" and r["size_bytes"] > 0
-               and 0 <= r["stall_s"] <= r["duration_s"] for r in records[1:3])
+               and r["stall_s"] >= 0 and r["duration_s"] > 0 for r in records[1:3])
 
     again = spotrun.Checkpointer(state=state, storage=storage, interval_steps=2, handle_signals=False)
     assert again.restore() == 4

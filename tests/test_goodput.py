@@ -102,9 +102,10 @@ def test_two_supervisors_that_planned_the_same_incarnation_are_told_apart_by_tim
     """A pod restarted under the same name (same host, PID 1 both times): the first supervisor
     was killed before training claimed an incarnation, so the second planned the same number."""
     sups = launches([
-        ("supervisor-pod-0-aaaaaaaa", 1, [rec("start", 100, process_started_unix_s=99), rec("launch", 101, incarnation=1)]),
-        ("supervisor-pod-0-bbbbbbbb", 1, [rec("start", 200, process_started_unix_s=198), rec("launch", 201, incarnation=1),
-                                          rec("exit", 260, code=0, reason="finished")]),
+        ("supervisor-pod-0-aaaaaaaa", 1, [rec("start", 100, process_started_unix_s=99),
+                                          rec("launch", 101, incarnation=1)]),
+        ("supervisor-pod-0-bbbbbbbb", 1, [rec("start", 200, process_started_unix_s=198),
+                                          rec("launch", 201, incarnation=1), rec("exit", 260, code=0, reason="finished")]),
     ])
     ranks = {0: [rank_start(50, 1.0, None, 0, host="pod-0"), rec("progress", 90, step=10)],
              2: [rank_start(210, 1.0, 10, 1, host="pod-0"), rec("progress", 250, step=20)]}

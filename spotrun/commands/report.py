@@ -88,15 +88,18 @@ def render(uri: str, accounting, advice) -> str:
     totals = accounting.totals
     rows = [("INC", "BEGAN (UTC)", "WALL", "STEPS", "TRAINED", "LOST", "START-UP", "RESTORE", "SAVE STALL",
              "NOTICE->EXIT", "ENDED")]
+    unended = [r for r in accounting.incarnations if not r.end_recorded]
     for r in accounting.incarnations:
+        more = "" if r.end_recorded else "+"  # a lower bound: the log stops before the end
         rows.append(("-" if r.number is None else str(r.number),
-                     time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.began_unix_s)), duration(r.wall_s),
-                     f"{r.resumed_step}->{r.last_step}", str(r.steps_trained), str(r.steps_lost),
+                     time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.began_unix_s)), duration(r.wall_s) + more,
+                     f"{r.resumed_step}->{r.last_step}{more}", f"{r.steps_trained}{more}", f"{r.steps_lost}{more}",
                      duration(r.startup_s), duration(r.restore_s), duration(r.save_stall_s),
                      duration(r.notice_to_exit_s), r.ended))
-    rows.append(("total", "", duration(totals.wall_s), "", str(totals.steps_trained), str(totals.steps_lost),
-                 duration(totals.startup_s), duration(totals.restore_s), duration(totals.save_stall_s),
-                 duration(totals.notice_to_exit_s), ""))
+    more = "+" if unended else ""
+    rows.append(("total", "", duration(totals.wall_s) + more, "", f"{totals.steps_trained}{more}",
+                 f"{totals.steps_lost}{more}", duration(totals.startup_s), duration(totals.restore_s),
+                 duration(totals.save_stall_s), duration(totals.notice_to_exit_s), ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [f"event log of {uri}: {totals.incarnations} incarnation(s)", ""]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
@@ -105,16 +108,16 @@ def render(uri: str, accounting, advice) -> str:
               f"goodput {_percent(totals.goodput)}: {duration(totals.useful_s)} training steps that were kept "
               f"(steps kept x each incarnation's step time) in {duration(totals.wall_s)} of wall time"
               + (f" ({duration(between_s)} more between incarnations, not counted)" if between_s > 0.005 else ""),
-              f"lost: {totals.steps_lost} step(s) trained again after an interruption ({duration(totals.lost_s)})",
+              f"lost: {'at least ' if unended else ''}{totals.steps_lost} step(s) trained again after an "
+              f"interruption ({duration(totals.lost_s)})",
               f"interruptions: {totals.interruptions}, {totals.unsaved_interruptions} of them without a saved stop"
               + (f"; {advice.interruptions_per_hour:.3g} per hour of wall time"
                  if advice.interruptions_per_hour is not None else "")]
-    unended = [r for r in accounting.incarnations if r.ended == "no_exit_recorded" and r.number is not None]
     if unended:
-        lines.append(f"no_exit_recorded: killed without notice (or still running): up to "
-                     f"{duration(max(r.event_interval_s or 0.0 for r in unended))} of the end of incarnation "
-                     f"{', '.join(str(r.number) for r in unended)} is not in the log (the interval of its progress "
-                     f"record, $SPOTRUN_EVENT_INTERVAL_S), so its wall time, steps trained and steps lost may be more")
+        lines.append(f"+ no_exit_recorded (killed without notice, or still running): up to "
+                     f"{duration(max(r.event_interval_s or 0.0 for r in unended))} of the end is not in the log "
+                     f"(the interval of the progress record, $SPOTRUN_EVENT_INTERVAL_S): wall time, steps trained "
+                     f"and steps lost may be more than shown, goodput less")
     lines.append(_advice_text(advice))
     return "\n".join(lines)
 
