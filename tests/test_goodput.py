@@ -163,3 +163,17 @@ def test_a_background_save_interval_is_never_shorter_than_a_whole_save():
     advice = advise(accounting)
     assert advice.daly_interval_s < 40.0
     assert advice.interval_steps == 40
+
+
+def test_starts_within_one_launch_split_its_wall_time():
+    """torchrun restarting its workers (``--max-restarts``) inside one supervisor launch: each
+    start owns the launch's time up to the next one's restore."""
+    sups = launches([("supervisor-node-a-00000001", 0, [
+        rec("start", 10, process_started_unix_s=9), rec("launch", 11, incarnation=0),
+        rec("command_exit", 80, code=0), rec("exit", 81, code=0, reason="finished")])])
+    ranks = {0: [rank_start(20, 1.0, None, 0), save(31, 10, 0.0, 1.0), rec("progress", 35, step=15)],
+             1: [rank_start(42, 2.0, 10, 0), rec("progress", 62, step=30), rec("exit", 63, step=30)]}
+    rows = account(ranks, sups).incarnations
+    assert [(r.began_unix_s, r.ended_unix_s, r.startup_s) for r in rows] == [(9, 40, 19 - 9), (40, 81, None)]
+    assert [(r.steps_trained, r.steps_lost, r.steps_kept) for r in rows] == [(15, 5, 10), (20, 0, 20)]
+    assert [r.ended for r in rows] == ["no_exit_recorded", "finished"]
