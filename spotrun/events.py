@@ -50,8 +50,10 @@ DEFAULT_PROGRESS_INTERVAL_S = 30.0
 FLUSH_TIMEOUT_S = 30.0
 #: Seconds before a failed write is tried again (sooner when a record is added).
 RETRY_AFTER_S = 5.0
-#: Most seconds :meth:`EventLog.close` waits for the last write.
-CLOSE_TIMEOUT_S = 10.0
+#: Most seconds :meth:`EventLog.close` waits for the last write: a job stopping for a
+#: preemption must not spend its grace period on its event log (a few KB: milliseconds when
+#: the store is healthy).
+CLOSE_TIMEOUT_S = 2.0
 
 _KEY_RE = re.compile(r"^incarnation-(\d+)\.(?:rank-(\d+)|supervisor-([A-Za-z0-9._-]+))\.jsonl$")
 _HOST_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -296,8 +298,10 @@ class EventLog:
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
+    """At interpreter exit, write what a log that was never closed still holds - unless its
+    store is failing (the exit does not wait for it then)."""
     event_log = ref()
-    if event_log is not None and event_log._owner_pid == os.getpid():
+    if event_log is not None and event_log._owner_pid == os.getpid() and not event_log._failing:
         try:
             event_log.close()
         except Exception:  # noqa: BLE001 - never fail the exit

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from spotrun.events import EventLog, supervisor_key
+from spotrun.events import CLOSE_TIMEOUT_S, EventLog, supervisor_key
 from spotrun.storage import Storage, open_storage
 from spotrun.supervisor.config import SupervisorConfig
 
@@ -84,6 +84,8 @@ class EventLogObserver:
             self._current.append(name, **fields)
 
     def close(self) -> None:
-        """Write every launch's object (each waits a bounded time)."""
+        """Write every launch's object, waiting :data:`~spotrun.events.CLOSE_TIMEOUT_S` in all
+        at most (the supervisor's exit code must not wait for a slow store)."""
+        end_s = time.monotonic() + CLOSE_TIMEOUT_S
         for event_log in self._logs:
-            event_log.close()
+            event_log.close(timeout_s=max(0.0, end_s - time.monotonic()))
