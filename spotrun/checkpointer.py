@@ -45,6 +45,7 @@ from spotrun.state.rng import RNGState
 from spotrun.state.stateful import state_of
 from spotrun.stop_requests import StopRequests
 from spotrun.stopping import StoppingMixin
+from spotrun.training_events import TrainingEvents
 from spotrun.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class Checkpointer(StoppingMixin):
             in flight on some rank: ``"wait"`` (for it, logging how long) or ``"skip"`` (this
             save is skipped, with a log line; a supervisor-requested checkpoint is taken at a
             later step instead).
+        event_interval_s: rank 0's event log (``events/`` under the root, :mod:`spotrun.training_events`)
+            writes the newest step at most every this many seconds (default ``$SPOTRUN_EVENT_INTERVAL_S``, else 30).
 
     Raises:
         ConfigError: bad arguments or environment.
@@ -125,6 +128,7 @@ class Checkpointer(StoppingMixin):
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
         background_saves: bool = True,
         on_save_in_flight: str = "wait",
+        event_interval_s: float | None = None,
     ) -> None:
         if not isinstance(state, dict) or not state:
             raise ConfigError("Checkpointer(state=...) needs a non-empty dict of name -> object")
@@ -154,11 +158,11 @@ class Checkpointer(StoppingMixin):
         self._incarnation: int | None = None  # claimed by restore() or the first save
         self._failed_periodic_saves = 0
         self._owner_pid = os.getpid()
-        self._checkpoint_requests = (
-            control.CheckpointRequestWatcher(self._env.control_dir) if self._env.control_dir else None
-        )
+        self._checkpoint_requests = (control.CheckpointRequestWatcher(self._env.control_dir)
+                                     if self._env.control_dir else None)
+        self._events = TrainingEvents(self._storage, self._env, event_interval_s, interval_steps)
         self._meter = SaveMeter(self._env.control_dir, publishes=dist.local_rank() == 0,
-                                check_interval_steps=check_interval_steps)
+                                check_interval_steps=check_interval_steps, on_save_ended=self._events.save_ended)
         self._background = BackgroundSaver(self._meter)
         self.preempted = False
         #: Bytes this rank read from storage in :meth:`restore` (format-4 steps; 0 before).
@@ -221,6 +225,7 @@ class Checkpointer(StoppingMixin):
             NoCheckpointError: complete steps exist but none of them loads.
         """
         started_s = time.monotonic()
+        self._events.restore_started()
         step, manifest = self._restore()
         if manifest is not None:
             self._meter.restore_ended(step, time.monotonic() - started_s, self.restore_bytes_read)
@@ -228,6 +233,7 @@ class Checkpointer(StoppingMixin):
         self._incarnation = resume.claim_incarnation(
             self._storage, resumed_step=step if manifest else None, run_id=self._run_id,
             at_least=max(self._env.incarnation, manifest.incarnation + 1 if manifest else 0))
+        self._events.started(self._incarnation, step if manifest else None, self.restore_bytes_read)
         if dist.rank() == 0:
             log.info("%s (incarnation %d)", f"restored step {step} from {self._storage.uri}" if manifest
                      else f"no checkpoint under {self._storage.uri}: starting from step 0", self._incarnation)
@@ -298,6 +304,7 @@ class Checkpointer(StoppingMixin):
                 is an orphaned older incarnation): nothing was committed; stop.
         """
         self._meter.step_boundary()
+        self._events.step_reached(step)
         self._background.publish_progress()
         checkpoint_requested = False
         still_running: bool | None = None  # whether some rank still writes a save in flight; None: not asked
@@ -363,10 +370,8 @@ class Checkpointer(StoppingMixin):
         self._last_saved_step = step
         duration_s = self._meter.save_ended(step, reason, started_s, saved.size_bytes)
         if saved.manifest is not None:
-            log.info(
-                "committed step %d (%s): %d files, %.1f MiB in %.2f s",
-                step, reason, len(saved.manifest.files), saved.size_bytes / 2**20, duration_s,
-            )
+            log.info("committed step %d (%s): %d files, %.1f MiB in %.2f s",
+                     step, reason, len(saved.manifest.files), saved.size_bytes / 2**20, duration_s)
 
     def _context(self, step: int, reason: str, replicated: dict[str, Any], rank_local: dict[str, Any]) -> SaveContext:
         """The save's context; a save without :meth:`restore` first claims this start's
@@ -376,6 +381,7 @@ class Checkpointer(StoppingMixin):
             self._incarnation = resume.claim_incarnation(
                 self._storage, resumed_step=None, at_least=self._env.incarnation, run_id=self._run_id,
                 after_newest=True, saving_step=step)
+            self._events.started(self._incarnation, None, 0)
         return SaveContext(reason=reason, run_id=self._run_id, incarnation=self._incarnation,
                            step_time_s=self._meter.step_time_s)
 
@@ -444,4 +450,5 @@ class Checkpointer(StoppingMixin):
         finally:
             self._background.shutdown()
             self._requests.restore_signal_handlers()
+            self._events.close()
 

@@ -237,10 +237,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ),
         log_format=args.effective_log_format,
     )
+    from spotrun.supervisor.event_log import EventLogObserver
     from spotrun.supervisor.metrics_export import metrics_observers
     from spotrun.supervisor.observers import Observers
 
-    observers = Observers(metrics_observers(args.metrics_port, args.metrics_address, args.metrics_textfile))
+    observers = Observers([EventLogObserver.for_config(config),
+                           *metrics_observers(args.metrics_port, args.metrics_address, args.metrics_textfile)])
     return supervise(config, observers)
 
 

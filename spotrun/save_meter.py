@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from spotrun import control
 
@@ -49,10 +49,16 @@ class SaveMeter:
             (nothing is published then).
         publishes: whether this rank publishes (local rank 0 of its node).
         check_interval_steps: steps between two looks at a save request (reported as is).
+        on_save_ended: called with the figures of every save that ended (keywords ``step``,
+            ``reason``, ``committed``, ``background``, ``stall_s``, ``duration_s``,
+            ``size_bytes``), on the thread that ended it; for the event log
+            (:meth:`spotrun.training_events.TrainingEvents.save_ended`).
     """
 
-    def __init__(self, control_dir: str | None, *, publishes: bool, check_interval_steps: int) -> None:
+    def __init__(self, control_dir: str | None, *, publishes: bool, check_interval_steps: int,
+                 on_save_ended: Callable[..., None] | None = None) -> None:
         self._control_dir = control_dir if publishes else None
+        self._on_save_ended = on_save_ended
         self._check_interval_steps = check_interval_steps
         self._step_times_s: collections.deque[float] = collections.deque(maxlen=STEP_TIMES_KEPT)
         self._last_boundary_s: float | None = None
@@ -160,6 +166,10 @@ class SaveMeter:
                 )][-control.RECENT_SAVES:]
             self._in_progress = None
             self._publish()
+        if self._on_save_ended is not None:
+            self._on_save_ended(step=step, reason=reason, committed=size_bytes is not None, background=background,
+                                stall_s=duration_s if stall_s is None else stall_s, duration_s=duration_s,
+                                size_bytes=size_bytes)
         return duration_s
 
     def _publish(self) -> None:

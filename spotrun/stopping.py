@@ -44,6 +44,7 @@ class StoppingMixin:
                 signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
             raise
         self.preempted = True
+        self._events.stopped(step, saved=save)
         if self._env.control_dir and dist.local_rank() == 0:
             if save:
                 control.write_commit_report(self._env.control_dir, step)
@@ -73,6 +74,7 @@ class StoppingMixin:
                 self._requests.describe(), step, self._last_saved_step,
             )
         self.preempted = True
+        self._events.stopped(step, saved=False)
         if self._env.control_dir and dist.local_rank() == 0:
             control.write_stop_report(self._env.control_dir, step)
 
