@@ -32,6 +32,12 @@ SUPERVISOR_PID = "SPOTRUN_SUPERVISOR_PID"
 #: The supervisor's grace period in seconds (``--grace-period-s``).
 GRACE_PERIOD_S = "SPOTRUN_GRACE_PERIOD_S"
 
+#: Retention of the workers' checkpoints (``spotrun run --keep-last N``): keep the N newest
+#: complete steps; unset: keep every step. A ``Checkpointer(keep_last=...)`` argument wins.
+KEEP_LAST = "SPOTRUN_KEEP_LAST"
+#: ``spotrun run --keep-every M``: also keep every step divisible by M (with ``KEEP_LAST``).
+KEEP_EVERY = "SPOTRUN_KEEP_EVERY"
+
 DEFAULT_CHECKPOINT_URI = "./checkpoints"
 #: The safety margin when the grace period is long enough for it, in seconds.
 DEFAULT_SAFETY_MARGIN_S = 5.0
@@ -61,6 +67,7 @@ class WorkerEnv:
             step is >= this; ``None``: no such stop.
         supervisor_pid: process id of the supervisor of this node; ``None`` without one.
         grace_period_s: the supervisor's grace period in seconds; ``None`` if unset.
+        keep_last, keep_every: the retention the supervisor was given; ``None`` if unset.
     """
 
     checkpoint_uri: str | None
@@ -71,6 +78,8 @@ class WorkerEnv:
     stop_at_step: int | None = None
     supervisor_pid: int | None = None
     grace_period_s: float | None = None
+    keep_last: int | None = None
+    keep_every: int | None = None
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> "WorkerEnv":
@@ -109,4 +118,6 @@ class WorkerEnv:
             stop_at_step=_int(STOP_AT_STEP),
             supervisor_pid=_int(SUPERVISOR_PID),
             grace_period_s=_seconds(GRACE_PERIOD_S),
+            keep_last=_int(KEEP_LAST),
+            keep_every=_int(KEEP_EVERY),
         )

@@ -6,7 +6,9 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotrun import env as spotrun_env
 from spotrun.env import DEFAULT_CHECKPOINT_URI, default_safety_margin_s
+from spotrun.checkpoint.retention import RetentionPolicy
 from spotrun.errors import ConfigError
 from spotrun.notices import NoticeOptions, parse_notice_option
 from spotrun.supervisor.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals
@@ -44,6 +46,9 @@ class SupervisorConfig:
         notice_signals: the signals that are notices, comma-separated (``"TERM,INT,HUP,USR1,USR2"``,
             the default), or ``"none"``; every other signal that would end the supervisor is
             logged and ignored (see :mod:`spotrun.supervisor.signals`).
+        keep_last, keep_every: retention for the workers' checkpoints (passed as
+            ``SPOTRUN_KEEP_LAST``/``SPOTRUN_KEEP_EVERY``; see
+            :class:`~spotrun.checkpoint.retention.RetentionPolicy`); ``None``: not set here.
 
     Raises:
         ConfigError: an empty command or an out-of-range value.
@@ -60,6 +65,8 @@ class SupervisorConfig:
     notice: str = "auto"
     notice_options: NoticeOptions = field(default_factory=NoticeOptions)
     notice_signals: str = DEFAULT_NOTICE_SIGNALS
+    keep_last: int | None = None
+    keep_every: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
@@ -83,6 +90,12 @@ class SupervisorConfig:
         storage_options(self.checkpoint_uri, s3_endpoint_url=self.s3_endpoint_url)
         parse_notice_option(self.notice)
         parse_notice_signals(self.notice_signals)
+        RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
+
+    def retention_env(self) -> dict[str, str]:
+        """The retention variables for the launch command (only those given)."""
+        given = {spotrun_env.KEEP_LAST: self.keep_last, spotrun_env.KEEP_EVERY: self.keep_every}
+        return {name: str(value) for name, value in given.items() if value is not None}
 
     @property
     def notice_signal_numbers(self) -> frozenset[int]:

@@ -103,6 +103,7 @@ def plan_launch(
     base_env: dict[str, str] | None = None,
     s3_endpoint_url: str | None = None,
     supervisor_pid: int | None = None,
+    retention: dict[str, str] | None = None,
 ) -> LaunchPlan:
     """Choose the resume point and build the launch command's environment.
 
@@ -122,6 +123,9 @@ def plan_launch(
         supervisor_pid: the supervisor's process id, passed as ``SPOTRUN_SUPERVISOR_PID`` with
             ``SPOTRUN_GRACE_PERIOD_S``: the workers stop when it is gone
             (:mod:`spotrun.supervisor_watch`); ``None`` leaves both out.
+        retention: ``SPOTRUN_KEEP_LAST``/``SPOTRUN_KEEP_EVERY`` for the workers
+            (:meth:`~spotrun.supervisor.config.SupervisorConfig.retention_env`); a variable
+            not in it passes on from ``base_env`` unchanged.
 
     Raises:
         StorageError: listing the checkpoints failed.
@@ -155,4 +159,5 @@ def plan_launch(
     if supervisor_pid is not None:
         env[spotrun_env.SUPERVISOR_PID] = str(supervisor_pid)
         env[spotrun_env.GRACE_PERIOD_S] = repr(float(grace_period_s))
+    env.update(retention or {})
     return LaunchPlan(resume=resume, run_id=run_id, incarnation=incarnation, env=env)

@@ -191,6 +191,7 @@ class _Supervisor:
                 self.storage, self.config.checkpoint_uri, control_dir=control_dir,
                 grace_period_s=self.config.grace_period_s, previous=plan,
                 s3_endpoint_url=self.config.s3_endpoint_url, supervisor_pid=os.getpid(),
+                retention=self.config.retention_env(),
             )
             self.resumed_manifest = plan.resume.manifest if plan.resume is not None else None
             log.info("%s", describe_start(plan.resume, self.launch))
