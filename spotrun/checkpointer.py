@@ -34,7 +34,7 @@ from spotrun.checkpoint.save import SaveContext, save_step
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES, ShardLimits
 from spotrun.manifest import Manifest
 from spotrun.gc_pause import gc_paused
-from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv
+from spotrun.env import DEFAULT_CHECKPOINT_URI, DEFAULT_SAVE_TIMEOUT_S, WorkerEnv
 from spotrun.rank_layout import restored_onto
 from spotrun.save_meter import SaveMeter
 from spotrun.errors import CheckpointSaveError, ConfigError
@@ -48,8 +48,6 @@ from spotrun.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
 
-#: Default bound of one save's storage operations, in seconds.
-DEFAULT_SAVE_TIMEOUT_S = 300.0
 #: What a due save does while the previous background save is still in flight.
 ON_SAVE_IN_FLIGHT = ("wait", "skip")
 

@@ -9,6 +9,8 @@
                                                  (world size, mesh shapes), size, time
     spotrun preflight URI                        check that URI can be written, read,
                                                  listed and deleted (``run`` does it first)
+    spotrun gc URI [--keep-last N] [--dry-run]   delete old steps, dead saves and abandoned
+                                                 uploads (:mod:`spotrun.commands.gc`)
 
 ``run``, ``drill``, ``ls`` and ``preflight`` take ``--s3-endpoint-url URL`` for an S3-compatible
 store (MinIO, R2, ...); without it boto3's standard AWS settings apply.

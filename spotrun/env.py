@@ -39,6 +39,9 @@ KEEP_LAST = "SPOTRUN_KEEP_LAST"
 KEEP_EVERY = "SPOTRUN_KEEP_EVERY"
 
 DEFAULT_CHECKPOINT_URI = "./checkpoints"
+#: Default bound of one save's storage operations (``Checkpointer(save_timeout_s=...)``), in
+#: seconds; ``spotrun gc`` relies on it to tell a running save from a dead one.
+DEFAULT_SAVE_TIMEOUT_S = 300.0
 #: The safety margin when the grace period is long enough for it, in seconds.
 DEFAULT_SAFETY_MARGIN_S = 5.0
 

@@ -33,6 +33,7 @@ import time
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.retention import Decision, RetentionPolicy, delete_step, plan_gc
 from spotrun.commands._shared import add_storage_options, open_existing_root
+from spotrun.env import DEFAULT_SAVE_TIMEOUT_S
 from spotrun.errors import ConfigError
 from spotrun.storage.base import Storage, UnfinishedUpload
 
@@ -41,8 +42,6 @@ log = logging.getLogger(__name__)
 #: Default age, in seconds, from which an incomplete step or an unfinished upload is dead:
 #: well above a save's default bound (``Checkpointer(save_timeout_s=300)``).
 DEFAULT_OLDER_THAN_S = 3600.0
-#: The default bound of a save's storage operations (``Checkpointer(save_timeout_s=...)``), s.
-SAVE_TIMEOUT_S = 300.0
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -82,9 +81,9 @@ def run_gc(args: argparse.Namespace) -> int:
     older_than_s = args.incomplete_older_than_s
     if not older_than_s >= 0:
         raise ConfigError(f"--incomplete-older-than-s must be >= 0, got {older_than_s}")
-    if older_than_s < SAVE_TIMEOUT_S:
+    if older_than_s < DEFAULT_SAVE_TIMEOUT_S:
         log.warning("--incomplete-older-than-s %g is below a save's default bound (save_timeout_s=%g s): a save "
-                    "still running may be deleted", older_than_s, SAVE_TIMEOUT_S)
+                    "still running may be deleted", older_than_s, DEFAULT_SAVE_TIMEOUT_S)
     storage = open_existing_root(args.uri, args.s3_endpoint_url)
     steps, fences = catalog.list_root(storage)
     protected = {}
