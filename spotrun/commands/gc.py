@@ -154,9 +154,9 @@ class _Sweeper:
         from spotrun.cli import human_size
 
         verb = "would delete" if self.dry_run else "deleted"
-        text = (f"{verb} {self.deleted_steps} step(s) ({self.objects} objects, {human_size(self.size_bytes)}), "
-                f"{'would abort' if self.dry_run else 'aborted'} {self.aborted} unfinished upload(s); "
-                f"kept {self.kept_steps} step(s) and {self.kept_uploads} upload(s) under {self.storage.uri}")
+        text = (f"{verb} {self.deleted_steps} step(s) ({self.objects} objects, {human_size(self.size_bytes)}) and "
+                f"{self.aborted} unfinished write(s); kept {self.kept_steps} step(s) and {self.kept_uploads} "
+                f"unfinished write(s) under {self.storage.uri}")
         if self.corrupt:
             text += f"; corrupt, look at them: step(s) {', '.join(map(str, self.corrupt))}"
         return text
