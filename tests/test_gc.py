@@ -97,7 +97,7 @@ def test_gc_deletes_by_the_rule_and_by_age_and_keeps_the_resume_source_young_sav
         r"\(threshold 3600 s\)",
         r"step 90        incomplete kept          newest object \d\d s old, under the 3600 s threshold: a save may "
         r"still be writing it",
-        rf"temporary file {step_dir(80)}/.rank-00001.i000000002.safetensors.tmp-77-abcdef01: aborted, 72\d\d s old "
+        rf"temporary file {step_dir(80)}/.rank-00001.i000000002.safetensors.tmp-77-abcdef01: removed, 72\d\d s old "
         r"\(threshold 3600 s\)",
         rf"temporary file {step_dir(90)}/.rank-00001.i000000002.safetensors.tmp-77-abcdef01: kept, \d\d s old, "
         r"under the 3600 s threshold: a save may still be writing it",
