@@ -147,8 +147,8 @@ class _Sweeper:
             if not self.dry_run:
                 self.storage.abort_upload(upload)
             self.aborted += 1
-            verb = "abort" if upload.upload_id is not None else "remove"
-            print(f"{what} {upload.key}: {'would ' + verb if self.dry_run else verb + 'ed'}, {age_s:.0f} s old "
+            verb, done = ("abort", "aborted") if upload.upload_id is not None else ("remove", "removed")
+            print(f"{what} {upload.key}: {'would ' + verb if self.dry_run else done}, {age_s:.0f} s old "
                   f"(threshold {older_than_s:g} s)", flush=True)
 
     def summary(self) -> str:
