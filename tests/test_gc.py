@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import file_key, shard_name, step_dir
 from spotrun.cli import main
 from spotrun.storage import LocalStorage, open_storage
+from tests.crash_roots import Scenario, copy_root
 from tests.fault_proxy import FaultProxy
 from tests import s3_server
 from tests.s3_server import make_client
@@ -187,13 +187,6 @@ def test_gc_on_s3_aborts_an_abandoned_upload_and_deletes_an_old_incomplete_step_
 
 # --- a kill in the middle of a deletion --------------------------------------------------------
 
-def _copy_s3_root(client, bucket: str, source: str, dest: str) -> None:
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{source}/"):
-        for obj in page.get("Contents", []):
-            client.copy_object(Bucket=bucket, Key=f"{dest}/{obj['Key'][len(source) + 1:]}",
-                               CopySource={"Bucket": bucket, "Key": obj["Key"]})
-
-
 def _killed_gc(points_file: Path, kill_at: int | None, backend: str, where: str, uri: str) -> int:
     done = subprocess.run([sys.executable, str(WORKER), str(points_file), "none" if kill_at is None else str(kill_at),
                            backend, where, "--", uri, "--keep-last", "1"],
@@ -211,20 +204,14 @@ def test_a_kill_at_any_point_of_a_deletion_leaves_complete_or_clearly_incomplete
     untouched root), each time on a fresh copy of the root. After each kill: step 20
     is complete, step 10 is complete or lists as incomplete (being deleted), nothing is
     corrupt; a start resumes from step 20 exactly; the next gc finishes the deletion."""
-    if backend == "s3":
-        bucket = request.getfixturevalue("s3_bucket")
-        client = make_client(bucket.endpoint_url)
-        base = f"{bucket.uri}/base"
+    bucket = request.getfixturevalue("s3_bucket").name if backend == "s3" else None
+    scenario = Scenario(backend, "sync", str(tmp_path), bucket)  # where roots live, for copy_root
+    base = f"s3://{bucket}/base" if backend == "s3" else str(tmp_path / "base")
 
-        def fresh(index: str) -> str:
-            _copy_s3_root(client, bucket.name, "base", f"copy-{index}")
-            return f"{bucket.uri}/copy-{index}"
-    else:
-        base = str(tmp_path / "base")
-
-        def fresh(index: str) -> str:
-            shutil.copytree(base, tmp_path / f"copy-{index}")
-            return str(tmp_path / f"copy-{index}")
+    def fresh(index: str) -> str:
+        copy = f"s3://{bucket}/copy-{index}" if backend == "s3" else str(tmp_path / f"copy-{index}")
+        copy_root(scenario, base, copy)
+        return copy
     save_steps(open_storage(base), [10, 20])
 
     def hooked_root(uri: str) -> str:
