@@ -170,10 +170,12 @@ def plan_gc(steps: Sequence[catalog.StepInfo], policy: RetentionPolicy, *, prote
         age_s = now_unix_s - info.newest_object_unix_s
         if info.being_deleted:
             decisions[info.step] = Decision(info.step, info.status, True,
-                                            "an interrupted deletion (deleting.json is its newest object): finishing it")
+                                            "an interrupted deletion (deleting.json is its newest object): "
+                                            "finishing it")
         elif age_s >= older_than_s:
-            decisions[info.step] = Decision(info.step, info.status, True,
-                                            f"{info.problem}; newest object {age_s:.0f} s old (threshold {older_than_s:g} s)")
+            decisions[info.step] = Decision(
+                info.step, info.status, True,
+                f"{info.problem}; newest object {age_s:.0f} s old (threshold {older_than_s:g} s)")
         else:
             decisions[info.step] = Decision(
                 info.step, info.status, False,

@@ -88,7 +88,8 @@ def run_gc(args: argparse.Namespace) -> int:
     steps, fences = catalog.list_root(storage)
     protected = {}
     if fences.newest is not None and fences.resumed[fences.newest] is not None:
-        protected[fences.resumed[fences.newest]] = f"the step the newest start (incarnation {fences.newest}) resumed from"
+        protected[fences.resumed[fences.newest]] = \
+            f"the step the newest start (incarnation {fences.newest}) resumed from"
     now_unix_s = time.time()
     decisions = plan_gc(steps, policy, protected=protected, now_unix_s=now_unix_s, older_than_s=older_than_s)
     uploads = storage.unfinished_uploads()
