@@ -28,19 +28,19 @@ from typing import Any
 from spotrun import control, dist
 from spotrun.checkpoint import resume
 from spotrun.checkpoint.background import BackgroundSaver
-from spotrun.checkpoint.apply import apply_loaded, check_serialisable, live_tensors
+from spotrun.checkpoint.retention import Retainer, RetentionPolicy
+from spotrun.checkpoint.apply import apply_loaded, check_serialisable, restore_destinations
 from spotrun.checkpoint.encode import encode_state
 from spotrun.checkpoint.save import SaveContext, save_step
-from spotrun.checkpoint.sharded import is_dtensor, mesh_description
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES, ShardLimits
 from spotrun.manifest import Manifest
 from spotrun.gc_pause import gc_paused
-from spotrun.env import DEFAULT_CHECKPOINT_URI, WorkerEnv
+from spotrun.env import DEFAULT_CHECKPOINT_URI, DEFAULT_SAVE_TIMEOUT_S, WorkerEnv
 from spotrun.rank_layout import restored_onto
 from spotrun.save_meter import SaveMeter
 from spotrun.errors import CheckpointSaveError, ConfigError
 from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState
-from spotrun.state.optimizer import OptimizerState, pair_optimizers
+from spotrun.state.optimizer import pair_optimizers
 from spotrun.state.rng import RNGState
 from spotrun.state.stateful import state_of
 from spotrun.stop_requests import StopRequests
@@ -50,8 +50,6 @@ from spotrun.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
 
-#: Default bound of one save's storage operations, in seconds.
-DEFAULT_SAVE_TIMEOUT_S = 300.0
 #: What a due save does while the previous background save is still in flight.
 ON_SAVE_IN_FLIGHT = ("wait", "skip")
 
@@ -107,6 +105,9 @@ class Checkpointer(StoppingMixin):
             later step instead).
         event_interval_s: rank 0's event log (``events/`` under the root, :mod:`spotrun.training_events`)
             writes the newest step at most every this many seconds (default ``$SPOTRUN_EVENT_INTERVAL_S``, else 30).
+        keep_last, keep_every: retention after each commit: keep the ``keep_last`` newest complete
+            steps and those divisible by ``keep_every`` (:mod:`spotrun.checkpoint.retention`); ``None``:
+            ``$SPOTRUN_KEEP_LAST``/``_EVERY`` (``spotrun run --keep-last``), else (or 0) keep every step.
 
     Raises:
         ConfigError: bad arguments or environment.
@@ -129,6 +130,8 @@ class Checkpointer(StoppingMixin):
         background_saves: bool = True,
         on_save_in_flight: str = "wait",
         event_interval_s: float | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
     ) -> None:
         if not isinstance(state, dict) or not state:
             raise ConfigError("Checkpointer(state=...) needs a non-empty dict of name -> object")
@@ -163,7 +166,9 @@ class Checkpointer(StoppingMixin):
         self._events = TrainingEvents(self._storage, self._env, event_interval_s, interval_steps)
         self._meter = SaveMeter(self._env.control_dir, publishes=dist.local_rank() == 0,
                                 check_interval_steps=check_interval_steps, on_save_ended=self._events.save_ended)
-        self._background = BackgroundSaver(self._meter)
+        self._retainer = Retainer(self._storage, RetentionPolicy.for_worker(
+            keep_last, keep_every, self._env.keep_last, self._env.keep_every), timeout_s=save_timeout_s)
+        self._background = BackgroundSaver(self._meter, after_commit=self._retain)
         self.preempted = False
         #: Bytes this rank read from storage in :meth:`restore` (format-4 steps; 0 before).
         self.restore_bytes_read = 0
@@ -258,16 +263,8 @@ class Checkpointer(StoppingMixin):
         return step, loaded.manifest
 
     def _destinations(self) -> dict:
-        """The live tensors a restore reads into; optimizers that have not stepped get their
-        state tensors first (placed like their parameters), once a step is to be loaded."""
-        for obj in self._state.values():
-            if isinstance(obj, OptimizerState):
-                obj.prepare_for_restore()
-        tensors = live_tensors(self._state, self._rank_state)
-        self._meshes_now = []
-        for tensor in tensors.values():
-            if is_dtensor(tensor) and mesh_description(tensor) not in self._meshes_now:
-                self._meshes_now.append(mesh_description(tensor))
+        """The live tensors a restore reads into (:func:`~spotrun.checkpoint.apply.restore_destinations`)."""
+        tensors, self._meshes_now = restore_destinations(self._state, self._rank_state)
         return tensors
 
     # --- saving ---------------------------------------------------------------
@@ -372,6 +369,11 @@ class Checkpointer(StoppingMixin):
         if saved.manifest is not None:
             log.info("committed step %d (%s): %d files, %.1f MiB in %.2f s",
                      step, reason, len(saved.manifest.files), saved.size_bytes / 2**20, duration_s)
+        self._retain(step, reason)
+
+    def _retain(self, step: int, reason: str) -> None:  # on global rank 0; an emergency save's grace is the save's
+        if dist.rank() == 0 and reason != "emergency":
+            self._retainer.after_commit(step, self._incarnation)
 
     def _context(self, step: int, reason: str, replicated: dict[str, Any], rank_local: dict[str, Any]) -> SaveContext:
         """The save's context; a save without :meth:`restore` first claims this start's

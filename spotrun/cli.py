@@ -9,6 +9,8 @@
                                                  (world size, mesh shapes), size, time
     spotrun preflight URI                        check that URI can be written, read,
                                                  listed and deleted (``run`` does it first)
+    spotrun gc URI [--keep-last N] [--dry-run]   delete old steps, dead saves and abandoned
+                                                 uploads (:mod:`spotrun.commands.gc`)
 
 ``run``, ``drill``, ``ls`` and ``preflight`` take ``--s3-endpoint-url URL`` for an S3-compatible
 store (MinIO, R2, ...); without it boto3's standard AWS settings apply.
@@ -84,6 +86,12 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
                      help="wait before the first restart, doubled each time, at most 300 s (default %(default)s)")
     _add_notice_options(run)
     _add_metrics_options(run)
+    run.add_argument("--keep-last", type=int, default=None, metavar="N",
+                     help="retention: the workers keep the N newest complete steps and delete older ones "
+                     "after each commit (default: keep every step; passed as SPOTRUN_KEEP_LAST)")
+    run.add_argument("--keep-every", type=int, default=None, metavar="M",
+                     help="retention: also keep every step divisible by M (with --keep-last; passed as "
+                     "SPOTRUN_KEEP_EVERY)")
     run.add_argument("--config", metavar="FILE",
                      help="YAML file of defaults for the options above, keys in snake_case "
                      "(grace_period_s: 110); options given here override it (see configs/)")
@@ -228,6 +236,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         s3_endpoint_url=args.s3_endpoint_url,
         notice=args.notice,
         notice_signals=args.notice_signals,
+        keep_last=args.keep_last,
+        keep_every=args.keep_every,
         notice_options=NoticeOptions(
             aws_endpoint=args.aws_metadata_endpoint,
             gcp_host=args.gcp_metadata_host,

@@ -22,6 +22,9 @@ notice             string    notice sources: ``auto``, ``none`` or a comma-separ
 notice_file        string    path watched by the ``file`` notice source (drills); ``null``: none
 notice_signals     string    signals that are notices, comma-separated (``TERM,INT,HUP,USR1,USR2``,
                              the default) or ``none``; a YAML list of names is accepted too
+keep_last          integer   retention: keep this many newest complete steps (0 or ``null``:
+                             every step)
+keep_every         integer   retention: also keep every step divisible by this (needs keep_last)
 log_level          string    one of :data:`LOG_LEVELS`; ``null``: the subcommand's default
 log_format         string    ``text`` or ``json`` (:mod:`spotrun.logs`); ``null``: ``$SPOTRUN_LOG_FORMAT``,
                              else ``text``
@@ -88,13 +91,15 @@ RUN_KEYS: dict[str, str] = {
     "metrics_port": _INT,
     "metrics_address": _STR,
     "metrics_textfile": _STR,
+    "keep_last": _INT,
+    "keep_every": _INT,
 }
 _CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "log_format": LOG_FORMATS}
 #: Keys whose "not set" (``null`` or an empty string) means "use the built-in behaviour".
 _NULLABLE = frozenset({
     "s3_endpoint_url", "notice_file", "aws_metadata_endpoint", "gcp_metadata_host",
     "azure_metadata_endpoint", "azure_vm_name", "log_level", "log_format", "metrics_port", "metrics_address",
-    "metrics_textfile",
+    "metrics_textfile", "keep_last", "keep_every",
 })
 
 _EXPANSION = re.compile(r"\$\$|\$\{([^}]*)\}|\$\{")

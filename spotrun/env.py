@@ -36,7 +36,16 @@ GRACE_PERIOD_S = "SPOTRUN_GRACE_PERIOD_S"
 #: ``spotrun`` subcommand too when ``--log-format`` is not given.
 LOG_FORMAT = "SPOTRUN_LOG_FORMAT"
 
+#: Retention of the workers' checkpoints (``spotrun run --keep-last N``): keep the N newest
+#: complete steps; unset: keep every step. A ``Checkpointer(keep_last=...)`` argument wins.
+KEEP_LAST = "SPOTRUN_KEEP_LAST"
+#: ``spotrun run --keep-every M``: also keep every step divisible by M (with ``KEEP_LAST``).
+KEEP_EVERY = "SPOTRUN_KEEP_EVERY"
+
 DEFAULT_CHECKPOINT_URI = "./checkpoints"
+#: Default bound of one save's storage operations (``Checkpointer(save_timeout_s=...)``), in
+#: seconds; ``spotrun gc`` relies on it to tell a running save from a dead one.
+DEFAULT_SAVE_TIMEOUT_S = 300.0
 #: The safety margin when the grace period is long enough for it, in seconds.
 DEFAULT_SAFETY_MARGIN_S = 5.0
 
@@ -65,6 +74,7 @@ class WorkerEnv:
             step is >= this; ``None``: no such stop.
         supervisor_pid: process id of the supervisor of this node; ``None`` without one.
         grace_period_s: the supervisor's grace period in seconds; ``None`` if unset.
+        keep_last, keep_every: the retention the supervisor was given; ``None`` if unset.
     """
 
     checkpoint_uri: str | None
@@ -75,6 +85,8 @@ class WorkerEnv:
     stop_at_step: int | None = None
     supervisor_pid: int | None = None
     grace_period_s: float | None = None
+    keep_last: int | None = None
+    keep_every: int | None = None
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> "WorkerEnv":
@@ -113,4 +125,6 @@ class WorkerEnv:
             stop_at_step=_int(STOP_AT_STEP),
             supervisor_pid=_int(SUPERVISOR_PID),
             grace_period_s=_seconds(GRACE_PERIOD_S),
+            keep_last=_int(KEEP_LAST),
+            keep_every=_int(KEEP_EVERY),
         )

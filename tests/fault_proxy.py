@@ -45,14 +45,24 @@ bytes are in the counts.
 
 A latency (``set_latency``) holds each matching request that is forwarded for that many
 seconds before it goes upstream: a slow or congested link to the store.
+
+Times in listings (``backdate``): moto answers ``ListMultipartUploads`` with the same
+``Initiated`` for every upload (2010-11-10T20:48:33Z), and its objects' ``LastModified``
+is the real time of their write. The proxy records when it relayed each
+``CreateMultipartUpload`` and answers every upload's ``Initiated`` with that time, as S3
+does; ``backdate(age_s, match)`` makes the objects and uploads whose key ``match`` accepts
+look ``age_s`` older in ``ListObjectsV2`` and ``ListMultipartUploads`` answers (written
+long ago), without waiting.
 """
 
 from __future__ import annotations
 
+import datetime
 import http.client
 import http.server
 import math
 import random
+import re
 import socket
 import threading
 import time
@@ -195,6 +205,8 @@ class FaultProxy:
         self._latency: tuple[float, Callable[[Request], bool]] = (0.0, everything)
         self._seen: list[Request] = []
         self._relayed: list[Relayed] = []
+        self._initiated: dict[str, float] = {}  # UploadId -> when its CreateMultipartUpload was relayed
+        self._backdate: tuple[float, Callable[[str], bool]] = (0.0, lambda key: False)
         self.forwarded = 0
         #: Bytes written to the clients' sockets so far: status lines, headers and bodies.
         self.sent_bytes = 0
@@ -223,6 +235,44 @@ class FaultProxy:
         """Hold each forwarded request that ``match`` accepts for ``delay_s`` seconds first."""
         with self._lock:
             self._latency = (delay_s, match)
+
+    def backdate(self, age_s: float, match: Callable[[str], bool]) -> None:
+        """From now on, listings show the objects and uploads whose key (as the store names
+        it: the bucket-relative key) ``match`` accepts as ``age_s`` seconds older."""
+        with self._lock:
+            self._backdate = (age_s, match)
+
+    def rewrite_answer(self, request: Request, payload: bytes) -> bytes:
+        """The answer's body as relayed: upload times recorded and listing times rewritten."""
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(request.path).query, keep_blank_values=True)
+        if request.method == "POST" and "uploads" in query:  # CreateMultipartUpload
+            found = re.search(rb"<UploadId>([^<]+)</UploadId>", payload)
+            if found:
+                with self._lock:
+                    self._initiated[found.group(1).decode()] = time.time()
+            return payload
+        if request.method != "GET" or not ("uploads" in query or query.get("list-type") == ["2"]):
+            return payload
+        with self._lock:
+            age_s, match = self._backdate
+            initiated = dict(self._initiated)
+
+        def entry(block: re.Match) -> bytes:
+            text = block.group(0).decode()
+            key = urllib.parse.unquote(re.search(r"<Key>([^<]*)</Key>", text).group(1))
+            shift_s = age_s if match(key) else 0.0
+            if block.group(1) == b"Upload":
+                upload_id = re.search(r"<UploadId>([^<]*)</UploadId>", text).group(1)
+                at = initiated.get(upload_id)
+                if at is not None:
+                    text = re.sub(r"<Initiated>[^<]*</Initiated>", f"<Initiated>{_s3_time(at - shift_s)}</Initiated>", text)
+            elif shift_s:
+                text = re.sub(r"<LastModified>([^<]*)</LastModified>",
+                              lambda m: f"<LastModified>{_s3_time(_parse_s3_time(m.group(1)) - shift_s)}</LastModified>",
+                              text)
+            return text.encode()
+
+        return re.sub(rb"<(Upload|Contents)>.*?</\1>", entry, payload, flags=re.DOTALL)
 
     def latency_for(self, request: Request) -> float:
         """Seconds to hold ``request`` before forwarding it."""
@@ -278,6 +328,16 @@ class FaultProxy:
         """A new connection to the upstream server."""
         host, port = self._upstream
         return http.client.HTTPConnection(host, port, timeout=UPSTREAM_TIMEOUT_S)
+
+
+def _s3_time(unix_s: float) -> str:
+    """``2026-12-01T05:15:22.123Z``, as S3 writes times in its XML answers."""
+    at = datetime.datetime.fromtimestamp(unix_s, datetime.timezone.utc)
+    return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
+
+
+def _parse_s3_time(text: str) -> float:
+    return datetime.datetime.strptime(text.replace("Z", "+0000"), "%Y-%m-%dT%H:%M:%S.%f%z").timestamp()
 
 
 def send_s3_error(handler: http.server.BaseHTTPRequestHandler, status: int, code: str, message: str, *,
@@ -364,6 +424,7 @@ def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler
         def _forward(self, body: bytes, drop_headers: frozenset[str] = frozenset(),
                      truncate: bool = False) -> None:
             response, payload = self._relay(body, drop_headers)
+            payload = proxy.rewrite_answer(Request(self.command, self.path), payload)
             self.send_response_only(response.status, response.reason)
             for name, value in response.getheaders():
                 if name.lower() in _HOP_BY_HOP or name.lower() == "content-length":

@@ -15,8 +15,10 @@ import torch
 from spotrun import dist
 from spotrun.checkpoint.encode import encode_state
 from spotrun.checkpoint.restore import LoadedStep
+from spotrun.checkpoint.sharded import is_dtensor, mesh_description
 from spotrun.errors import SpotrunError, StateMismatchError
 from spotrun.state.numerics import NUMERICS_STATE_NAME
+from spotrun.state.optimizer import OptimizerState
 from spotrun.state.rng import reseed_new_rank
 from spotrun.state.stateful import load_into, state_of
 
@@ -31,6 +33,23 @@ def check_serialisable(state: dict[str, Any], rank_state: dict[str, Any]) -> Non
     """
     encode_state({name: state_of(obj) for name, obj in state.items()},
                  {name: state_of(obj) for name, obj in rank_state.items()}, dist.rank())
+
+
+def restore_destinations(state: dict[str, Any], rank_state: dict[str, Any]
+                         ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """The live tensors a restore reads into (:func:`live_tensors`), and the meshes of the
+    DTensors among them (:func:`~spotrun.checkpoint.sharded.mesh_description`, each once).
+    Optimizers that have not stepped get their state tensors first (placed like their
+    parameters): call it once a step is to be loaded."""
+    for obj in state.values():
+        if isinstance(obj, OptimizerState):
+            obj.prepare_for_restore()
+    tensors = live_tensors(state, rank_state)
+    meshes: list[dict[str, Any]] = []
+    for tensor in tensors.values():
+        if is_dtensor(tensor) and mesh_description(tensor) not in meshes:
+            meshes.append(mesh_description(tensor))
+    return tensors, meshes
 
 
 def live_tensors(state: dict[str, Any], rank_state: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -92,10 +92,15 @@ class BackgroundSaver:
     Args:
         meter: measures each save (the time training was blocked and the whole save) and
             publishes the progress of the one in flight for the supervisor.
+        after_commit: called ``(step, reason)`` on the worker thread after a save committed,
+            once its outcome is final (retention): a next save waits in the queue meanwhile,
+            training does not. What it raises is logged.
     """
 
-    def __init__(self, meter: SaveMeter | None = None) -> None:
+    def __init__(self, meter: SaveMeter | None = None,
+                 after_commit: Callable[[int, str], None] | None = None) -> None:
         self._meter = meter
+        self._after_commit = after_commit
         self._staging = StagingBuffers()  # allocated at the first save, then reused
         self._group: Any = None
         self._group_made = False
@@ -245,6 +250,11 @@ class BackgroundSaver:
                 except Exception:  # a measurement or a log line must not lose the outcome
                     log.exception("after the background save of step %d", save.step)
                 save.done.set()
+            if save.committed and self._after_commit is not None:
+                try:
+                    self._after_commit(save.step, save.reason)
+                except Exception:  # noqa: BLE001 - retention never fails a save or training
+                    log.exception("after the commit of step %d", save.step)
 
     def _ended(self, save: InFlightSave) -> None:
         """On the worker thread, as a save ends: measure it, log its commit (rank 0)."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from spotrun.checkpoint.fencing import Fences, read_fences
 from spotrun.checkpoint.layout import (
+    DELETION_MARKER_NAME,
     INCARNATIONS_DIR,
     REJECTED_PREFIX,
     file_key,
@@ -59,6 +60,12 @@ class StepInfo:
         problem: for ``incomplete`` and ``corrupt``, a one-line explanation.
         manifest: the parsed manifest when there is one that parses.
         manifest_key: storage key of that manifest (``None`` without one).
+        newest_object_unix_s: the newest object's modification time (seconds, UTC epoch; on
+            S3 an object's ``LastModified``).
+        object_count: how many objects the step directory holds.
+        being_deleted: a deletion was started and nothing was written into the step since:
+            its marker ``deleting.json`` is there and no object is newer
+            (:mod:`spotrun.checkpoint.retention`); an incomplete step then says so.
     """
 
     step: int
@@ -70,6 +77,9 @@ class StepInfo:
     problem: str | None
     manifest: Manifest | None = None
     manifest_key: str | None = None
+    newest_object_unix_s: float = 0.0
+    object_count: int = 0
+    being_deleted: bool = False
 
     def to_json(self) -> dict:
         """The fields ``spotrun ls --json`` prints."""
@@ -86,6 +96,12 @@ class StepInfo:
 
 def list_steps(storage: Storage) -> list[StepInfo]:
     """Every step directory under the root, oldest first (one listing of the root)."""
+    return list_root(storage)[0]
+
+
+def list_root(storage: Storage) -> tuple[list[StepInfo], Fences]:
+    """Every step directory under the root, oldest first, and the incarnation table (one
+    listing of the root)."""
     by_step: dict[int, list[ObjectInfo]] = defaultdict(list)
     objects = storage.list("")
     for info in objects:
@@ -94,7 +110,7 @@ def list_steps(storage: Storage) -> list[StepInfo]:
         if step is not None:
             by_step[step].append(info)
     fences = read_fences(storage, [o for o in objects if o.key.startswith(f"{INCARNATIONS_DIR}/")])
-    return [_inspect(storage, step, objects, fences) for step, objects in sorted(by_step.items())]
+    return [_inspect(storage, step, objects, fences) for step, objects in sorted(by_step.items())], fences
 
 
 def newest_complete(storage: Storage, *, below: int | None = None) -> StepInfo | None:
@@ -149,6 +165,8 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
     newest_mtime = max(o.mtime_s for o in objects)
     sizes = {o.key: o.size_bytes for o in objects}
     prefix = f"{step_dir(step)}/"
+    marker = [o for o in objects if o.key == prefix + DELETION_MARKER_NAME]
+    being_deleted = bool(marker) and marker[0].mtime_s >= newest_mtime
 
     def result(status: str, problem: str | None, manifest: Manifest | None = None,
                key: str | None = None) -> StepInfo:
@@ -162,6 +180,9 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
             problem=problem,
             manifest=manifest,
             manifest_key=key,
+            newest_object_unix_s=newest_mtime,
+            object_count=len(objects),
+            being_deleted=being_deleted,
         )
 
     manifests: list[tuple[int | None, str]] = []  # (incarnation in the name, key)
@@ -186,6 +207,9 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
         return result(FENCED, "; ".join(fenced) + ": never resumed from")
     if any(k[len(prefix):].startswith(REJECTED_PREFIX) for k in sizes):
         return result(CORRUPT, "failed verification on restore; see the rejected-manifest file")
+    if being_deleted:
+        return result(INCOMPLETE, f"being deleted: its manifest is gone, {DELETION_MARKER_NAME} is there "
+                                  "(spotrun gc finishes an interrupted deletion)")
     return result(INCOMPLETE, "no manifest: the save never committed")
 
 

@@ -5,6 +5,7 @@
     <root>/step-000001200/rank-00001.i000000003.safetensors
     <root>/step-000001200/rank-00001.i000000003.part-00001.safetensors   (more of rank 1's tensors, when split)
     <root>/step-000001200/manifest.i000000003.json      (written last; commits the step)
+    <root>/step-000001200/deleting.json                 (only while the step is being deleted)
 
 Every file a writer creates carries its incarnation, so two incarnations of a job (a new
 start and a zombie of the old one) never write to the same name: a committed step's
@@ -27,6 +28,9 @@ INCARNATIONS_DIR = "incarnations"
 REJECTED_PREFIX = "rejected-"
 #: Where a version-1 manifest (``manifest.json``) goes when its step fails verification.
 REJECTED_MANIFEST_NAME = REJECTED_PREFIX + MANIFEST_NAME
+#: Written into a step directory before its deletion starts and removed last
+#: (see :mod:`spotrun.checkpoint.retention`).
+DELETION_MARKER_NAME = "deleting.json"
 _STEP_DIR_RE = re.compile(r"^step-(\d{%d,})$" % STEP_DIR_DIGITS)
 _MANIFEST_RE = re.compile(r"^manifest\.i(\d{%d,})\.json$" % INCARNATION_DIGITS)
 _INCARNATION_RE = re.compile(r"^incarnation-(\d{%d,})\.json$" % INCARNATION_DIGITS)

@@ -13,7 +13,7 @@ import argparse
 import importlib
 
 #: Modules under ``spotrun.commands`` whose ``register`` :func:`register_all` calls, in help order.
-MODULES: tuple[str, ...] = ("verify", "export", "report")
+MODULES: tuple[str, ...] = ("gc", "verify", "export", "report")
 
 
 def register_all(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

@@ -31,6 +31,23 @@ class ObjectInfo:
     mtime_s: float
 
 
+@dataclass(frozen=True)
+class UnfinishedUpload:
+    """A write that started and never finished (an S3 multipart upload never completed or
+    aborted; a local temporary file never renamed onto its key).
+
+    Attributes:
+        key: the key it was writing (S3), or the temporary file's own key (local).
+        time_unix_s: S3: when the upload was initiated (``Initiated``, the store's clock);
+            local: the temporary file's last modification. Seconds since the Unix epoch (UTC).
+        upload_id: S3's ``UploadId``; ``None`` for a local temporary file.
+    """
+
+    key: str
+    time_unix_s: float
+    upload_id: str | None = None
+
+
 class ByteSource(abc.ABC):
     """An object's bytes, produced on demand, for :meth:`Storage.put_stream`.
 
@@ -203,7 +220,32 @@ class Storage(abc.ABC):
             self._delete(info.key)
         return len(infos)
 
+    def unfinished_uploads(self, prefix: str = "") -> list[UnfinishedUpload]:
+        """Writes under ``prefix`` that started and never finished, sorted by key. A writer
+        that is still running has its write listed too: the caller decides by age.
+
+        Raises:
+            StorageError: the listing failed.
+        """
+        return sorted(self._unfinished_uploads(_check_prefix(prefix)), key=lambda u: u.key)
+
+    def abort_upload(self, upload: UnfinishedUpload) -> None:
+        """Discard an unfinished write (its parts or its temporary file); one already gone
+        is not an error.
+
+        Raises:
+            StorageError: the store refused or failed.
+        """
+        self._abort_upload(upload)
+
     # --- hooks for backends ---------------------------------------------------
+
+    def _unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+        """Default: none (a backend whose writes leave nothing behind)."""
+        return []
+
+    def _abort_upload(self, upload: UnfinishedUpload) -> None:
+        """Default: nothing to discard."""
 
     def _put_stream(self, key: str, source: ByteSource, chunk_bytes: int,
                     on_chunk: ChunkCallback | None) -> None:

@@ -38,7 +38,7 @@ from spotrun.errors import (
     StorageError,
     StoragePermissionError,
 )
-from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, Storage
+from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, Storage, UnfinishedUpload
 from spotrun.storage.noreplace import UNSUPPORTED_ERRNOS, rename_noreplace
 
 log = logging.getLogger(__name__)
@@ -343,14 +343,30 @@ class LocalStorage(Storage):
         return ObjectInfo(key=key, size_bytes=st.st_size, mtime_s=st.st_mtime)
 
     def _list(self, prefix: str) -> list[ObjectInfo]:
+        return [ObjectInfo(key=key, size_bytes=st.st_size, mtime_s=st.st_mtime)
+                for key, st in self._walk(prefix, temporary=False)]
+
+    def _unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+        """The hidden temporary files of writers that never renamed them (a killed writer's,
+        or a running one's), with their last modification."""
+        return [UnfinishedUpload(key=key, time_unix_s=st.st_mtime) for key, st in self._walk(prefix, temporary=True)]
+
+    def _abort_upload(self, upload: UnfinishedUpload) -> None:
+        if not _is_temporary(upload.key.rpartition("/")[2]):
+            raise StorageError(errno.EINVAL, f"{self._path(upload.key)} is not a temporary file of a write")
+        self._delete(upload.key)
+
+    def _walk(self, prefix: str, *, temporary: bool) -> list[tuple[str, os.stat_result]]:
+        """(key, stat) of the files under ``prefix``: the objects, or (``temporary``) the
+        hidden temporary files of writes in progress or abandoned."""
         # Walk only the deepest directory the prefix names, then filter by the prefix.
         base_dir = prefix.rpartition("/")[0]
         start = self._path(base_dir) if base_dir else self._root
-        infos: list[ObjectInfo] = []
+        found = []
         for dirpath, dirnames, filenames in os.walk(start):
             dirnames.sort()
             for name in filenames:
-                if _is_temporary(name):
+                if _is_temporary(name) != temporary:
                     continue
                 full = os.path.join(dirpath, name)
                 key = os.path.relpath(full, self._root).replace(os.sep, "/")
@@ -360,8 +376,8 @@ class LocalStorage(Storage):
                     st = os.stat(full)
                 except FileNotFoundError:  # deleted while listing
                     continue
-                infos.append(ObjectInfo(key=key, size_bytes=st.st_size, mtime_s=st.st_mtime))
-        return infos
+                found.append((key, st))
+        return found
 
     def _delete(self, key: str) -> None:
         path = self._path(key)

@@ -44,9 +44,16 @@ from typing import Any
 import urllib3.exceptions
 from botocore.exceptions import BotoCoreError, ClientError
 
-from spotrun.errors import CommitUnsupportedError, ConfigError, ObjectExistsError, ObjectTooShortError, StorageError
+from spotrun.errors import (
+    CommitUnsupportedError,
+    ConfigError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectTooShortError,
+    StorageError,
+)
 from spotrun.storage import s3_download, s3_transfer
-from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, Storage
+from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, Storage, UnfinishedUpload
 from spotrun.storage.s3_config import S3Options, make_client, parse_s3_uri
 from spotrun.storage.s3_errors import (
     is_conditional_conflict,
@@ -338,3 +345,35 @@ class S3Storage(Storage):
         call = self._caller(what)
         with self._translated(what):
             call(lambda: self._client.delete_object(Bucket=self._bucket, Key=self._key(key)), what)
+
+    def _unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+        """Multipart uploads under the prefix never completed or aborted
+        (``ListMultipartUploads``, every page)."""
+        root = f"{self._prefix}/" if self._prefix else ""
+        what = f"list multipart uploads s3://{self._bucket}/{root}{prefix}"
+        call = self._caller(what)
+        request: dict[str, Any] = {"Bucket": self._bucket, "Prefix": root + prefix}
+        uploads: list[UnfinishedUpload] = []
+        with self._translated(what):
+            while True:
+                page = call(lambda kwargs=dict(request): self._client.list_multipart_uploads(**kwargs), what)
+                for upload in page.get("Uploads", []):
+                    uploads.append(UnfinishedUpload(key=upload["Key"][len(root):],
+                                                    time_unix_s=upload["Initiated"].timestamp(),
+                                                    upload_id=upload["UploadId"]))
+                if not page.get("IsTruncated"):
+                    return uploads
+                request["KeyMarker"] = page["NextKeyMarker"]
+                request["UploadIdMarker"] = page["NextUploadIdMarker"]
+
+    def _abort_upload(self, upload: UnfinishedUpload) -> None:
+        what = self._what("abort multipart upload", upload.key)
+        if upload.upload_id is None:
+            raise StorageError(errno.EINVAL, f"{what}: no upload id")
+        call = self._caller(what)
+        try:
+            with self._translated(what):
+                call(lambda: self._client.abort_multipart_upload(
+                    Bucket=self._bucket, Key=self._key(upload.key), UploadId=upload.upload_id), what)
+        except ObjectNotFoundError:  # NoSuchUpload: completed or aborted meanwhile
+            pass

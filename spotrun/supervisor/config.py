@@ -6,7 +6,9 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotrun import env as spotrun_env
 from spotrun.env import DEFAULT_CHECKPOINT_URI, default_safety_margin_s
+from spotrun.checkpoint.retention import RetentionPolicy
 from spotrun.errors import ConfigError
 from spotrun.notices import NoticeOptions, parse_notice_option
 from spotrun.supervisor.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals
@@ -46,6 +48,9 @@ class SupervisorConfig:
             logged and ignored (see :mod:`spotrun.supervisor.signals`).
         log_format: ``text`` or ``json``, passed to the launch command as ``$SPOTRUN_LOG_FORMAT``
             (:mod:`spotrun.logs`); ``None``: whatever the environment has.
+        keep_last, keep_every: retention for the workers' checkpoints (passed as
+            ``SPOTRUN_KEEP_LAST``/``SPOTRUN_KEEP_EVERY``; see
+            :class:`~spotrun.checkpoint.retention.RetentionPolicy`); ``None``: not set here.
 
     Raises:
         ConfigError: an empty command or an out-of-range value.
@@ -63,6 +68,8 @@ class SupervisorConfig:
     notice_options: NoticeOptions = field(default_factory=NoticeOptions)
     notice_signals: str = DEFAULT_NOTICE_SIGNALS
     log_format: str | None = None
+    keep_last: int | None = None
+    keep_every: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
@@ -86,6 +93,12 @@ class SupervisorConfig:
         storage_options(self.checkpoint_uri, s3_endpoint_url=self.s3_endpoint_url)
         parse_notice_option(self.notice)
         parse_notice_signals(self.notice_signals)
+        RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
+
+    def retention_env(self) -> dict[str, str]:
+        """The retention variables for the launch command (only those given)."""
+        given = {spotrun_env.KEEP_LAST: self.keep_last, spotrun_env.KEEP_EVERY: self.keep_every}
+        return {name: str(value) for name, value in given.items() if value is not None}
 
     @property
     def notice_signal_numbers(self) -> frozenset[int]:

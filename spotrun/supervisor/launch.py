@@ -104,6 +104,7 @@ def plan_launch(
     s3_endpoint_url: str | None = None,
     supervisor_pid: int | None = None,
     log_format: str | None = None,
+    retention: dict[str, str] | None = None,
 ) -> LaunchPlan:
     """Choose the resume point and build the launch command's environment.
 
@@ -125,6 +126,9 @@ def plan_launch(
             (:mod:`spotrun.supervisor_watch`); ``None`` leaves both out.
         log_format: passed as ``SPOTRUN_LOG_FORMAT`` (:mod:`spotrun.logs`); ``None``: as in
             ``base_env``.
+        retention: ``SPOTRUN_KEEP_LAST``/``SPOTRUN_KEEP_EVERY`` for the workers
+            (:meth:`~spotrun.supervisor.config.SupervisorConfig.retention_env`); a variable
+            not in it passes on from ``base_env`` unchanged.
 
     Raises:
         StorageError: listing the checkpoints failed.
@@ -160,4 +164,5 @@ def plan_launch(
     if supervisor_pid is not None:
         env[spotrun_env.SUPERVISOR_PID] = str(supervisor_pid)
         env[spotrun_env.GRACE_PERIOD_S] = repr(float(grace_period_s))
+    env.update(retention or {})
     return LaunchPlan(resume=resume, run_id=run_id, incarnation=incarnation, env=env)

@@ -192,6 +192,7 @@ class _Supervisor:
                 grace_period_s=self.config.grace_period_s, previous=plan,
                 s3_endpoint_url=self.config.s3_endpoint_url, supervisor_pid=os.getpid(),
                 log_format=self.config.log_format,
+                retention=self.config.retention_env(),
             )
             self.resumed_manifest = plan.resume.manifest if plan.resume is not None else None
             log.info("%s", describe_start(plan.resume, self.launch))
