@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import uuid
 from typing import Any
 
@@ -29,14 +28,11 @@ from spotrun import control, dist
 from spotrun.checkpoint import resume
 from spotrun.checkpoint.background import BackgroundSaver
 from spotrun.checkpoint.retention import Retainer, RetentionPolicy
-from spotrun.checkpoint.apply import apply_loaded, check_serialisable, restore_destinations
 from spotrun.checkpoint.encode import encode_state
 from spotrun.checkpoint.save import SaveContext, save_step
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES, ShardLimits
-from spotrun.manifest import Manifest
 from spotrun.gc_pause import gc_paused
 from spotrun.env import DEFAULT_CHECKPOINT_URI, DEFAULT_SAVE_TIMEOUT_S, WorkerEnv
-from spotrun.rank_layout import restored_onto
 from spotrun.save_meter import SaveMeter
 from spotrun.errors import CheckpointSaveError, ConfigError
 from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState
@@ -44,6 +40,7 @@ from spotrun.state.optimizer import pair_optimizers
 from spotrun.state.rng import RNGState
 from spotrun.state.stateful import state_of
 from spotrun.stop_requests import StopRequests
+from spotrun.restoring import RestoringMixin
 from spotrun.stopping import StoppingMixin
 from spotrun.training_events import TrainingEvents
 from spotrun.storage import Storage, open_storage
@@ -54,7 +51,7 @@ log = logging.getLogger(__name__)
 ON_SAVE_IN_FLIGHT = ("wait", "skip")
 
 
-class Checkpointer(StoppingMixin):
+class Checkpointer(RestoringMixin, StoppingMixin):
     """Saves and restores the whole training state of every rank.
 
     Args:
@@ -203,69 +200,6 @@ class Checkpointer(StoppingMixin):
         by :meth:`end_of_step`), else ``None``."""
         current = self._background.in_flight
         return None if current is None else current.step
-
-    # --- restore --------------------------------------------------------------
-
-    @gc_paused()
-    def restore(self) -> int:
-        """Load the newest loadable complete checkpoint into every object; return its step.
-
-        Lists the checkpoints again and starts from the newest complete step (at least the
-        step the supervisor chose, ``$SPOTRUN_RESUME_STEP``: a step committed since, by an
-        orphaned older incarnation still saving, is newer and stays valid). Then claims this
-        start's incarnation, recording the step it resumed from, which fences every later
-        commit of an older incarnation (:mod:`spotrun.checkpoint.fencing`). If a step fails verification
-        on any rank (checksum, missing file, bad manifest), every rank falls back to the
-        next older complete step together, and the log says so.
-
-        Returns:
-            The restored step, or 0 when there is nothing to resume.
-
-        Raises:
-            StateMismatchError: the checkpoint does not fit these objects (a tensor of another global shape,
-                a missing top-level name, keys a module or optimizer does not accept); another world
-                size or layout is resharded, not refused.
-            StateSerializationError: a state value could never be saved (checked here, before
-                training starts, so the first save does not fail hours later).
-            NoCheckpointError: complete steps exist but none of them loads.
-        """
-        started_s = time.monotonic()
-        self._events.restore_started()
-        step, manifest = self._restore()
-        if manifest is not None:
-            self._meter.restore_ended(step, time.monotonic() - started_s, self.restore_bytes_read)
-        check_serialisable(self._state, self._rank_state)  # refused before this start leaves any trace on the root
-        self._incarnation = resume.claim_incarnation(
-            self._storage, resumed_step=step if manifest else None, run_id=self._run_id,
-            at_least=max(self._env.incarnation, manifest.incarnation + 1 if manifest else 0))
-        self._events.started(self._incarnation, step if manifest else None, self.restore_bytes_read)
-        if dist.rank() == 0:
-            log.info("%s (incarnation %d)", f"restored step {step} from {self._storage.uri}" if manifest
-                     else f"no checkpoint under {self._storage.uri}: starting from step 0", self._incarnation)
-        return step
-
-    def _restore(self) -> tuple[int, Manifest | None]:
-        """Load the newest loadable complete step: (its step and manifest), or (0, None)."""
-        loaded = resume.load_newest(self._storage, supervisor_step=self._env.resume_step,
-                                    destinations=self._destinations)
-        if loaded is None:
-            return 0, None
-        apply_loaded(loaded, self._state, self._rank_state)
-        self.restore_bytes_read = loaded.bytes_read
-        step = loaded.manifest.step
-        if dist.rank() == 0:
-            log.info("%s", restored_onto(step, loaded.manifest.world_size, loaded.manifest.meshes, dist.world_size(),
-                                         self._meshes_now))
-        self._last_saved_step = step
-        timing = loaded.manifest.timing
-        self._meter.restored(timing.step_time_s if timing is not None else None)
-        self._run_id = self._env.run_id or loaded.manifest.run_id or self._run_id
-        return step, loaded.manifest
-
-    def _destinations(self) -> dict:
-        """The live tensors a restore reads into (:func:`~spotrun.checkpoint.apply.restore_destinations`)."""
-        tensors, self._meshes_now = restore_destinations(self._state, self._rank_state)
-        return tensors
 
     # --- saving ---------------------------------------------------------------
 

@@ -95,8 +95,8 @@ def test_keep_last_2_keep_every_50_leaves_exactly_the_expected_steps(tmp_path, r
     kept_dirs = {o.key.split("/")[0] for o in storage.list("") if o.key.startswith("step-")}
     assert kept_dirs == {step_dir(s) for s in (50, 100, 120, 130)}  # nothing left of the deleted steps
     if backend == "local":
-        assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
-            "incarnations", *(step_dir(s) for s in (50, 100, 120, 130))]
+        assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [  # the event log and incarnations stay
+            "events", "incarnations", *(step_dir(s) for s in (50, 100, 120, 130))]
     step, w = restored(storage)
     assert step == 130 and torch.equal(w, torch.full((4,), 130.0))
 
