@@ -11,8 +11,14 @@
                                                  listed and deleted (``run`` does it first)
     spotrun gc URI [--keep-last N] [--dry-run]   delete old steps, dead saves and abandoned
                                                  uploads (:mod:`spotrun.commands.gc`)
+    spotrun verify URI [--step N | --all]        re-read a step's files, check sizes, digests
+                                                 and tensors (:mod:`spotrun.commands.verify`)
+    spotrun export URI --format hf OUT           a step's model as Hugging Face safetensors
+                                                 (:mod:`spotrun.commands.export`)
+    spotrun report URI [--json]                  goodput per incarnation from the event log
+                                                 (:mod:`spotrun.commands.report`)
 
-``run``, ``drill``, ``ls`` and ``preflight`` take ``--s3-endpoint-url URL`` for an S3-compatible
+Every subcommand that reads a root takes ``--s3-endpoint-url URL`` for an S3-compatible
 store (MinIO, R2, ...); without it boto3's standard AWS settings apply.
 
 Errors of spotrun itself (:class:`~spotrun.errors.SpotrunError`: a bad option, URI or
