@@ -36,6 +36,11 @@ import sys
 import threading
 from collections.abc import Callable
 
+#: The thread of spotrun's event log (spotrun/events.py). Its writes are no persistence points
+#: of a save: the log is a best-effort record for ``spotrun report``, rewritten whole from its
+#: own thread whenever a record was added, so how many writes fall inside a save differs from
+#: run to run, and no restore reads it. A kill at a save's points still lands while it writes.
+EVENT_LOG_THREAD = "spotrun-event-log"
 #: S3 operations that change the bucket; every other request only reads.
 S3_MUTATING_OPERATIONS = frozenset({
     "PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload",
@@ -67,6 +72,8 @@ class PointCounter:
         """One persistence point is about to be passed (or was just passed, for S3 after-call).
         A point passed off the main thread is named with its thread."""
         thread = threading.current_thread()
+        if thread.name == EVENT_LOG_THREAD:
+            return  # not part of any save (see EVENT_LOG_THREAD)
         if thread is not threading.main_thread():
             name = f"{name} (thread {thread.name})"
         with self._lock:

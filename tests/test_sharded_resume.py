@@ -168,9 +168,10 @@ def text(path: Path) -> str:
 
 
 def tree_digest(root: Path) -> dict[str, str]:
-    """Every file under ``root`` (relative path) -> SHA-256 of its bytes."""
+    """Every file under ``root`` (relative path) -> SHA-256 of its bytes; the event log
+    (``events/``, which records each launch, the refused one too) left out."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).parts[0] != "events"}
 
 
 # --- 1. same layout: bit-identical ----------------------------------------------------------

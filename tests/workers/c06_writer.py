@@ -30,6 +30,8 @@ original_write_chunks = LocalStorage._write_chunks
 
 
 def write_half_then_stall(self, fd, data):
+    if threading.current_thread().name == "spotrun-event-log":  # the event log's own writes go on
+        return original_write_chunks(self, fd, data)
     half = len(data) // 2
     original_write_chunks(self, fd, data[:half])
     os.fsync(fd)
