@@ -42,8 +42,6 @@ from spotrun.manifest import Manifest
 SINGLE_FILE_NAME = "model.safetensors"
 #: The index of a sharded model.
 INDEX_NAME = "model.safetensors.index.json"
-#: ``max_shard_size`` when none is given: Hugging Face's default.
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 #: The names of files an export writes (and ``--overwrite`` replaces); others are never touched.
 WEIGHT_FILE_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
 #: How tied tensors are written (see the module docstring).

@@ -8,10 +8,14 @@ import argparse
 from spotrun.commands._shared import add_storage_options
 
 
+#: Hugging Face's default largest shard (transformers' ``save_pretrained``, huggingface_hub's
+#: ``save_torch_state_dict``). Kept here, not in :mod:`spotrun.export_plan`: building the
+#: parser must not import torch (every ``spotrun`` command builds it).
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """Add ``export`` to ``sub``."""
-    from spotrun.export_plan import DEFAULT_MAX_SHARD_SIZE
-
     p = sub.add_parser(
         "export", parents=[common], help="write a step's model weights as Hugging Face safetensors",
         description="Write one top-level state of a complete checkpoint step (the model, by default) as "
