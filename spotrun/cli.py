@@ -34,6 +34,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -374,3 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report_error(exc, log_format)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `spotrun ls | head`: the reader left; say nothing more, as Unix tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+        return 128 + signal.SIGPIPE

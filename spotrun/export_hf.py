@@ -25,6 +25,7 @@ finds every file it names complete. The source checkpoint is only read.
 from __future__ import annotations
 
 import errno
+import logging
 from dataclasses import dataclass
 
 from spotrun.checkpoint import catalog
@@ -36,6 +37,8 @@ from spotrun.export_plan import INDEX_NAME, WEIGHT_FILE_RE, ExportPlan, ExportSh
 from spotrun.manifest import Manifest
 from spotrun.progress import progress_bar
 from spotrun.storage.base import Storage
+
+log = logging.getLogger(__name__)
 
 #: Format 4: tensors of one output file are read in batches of about this many bytes, so the
 #: progress bar moves and small tensors are read in parallel.
@@ -100,7 +103,8 @@ def export_hf(source: Storage, out: Storage, *, step: int | None = None, state_n
             and not ``overwrite``. Nothing is written.
         ObjectNotFoundError, NoCheckpointError: the step is not complete, or none is.
         CorruptShardError: a checkpoint file fails verification (files already written stay;
-            no index names them).
+            no index names them; with ``overwrite``, the earlier export's index is gone too:
+            logged as an error).
         StorageError: a read or write failed.
     """
     info = find_step(source, step)
@@ -116,12 +120,18 @@ def export_hf(source: Storage, out: Storage, *, step: int | None = None, state_n
         out.delete(INDEX_NAME)  # first: no index may name a half-replaced set of files
     reader = ChunkReader(source, manifest) if manifest.format_version >= 4 else None
     file_sizes: dict[str, int] = {}
-    with progress_bar(2 * plan.total_size_bytes, f"export step {plan.step}: read + write") as bar:
-        for shard in plan.shards:
-            file_sizes[shard.filename] = _write_shard(source, out, manifest, plan, shard, reader, bar)
-        index = plan.index_json()  # last: it names only files that are whole
-        out.put(INDEX_NAME, index)
-        file_sizes[INDEX_NAME] = len(index)
+    try:
+        with progress_bar(2 * plan.total_size_bytes, f"export step {plan.step}: read + write") as bar:
+            for shard in plan.shards:
+                file_sizes[shard.filename] = _write_shard(source, out, manifest, plan, shard, reader, bar)
+            index = plan.index_json()  # last: it names only files that are whole
+            out.put(INDEX_NAME, index)
+            file_sizes[INDEX_NAME] = len(index)
+    except BaseException:
+        if existing:
+            log.error("the earlier export in %s is no longer usable: its index was removed before this export "
+                      "began writing; export again", out.uri)
+        raise
     removed = tuple(name for name in existing if name not in file_sizes)
     for name in removed:
         out.delete(name)

@@ -69,7 +69,9 @@ class Incarnation:
     ``stopped_saved`` / ``stopped_not_saved`` (told to stop, no supervisor exit recorded),
     ``exited`` (``close()`` without a stop), or ``no_exit_recorded`` (killed without notice,
     or still running). Figures that cannot be known are ``None``. ``end_recorded`` is False
-    for ``no_exit_recorded``: the log stops up to ``event_interval_s`` before the end, so its
+    when rank 0 recorded no stop or exit of its own (killed without notice, a rank that
+    crashed - the supervisor may still have recorded the command's exit - or still running):
+    the log stops up to ``event_interval_s`` before the end, so its
     wall time, last step, steps trained and steps lost are lower bounds.
     """
 
@@ -266,7 +268,7 @@ def account(rank_objects: Mapping[int, Sequence[dict[str, Any]]], supervisor_lau
             step_time_s=step_time_s, useful_s=kept * (step_time_s or 0.0), lost_s=lost * (step_time_s or 0.0),
             notice_to_exit_s=_notice_to_exit_s(launch) if position + 1 == len(sharing) else None,
             ended=ending, interval_steps=start.get("interval_steps"), event_interval_s=start.get("event_interval_s"),
-            end_recorded=ending != "no_exit_recorded"))
+            end_recorded=_first(records, "exit") is not None or _first(records, "stop") is not None))
     owned = {id(launch) for launch in owners.values() if launch is not None}
     for launch in supervisor_launches:  # launches that never started training
         if id(launch) in owned or _overlaps_training(launch, rows):

@@ -5,6 +5,7 @@ short grace period, and the stop of an uncooperative tree within the grace perio
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -90,3 +91,18 @@ def test_6_uncooperative_tree_is_stopped_within_the_grace_period(spotrun_run, tm
     assert waited_s < stop_timeout_s, f"the stop took {waited_s:.1f} s: it waited for --stop-timeout-s"
     assert not alive(worker_pid) and not alive(grandchild_pid)
     assert "SIGKILL" in run.log()
+
+
+def test_output_into_a_closed_pipe_ends_quietly_with_sigpipes_code(tmp_path):
+    """`spotrun ls ROOT | head -0`: the reader is gone before spotrun writes; spotrun exits
+    128 + SIGPIPE, as Unix tools do, with no traceback."""
+    (tmp_path / "ck" / "step-000000010").mkdir(parents=True)
+    (tmp_path / "ck" / "step-000000010" / "rank-00000.i000000000.safetensors").write_bytes(b"x")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader left before spotrun starts: its first write fails, whatever the timing
+    proc = subprocess.Popen([sys.executable, "-m", "spotrun", "ls", str(tmp_path / "ck")],
+                            stdout=write_end, stderr=subprocess.PIPE)
+    os.close(write_end)
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=WAIT_S) == 128 + signal.SIGPIPE, stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr

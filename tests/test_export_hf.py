@@ -200,6 +200,10 @@ def test_export_refuses_clearly_and_writes_nothing(tmp_path, capsys):
     assert "not complete (incomplete: no manifest" in line and "complete steps: 4" in line
     line = refused(capsys, str(root), str(out), "--state", "extra")
     assert "tensor 'z' has dtype complex64" in line
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    assert "notes.txt is not a directory" in refused(capsys, str(root), str(a_file))
+    assert a_file.read_text() == "mine"
     [data] = (root / "step-000000004").glob("rank-*.safetensors")
     flipped = bytearray(data.read_bytes())
     flipped[-1] ^= 1

@@ -177,3 +177,18 @@ def test_starts_within_one_launch_split_its_wall_time():
     assert [(r.began_unix_s, r.ended_unix_s, r.startup_s) for r in rows] == [(9, 40, 19 - 9), (40, 81, None)]
     assert [(r.steps_trained, r.steps_lost, r.steps_kept) for r in rows] == [(15, 5, 10), (20, 0, 20)]
     assert [r.ended for r in rows] == ["no_exit_recorded", "finished"]
+
+
+def test_a_start_whose_rank_0_recorded_no_end_is_a_lower_bound_even_when_the_supervisor_saw_the_exit():
+    """Rank 0 killed (an OOM, say) after its progress record of step 25, the supervisor records the
+    command's exit and restarts it from step 20: the steps trained and lost are lower bounds."""
+    ranks, _ = three_starts()
+    supervisors = [("supervisor-node-a-00000001", 0, [
+        rec("start", 100, process_started_unix_s=98), rec("launch", 101, incarnation=0),
+        rec("command_exit", 140, code=1), rec("restart", 140.1, attempt=1, code=1, delay_s=1.0),
+        rec("launch", 201, incarnation=1, attempt=1),
+        rec("notice", 215, source="signal", kind="SIGTERM", stop=True), rec("command_exit", 218, code=0),
+        rec("exit", 218.5, code=143, reason="preempted_saved", step=28)])]
+    rows = account({0: ranks[0], 1: ranks[1]}, launches(supervisors)).incarnations
+    assert [r.steps_lost for r in rows] == [5, 0]
+    assert [r.end_recorded for r in rows] == [False, True]

@@ -76,7 +76,7 @@ def test_the_rule_keeps_the_newest_the_divisible_and_the_protected_steps(complet
 def test_keep_every_without_keep_last_and_values_below_their_minimum_are_refused():
     with pytest.raises(ConfigError, match="keep_every=50 needs keep_last"):
         RetentionPolicy(keep_every=50)
-    with pytest.raises(ConfigError, match="keep_last must be >= 1"):
+    with pytest.raises(ConfigError, match="keep_last must be >= 0"):
         RetentionPolicy(keep_last=-1)
     with pytest.raises(ConfigError, match="keep_every must be >= 1"):
         RetentionPolicy(keep_last=2, keep_every=0)

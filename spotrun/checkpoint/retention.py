@@ -66,7 +66,7 @@ class RetentionPolicy:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ConfigError(f"{name} must be an integer, got {value!r}")
         if self.keep_last is not None and self.keep_last < 0:
-            raise ConfigError(f"keep_last must be >= 1 (0: keep every step), got {self.keep_last}")
+            raise ConfigError(f"keep_last must be >= 0 (0: keep every step), got {self.keep_last}")
         if self.keep_every is not None and self.keep_every < 1:
             raise ConfigError(f"keep_every must be >= 1, got {self.keep_every}")
         if self.keep_every is not None and self.keep_last is None:

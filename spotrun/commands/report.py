@@ -114,7 +114,8 @@ def render(uri: str, accounting, advice) -> str:
               + (f"; {advice.interruptions_per_hour:.3g} per hour of wall time"
                  if advice.interruptions_per_hour is not None else "")]
     if unended:
-        lines.append(f"+ no_exit_recorded (killed without notice, or still running): up to "
+        lines.append(f"+ rank 0 recorded no end of its own (killed without notice, a crashed rank, or still "
+                     f"running): up to "
                      f"{duration(max(r.event_interval_s or 0.0 for r in unended))} of the end is not in the log "
                      f"(the interval of the progress record, $SPOTRUN_EVENT_INTERVAL_S): wall time, steps trained "
                      f"and steps lost may be more than shown, goodput less")
