@@ -41,7 +41,7 @@ import time
 from collections.abc import Sequence
 
 from spotrun.commands import register_all
-from spotrun.commands._shared import add_storage_options, open_existing_root
+from spotrun.commands._shared import add_storage_options, check_objects_exist, open_existing_root
 from spotrun.env import DEFAULT_CHECKPOINT_URI
 from spotrun.errors import ConfigError, SpotrunError
 from spotrun.logs import LOG_FORMATS, configure_logging, log_format_from_env
@@ -284,8 +284,10 @@ def _cmd_drill(args: argparse.Namespace) -> int:
 def _cmd_ls(args: argparse.Namespace) -> int:
     from spotrun.checkpoint.catalog import list_steps
 
-    storage = open_existing_root(args.uri, args.s3_endpoint_url)
+    storage = open_existing_root(args.uri, args.s3_endpoint_url, check_objects=False)
     steps = list_steps(storage)
+    if not steps:  # the one listing found no step: is anything stored there at all?
+        check_objects_exist(storage)
     if args.json:
         print(json.dumps([{**s.to_json(), "meshes": s.manifest.meshes if s.manifest else None,
                            "layout": _layout(s)} for s in steps], indent=1))

@@ -21,9 +21,11 @@ def add_storage_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def open_existing_root(uri: str, s3_endpoint_url: str | None) -> Storage:
+def open_existing_root(uri: str, s3_endpoint_url: str | None, *, check_objects: bool = True) -> Storage:
     """Open the checkpoint root ``uri``, which must exist (like ``ls``: a root that does not
-    exist is an error, an empty one is not).
+    exist is an error, an empty one is not). An S3 prefix exists when some object is under it:
+    that takes a listing, skipped with ``check_objects=False`` by a caller that lists the root
+    anyway (call :func:`check_objects_exist` when its listing found nothing).
 
     Raises:
         ObjectNotFoundError: no such local directory, or nothing stored under the S3 prefix.
@@ -38,6 +40,16 @@ def open_existing_root(uri: str, s3_endpoint_url: str | None) -> Storage:
         if not os.path.isdir(storage.uri):
             what = "not a directory" if os.path.exists(storage.uri) else "no such directory"
             raise ObjectNotFoundError(errno.ENOENT, f"{what}: {storage.uri}")
-    elif not storage.list(""):
-        raise ObjectNotFoundError(errno.ENOENT, f"nothing is stored under {storage.uri} (no such prefix)")
+    elif check_objects:
+        check_objects_exist(storage)
     return storage
+
+
+def check_objects_exist(storage: Storage) -> None:
+    """Raise :class:`~spotrun.errors.ObjectNotFoundError` when nothing is stored under an
+    S3 root (one listing); a local root's existence is checked when it is opened."""
+    from spotrun.errors import ObjectNotFoundError
+    from spotrun.storage import LocalStorage
+
+    if not isinstance(storage, LocalStorage) and not storage.list(""):
+        raise ObjectNotFoundError(errno.ENOENT, f"nothing is stored under {storage.uri} (no such prefix)")
