@@ -5,6 +5,7 @@
     spotrun drill [options] -- LAUNCH_COMMAND... rehearse a preemption (fake cloud notice) and a
                                                  restart on your own job, compare with an
                                                  uninterrupted run; report the phases
+                                                 (:mod:`spotrun.commands.drill`)
     spotrun ls URI [--json]                      list the checkpoints under URI: status, layout
                                                  (world size, mesh shapes), size, time
     spotrun preflight URI                        check that URI can be written, read,
@@ -41,9 +42,9 @@ import time
 from collections.abc import Sequence
 
 from spotrun.commands import register_all
-from spotrun.commands._shared import add_storage_options, check_objects_exist, open_existing_root
+from spotrun.commands._shared import add_storage_options, check_objects_exist, launch_command, open_existing_root
 from spotrun.env import DEFAULT_CHECKPOINT_URI
-from spotrun.errors import ConfigError, SpotrunError
+from spotrun.errors import SpotrunError
 from spotrun.logs import LOG_FORMATS, configure_logging, log_format_from_env
 from spotrun.supervisor.signals import DEFAULT_NOTICE_SIGNALS
 
@@ -116,45 +117,6 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
     ls.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     ls.set_defaults(handler=_cmd_ls, default_log_level="warning")
 
-    drill = sub.add_parser(
-        "drill", parents=[common], help="rehearse a preemption on your own job and restart it",
-        description="Run LAUNCH_COMMAND under spotrun run, serve a fake preemption notice of the "
-        "chosen cloud from a metadata server on 127.0.0.1 (signal: SIGTERM), check that it saves "
-        "and exits 143, restart it until its first step is saved, run it once more uninterrupted "
-        "to the same step into a scratch checkpoint root, and report whether it went on from the "
-        "emergency checkpoint, whether that step is bit-identical to the uninterrupted run's on "
-        "every rank, and how long each phase took. Exit code 0 if every check held, 1 if not, 2 on "
-        "a spotrun error. The job is left resumable.",
-    )
-    drill.add_argument("--cloud", choices=("aws", "gcp", "azure", "signal"), default="aws",
-                       help="whose notice to rehearse (default %(default)s)")
-    trigger = drill.add_mutually_exclusive_group()
-    trigger.add_argument("--after-steps", type=int, default=None, metavar="N",
-                         help="serve the notice once a checkpoint of step >= N is complete")
-    trigger.add_argument("--after-s", type=float, default=None, metavar="S",
-                         help="serve the notice S seconds after the launch (default 60)")
-    drill.add_argument("--checkpoint-uri", default=DEFAULT_CHECKPOINT_URI, metavar="URI",
-                       help="checkpoint root: local dir, file:// or s3://bucket/prefix (default %(default)s)")
-    add_storage_options(drill)
-    drill.add_argument("--grace-period-s", type=float, default=None, metavar="S",
-                       help="seconds from the notice to its deadline (default: the cloud's own lead, "
-                       "aws 120, gcp/azure/signal 30; a GCP notice always gets the supervisor's 30 s window)")
-    drill.add_argument("--restart-timeout-s", type=float, default=600.0, metavar="S",
-                       help="seconds the restart may take to start, restore and save its first step "
-                       "(default %(default)s)")
-    drill.add_argument("--no-exact-check", dest="exact_check", action="store_false",
-                       help="skip the uninterrupted reference run and the bit-for-bit comparison")
-    drill.add_argument("--reference-uri", default=None, metavar="URI",
-                       help="checkpoint root of the reference run; must hold no objects (default: a "
-                       "temporary directory for a local root, s3://bucket/prefix-drill-reference/<random> "
-                       "for s3://bucket/prefix)")
-    drill.add_argument("--keep-reference", action="store_true",
-                       help="keep the reference run's checkpoints instead of deleting them")
-    drill.add_argument("--json", action="store_true", help="print the report as JSON")
-    drill.add_argument("command", nargs=argparse.REMAINDER, metavar="-- LAUNCH_COMMAND...",
-                       help="the job's launch command, as given to spotrun run")
-    drill.set_defaults(handler=_cmd_drill, default_log_level="info")
-
     check = sub.add_parser(
         "preflight", parents=[common],
         help="check that the checkpoint storage can be written, read, listed and deleted",
@@ -208,31 +170,11 @@ def _configure_logging(level_name: str, log_format: str) -> None:
     configure_logging(level_name, log_format=log_format, logger="spotrun", prefix="spotrun:")
 
 
-def _launch_command(args: argparse.Namespace) -> list[str]:
-    """The words after ``--``: the launch command of ``run`` and ``drill``.
-
-    Raises:
-        ConfigError: words that are not options of spotrun come before any ``--`` (a command
-            given without ``--``, or a misspelt option): the message says where ``--`` goes.
-    """
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    argv = args.raw_argv
-    given_after_dashes = argv[argv.index("--") + 1:] if "--" in argv else None
-    if command and command != given_after_dashes:
-        raise ConfigError(
-            f"{command[0]!r} is not an option of spotrun {args.subcommand}: put the launch command after "
-            f"'--', as in spotrun {args.subcommand} [options] -- torchrun --nproc-per-node 8 train.py"
-        )
-    return command
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     from spotrun.notices import NoticeOptions
     from spotrun.supervisor import SupervisorConfig, supervise
 
-    command = _launch_command(args)
+    command = launch_command(args)
     config = SupervisorConfig(
         command=tuple(command),
         checkpoint_uri=args.checkpoint_uri,
@@ -262,23 +204,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     observers = Observers([EventLogObserver.for_config(config),
                            *metrics_observers(args.metrics_port, args.metrics_address, args.metrics_textfile)])
     return supervise(config, observers)
-
-
-def _cmd_drill(args: argparse.Namespace) -> int:
-    from spotrun.supervisor.drill import DrillConfig, run_drill
-
-    command = _launch_command(args)
-    report = run_drill(DrillConfig(
-        command=tuple(command), cloud=args.cloud, after_steps=args.after_steps, after_s=args.after_s,
-        checkpoint_uri=args.checkpoint_uri, s3_endpoint_url=args.s3_endpoint_url,
-        grace_period_s=args.grace_period_s, restart_timeout_s=args.restart_timeout_s,
-        exact_check=args.exact_check, reference_uri=args.reference_uri, keep_reference=args.keep_reference,
-        log_format=args.effective_log_format,
-    ))
-    print(json.dumps(report.to_json(), indent=1) if args.json else report.summary())
-    if report.notice_unix_s is None and report.first_exit_code == 2:
-        return 2  # spotrun run refused to start (bad option, unreadable storage, command not found)
-    return 0 if report.passed else 1
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:

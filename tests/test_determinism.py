@@ -14,17 +14,17 @@ import logging
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 import spotrun
 from spotrun.checkpoint.restore import load_committed
+from spotrun.drill.cause import likely_cause
+from spotrun.drill.compare import Difference, compare_steps
+from spotrun.drill.scratch import copy_step
 from spotrun.state.numerics import current_numerics
 from spotrun.storage import open_storage
-from spotrun.supervisor.drill_cause import likely_cause
-from spotrun.supervisor.drill_reference import Difference, compare_steps, copy_step
 from tests.trainrun import TRAIN_ARGS, final_tensors, last_loss_per_step
 
 STEPS = 12

@@ -14,9 +14,10 @@ import torch
 
 from spotrun.checkpoint import catalog
 from spotrun.checkpointer import Checkpointer
+from spotrun.drill.compare import Difference, compare_states, compare_steps
+from spotrun.drill.scratch import copy_step, open_scratch_root
 from spotrun.errors import ConfigError
 from spotrun.storage import LocalStorage, open_storage
-from spotrun.supervisor.drill_reference import Difference, compare_states, compare_steps, copy_step, open_scratch_root
 from tests.trainrun import ls_json, read_log, torchrun_command
 
 PREEMPTED = 143

@@ -1,5 +1,5 @@
-"""Subcommands of ``spotrun`` that operate on a checkpoint root after the fact (``gc``,
-``verify``, ``export``, ``report``).
+"""Subcommands of ``spotrun`` besides ``run``, ``ls`` and ``preflight``: ``drill``, and those
+that operate on a checkpoint root after the fact (``gc``, ``verify``, ``export``, ``report``).
 
 Each lives in a module of its own with one function ``register(sub, common)`` that adds its
 parser to ``sub`` (argparse's subparsers) with ``parents=[common]`` and sets ``handler`` (a
@@ -13,7 +13,7 @@ import argparse
 import importlib
 
 #: Modules under ``spotrun.commands`` whose ``register`` :func:`register_all` calls, in help order.
-MODULES: tuple[str, ...] = ("gc", "verify", "export", "report")
+MODULES: tuple[str, ...] = ("drill", "gc", "verify", "export", "report")
 
 
 def register_all(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""What several subcommands share: the storage options and opening a root that must exist."""
+"""What several subcommands share: the storage options, opening a root that must exist, and
+the launch command after ``--``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import errno
 import os
 
 from spotrun.env import DEFAULT_CHECKPOINT_URI
+from spotrun.errors import ConfigError
 from spotrun.storage import Storage
 
 URI_HELP = f"checkpoint root: local dir, file:// or s3://bucket/prefix (default {DEFAULT_CHECKPOINT_URI})"
@@ -53,3 +55,23 @@ def check_objects_exist(storage: Storage) -> None:
 
     if not isinstance(storage, LocalStorage) and not storage.list(""):
         raise ObjectNotFoundError(errno.ENOENT, f"nothing is stored under {storage.uri} (no such prefix)")
+
+
+def launch_command(args: argparse.Namespace) -> list[str]:
+    """The words after ``--``: the launch command of ``run`` and ``drill``.
+
+    Raises:
+        ConfigError: words that are not options of spotrun come before any ``--`` (a command
+            given without ``--``, or a misspelt option): the message says where ``--`` goes.
+    """
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    argv = args.raw_argv
+    given_after_dashes = argv[argv.index("--") + 1:] if "--" in argv else None
+    if command and command != given_after_dashes:
+        raise ConfigError(
+            f"{command[0]!r} is not an option of spotrun {args.subcommand}: put the launch command after "
+            f"'--', as in spotrun {args.subcommand} [options] -- torchrun --nproc-per-node 8 train.py"
+        )
+    return command

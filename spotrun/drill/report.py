@@ -1,105 +1,11 @@
-"""Options and report of ``spotrun drill`` (the phases are in :mod:`spotrun.supervisor.drill`)."""
+"""What ``spotrun drill`` found: :class:`DrillReport`, as JSON and as a few lines for people."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
 
-from spotrun.env import DEFAULT_CHECKPOINT_URI
-from spotrun.errors import ConfigError
-from spotrun.supervisor.config import storage_options
-
-CLOUDS = ("aws", "gcp", "azure", "signal")
-#: The lead each cloud gives, in seconds: AWS about 2 minutes, Azure at least 30 s, GCP and a
-#: Kubernetes/systemd SIGTERM about 30 s. The drill's notice gives the same.
-CLOUD_LEAD_S = {"aws": 120.0, "azure": 30.0, "gcp": 30.0, "signal": 30.0}
-#: This VM's name in the fake Azure events.
-DRILL_VM_NAME = "spotrun-drill"
-#: Trigger used when neither ``after_steps`` nor ``after_s`` is given, in seconds.
-DEFAULT_AFTER_S = 60.0
 #: At most this many differences are listed in a report (``difference_count`` has them all).
 MAX_REPORTED_DIFFERENCES = 10
-
-
-@dataclass(frozen=True)
-class DrillConfig:
-    """Options of ``spotrun drill``.
-
-    Attributes:
-        command: the launch command (``["torchrun", ...]``).
-        cloud: whose notice to rehearse: ``aws``, ``gcp``, ``azure`` or ``signal``.
-        after_steps: serve the notice once a checkpoint of a step >= this is complete.
-        after_s: serve the notice this many seconds after the launch (default 60 when
-            ``after_steps`` is not given either).
-        checkpoint_uri: checkpoint root of the job.
-        s3_endpoint_url: S3 endpoint for an ``s3://`` URI (as ``spotrun run``).
-        grace_period_s: seconds from the notice to the (pretend) end of the machine;
-            ``None``: the cloud's own lead (:data:`CLOUD_LEAD_S`). A GCP notice carries no
-            time: the supervisor gives it its 30 s window whatever this says.
-        restart_timeout_s: seconds the restarted job may take to start, restore, run one
-            step and save it. The reference run gets this plus twice phase 1's duration.
-        exact_check: run phase 3, the uninterrupted reference run, and compare.
-        reference_uri: the reference run's checkpoint root (must hold no objects);
-            ``None``: a temporary directory for a local ``checkpoint_uri``,
-            ``s3://bucket/prefix-drill-reference/<random>`` for ``s3://bucket/prefix``.
-        keep_reference: leave the reference run's checkpoints in place (the report names them).
-        log_format: ``--log-format`` of every ``spotrun run`` it starts; ``None``: their default.
-
-    Raises:
-        ConfigError: no command, an unknown cloud, both or bad triggers, bad durations, a
-            bad ``reference_uri`` (also: the same as ``checkpoint_uri``, or given without
-            the exact check).
-    """
-
-    command: tuple[str, ...]
-    cloud: str = "aws"
-    after_steps: int | None = None
-    after_s: float | None = None
-    checkpoint_uri: str = DEFAULT_CHECKPOINT_URI
-    s3_endpoint_url: str | None = None
-    grace_period_s: float | None = None
-    restart_timeout_s: float = 600.0
-    exact_check: bool = True
-    reference_uri: str | None = None
-    keep_reference: bool = False
-    log_format: str | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "command", tuple(self.command))
-        if not self.command or not self.command[0]:
-            raise ConfigError("no launch command given: use spotrun drill [options] -- COMMAND...")
-        if self.cloud not in CLOUDS:
-            raise ConfigError(f"--cloud must be one of {', '.join(CLOUDS)}, got {self.cloud!r}")
-        if self.after_steps is not None and self.after_s is not None:
-            raise ConfigError("give --after-steps or --after-s, not both")
-        if self.after_steps is not None and self.after_steps < 1:
-            raise ConfigError(f"--after-steps must be >= 1, got {self.after_steps}")
-        for name in ("after_s", "grace_period_s", "restart_timeout_s"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ConfigError(f"drill option {name} must be > 0, got {value}")
-        storage_options(self.checkpoint_uri, s3_endpoint_url=self.s3_endpoint_url)
-        if not self.exact_check and (self.reference_uri is not None or self.keep_reference):
-            raise ConfigError("--reference-uri and --keep-reference need the exact check (drop --no-exact-check)")
-        if self.reference_uri is not None:
-            if not self.reference_uri.strip():
-                raise ConfigError("--reference-uri is empty")
-            storage_options(self.reference_uri, s3_endpoint_url=self.s3_endpoint_url)
-            if _normalised(self.reference_uri) == _normalised(self.checkpoint_uri):
-                raise ConfigError(f"--reference-uri must differ from --checkpoint-uri, both are {self.reference_uri}")
-
-    @property
-    def lead_s(self) -> float:
-        """Seconds between the drill's notice and its deadline."""
-        return self.grace_period_s if self.grace_period_s is not None else CLOUD_LEAD_S[self.cloud]
-
-
-def _normalised(uri: str) -> str:
-    """A URI in one spelling per root: local paths absolute, no trailing ``/``."""
-    uri = uri.strip()
-    if uri.startswith("s3://"):
-        return uri.rstrip("/")
-    return os.path.abspath(os.path.expanduser(uri.removeprefix("file://")))
 
 
 @dataclass
@@ -129,7 +35,7 @@ class DrillReport:
             of the uninterrupted reference run; ``None`` when not checked (``--no-exact-check``,
             an earlier phase failed, or the reference run saved no step E + 1).
         differences: the first :data:`MAX_REPORTED_DIFFERENCES` differences, each
-            ``{"key", "what", "max_abs_diff"}`` (see :class:`~spotrun.supervisor.drill_reference.Difference`).
+            ``{"key", "what", "max_abs_diff", "max_relative_diff"}`` (see :class:`~spotrun.drill.compare.Difference`).
         difference_count: how many values differ in all; ``None`` when not checked.
         reference_uri: the reference run's checkpoint root (deleted afterwards unless kept).
         reference_kept: whether that root was left in place.

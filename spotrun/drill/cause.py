@@ -1,5 +1,5 @@
 """Why a drill's resumed run is not bit-identical to its reference run: the likeliest cause,
-read from the differences alone (:mod:`spotrun.supervisor.drill_reference`).
+read from the differences alone (:mod:`spotrun.drill.compare`).
 
 In order: the two runs ran on different numbers of ranks (an elastic node range); they
 computed with different settings (each rank's ``numerics`` state,
@@ -12,8 +12,8 @@ saved or restored.
 
 from __future__ import annotations
 
+from spotrun.drill.compare import Difference
 from spotrun.state.numerics import NUMERICS_STATE_NAME
-from spotrun.supervisor.drill_reference import Difference
 
 #: Largest difference, relative to a value's scale, still taken for rounding: float32 rounds
 #: at about 6e-8 relative, and a few dozen steps of training grow such differences by a few
