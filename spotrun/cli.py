@@ -46,7 +46,7 @@ from spotrun.commands._shared import add_storage_options, check_objects_exist, l
 from spotrun.env import DEFAULT_CHECKPOINT_URI
 from spotrun.errors import SpotrunError
 from spotrun.logs import LOG_FORMATS, configure_logging, log_format_from_env
-from spotrun.supervisor.signals import DEFAULT_NOTICE_SIGNALS
+from spotrun.notices.signals import DEFAULT_NOTICE_SIGNALS
 
 EXIT_USAGE = 2
 _LOG_LEVELS = ("debug", "info", "warning", "error")

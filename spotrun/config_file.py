@@ -211,7 +211,7 @@ def _convert(where: str, key: object, value: object, env: Mapping[str, str]) -> 
         if key == "notice":
             _check_notice(where, value)
         if key == "notice_signals":
-            from spotrun.supervisor.signals import parse_notice_signals
+            from spotrun.notices.signals import parse_notice_signals
 
             try:
                 parse_notice_signals(value)
@@ -232,7 +232,7 @@ def _convert(where: str, key: object, value: object, env: Mapping[str, str]) -> 
 
 
 def _check_notice(where: str, value: str) -> None:
-    from spotrun.notices.detect import SOURCE_NAMES, parse_notice_option
+    from spotrun.notices.registry import SOURCE_NAMES, parse_notice_option
 
     try:
         parse_notice_option(value)

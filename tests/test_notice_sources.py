@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import socket
 import threading
 import time
@@ -13,20 +15,23 @@ import pytest
 from spotrun.errors import ConfigError
 from spotrun.notices import (
     REBALANCE,
+    Inbox,
+    Notice,
     NoticeOptions,
     NoticePoller,
-    NoticePollers,
-    NoticeSource,
+    NoticeWatch,
+    PolledSource,
     build_sources,
     detect_cloud,
     is_stop,
     parse_notice_option,
+    start_sources,
 )
 from spotrun.notices.aws import AwsSource
 from spotrun.notices.azure import AcknowledgeError, AzureSource
 from spotrun.notices.files import FileSource
 from spotrun.notices.gcp import maintenance_source, preempted_source
-from spotrun.supervisor.notices import Inbox, Notice
+from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal, SignalSource
 from tests.fake_metadata import FakeAws, FakeAzure, FakeGcp
 
 FAST = 0.05  # poll period in seconds for threaded tests
@@ -79,7 +84,7 @@ def silent_url():
     s.close()
 
 
-def poll(source: NoticeSource, times: int = 3) -> list[Notice]:
+def poll(source: PolledSource, times: int = 3) -> list[Notice]:
     """Poll ``times`` times through a poller (with de-duplication); every notice posted."""
     posted: list[Notice] = []
     poller = NoticePoller(source, posted.append)
@@ -194,17 +199,14 @@ def test_gcp_preempted_is_one_notice_with_the_configured_window(gcp):
 
 def test_gcp_long_polls_with_the_last_etag(gcp):
     source = preempted_source(gcp.url, timeout_s=TIMEOUT_S, wait_timeout_s=20)
-    inbox_posts: list[Notice] = []
-    got_notice = threading.Event()
-
-    def post(notice: Notice) -> None:
-        inbox_posts.append(notice)
-        got_notice.set()
-
-    with NoticePollers([source], post):
-        assert gcp.wait_for(lambda: any(r.query.get("wait_for_change") for r in gcp.requests), WAIT_S)
-        gcp.set_preempted()
-        assert got_notice.wait(WAIT_S)
+    with Inbox() as inbox:
+        with NoticeWatch(inbox) as watch:
+            watch.start([source])
+            assert gcp.wait_for(lambda: any(r.query.get("wait_for_change") for r in gcp.requests), WAIT_S)
+            gcp.set_preempted()
+            inbox_posts = inbox.wait(WAIT_S)
+            assert inbox_posts
+        inbox_posts += inbox.wait(0)
     waits = [r for r in gcp.requests_to(FakeGcp.PREEMPTED_PATH) if r.query.get("wait_for_change") == "true"]
     assert waits[0].query["last_etag"] == FakeGcp.etag("FALSE")
     assert waits[0].query["timeout_sec"] == "20"
@@ -424,7 +426,7 @@ def test_source_recovers_after_the_server_does(aws, caplog):
 # --- the polling threads ------------------------------------------------------------------
 
 
-class _Exploding(NoticeSource):
+class _Exploding(PolledSource):
     """A source whose every poll fails with an unexpected error (a bug)."""
 
     name = "exploding"
@@ -443,16 +445,18 @@ class _Exploding(NoticeSource):
 
 def test_an_unexpected_error_does_not_stop_polling(caplog):
     source = _Exploding()
-    with NoticePollers([source], lambda notice: None):
+    with Inbox() as inbox, NoticeWatch(inbox) as watch:
+        watch.start([source])
         assert source.called_thrice.wait(WAIT_S)
     assert len(warnings(caplog)) == 1 and "RuntimeError" in warnings(caplog)[0]
 
 
 def test_pollers_deliver_to_the_inbox_and_stop(aws):
     aws.set_instance_action("terminate", time.time() + 120)
+    source = AwsSource(aws.url, timeout_s=TIMEOUT_S, poll_period_s=FAST)
     with Inbox() as inbox:
-        pollers = NoticePollers([AwsSource(aws.url, timeout_s=TIMEOUT_S, poll_period_s=FAST)], inbox.post)
-        pollers.start()
+        watch = NoticeWatch(inbox)
+        watch.start([source])
         events: list[object] = []
         end = time.monotonic() + WAIT_S
         while not events and time.monotonic() < end:
@@ -461,21 +465,55 @@ def test_pollers_deliver_to_the_inbox_and_stop(aws):
         # keeps polling (4 more polls) without posting the repeat
         count = len(aws.requests_to(FakeAws.INSTANCE_ACTION_PATH))
         assert aws.wait_for(lambda: len(aws.requests_to(FakeAws.INSTANCE_ACTION_PATH)) >= count + 4, WAIT_S)
-        pollers.stop()
-        assert not pollers.alive()
+        watch.stop()
+        assert not source.alive()
         assert inbox.wait(0) == []
+
+
+# --- signals -----------------------------------------------------------------------------
+
+
+def _next_signal_event(inbox: Inbox) -> list[object]:
+    """The next events of ``inbox`` other than SIGCHLD (a child of an earlier test may exit)."""
+    end = time.monotonic() + WAIT_S
+    events: list[object] = []
+    while not events and time.monotonic() < end:
+        events = [e for e in inbox.wait(end - time.monotonic()) if e != CHILD_EVENT]
+    return events
+
+
+def test_signal_source_delivers_notice_signals_and_restores_the_handlers():
+    before = signal.getsignal(signal.SIGUSR1)
+    with Inbox() as inbox:
+        with NoticeWatch(inbox) as watch:
+            watch.start([SignalSource({signal.SIGUSR1})])
+            os.kill(os.getpid(), signal.SIGUSR1)
+            notices = _next_signal_event(inbox)
+            os.kill(os.getpid(), signal.SIGUSR2)
+            ignored = _next_signal_event(inbox)
+        assert [(n.source, n.kind, is_stop(n)) for n in notices] == [("signal", "SIGUSR1", True)]
+        assert ignored == [IgnoredSignal(signum=signal.SIGUSR2, name="SIGUSR2")]
+    assert signal.getsignal(signal.SIGUSR1) is before
+    assert signal.set_wakeup_fd(-1) == -1  # no wakeup fd left behind
+
+
+def test_signals_run_whatever_notice_says(tmp_path):
+    options = NoticeOptions(notice_file=str(tmp_path / "n"), poll_period_s=FAST)
+    for value, names in (("none", ["signal"]), ("file", ["signal", "file"]), ("file,signal", ["signal", "file"])):
+        with Inbox() as inbox, NoticeWatch(inbox) as watch:
+            start_sources(parse_notice_option(value), options, watch, environ={})
+            assert [s.name for s in watch.sources] == names
 
 
 # --- --notice and detection -----------------------------------------------------------------
 
 
 def test_parse_notice_option():
-    assert parse_notice_option("auto").auto and parse_notice_option("auto").signals
+    assert parse_notice_option("auto").auto
     none = parse_notice_option("none")
-    assert not none.auto and not none.signals and none.names == frozenset()
+    assert not none.auto and none.names == frozenset()
     listed = parse_notice_option(" AWS, signal ")
-    assert listed.names == {"aws", "signal"} and listed.signals and not listed.auto
-    assert not parse_notice_option("gcp,azure,file").signals
+    assert listed.names == {"aws", "signal"} and not listed.auto
     for bad in ("", "aws,", "amazon", "auto,aws", "none,signal"):
         with pytest.raises(ConfigError):
             parse_notice_option(bad)

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from spotrun.supervisor.signals import parse_notice_signals, signal_name, terminating_signals
+from spotrun.notices.signals import parse_notice_signals, signal_name, terminating_signals
 from tests import trainrun
 from tests.test_supervisor import FAKE, FAST, WAIT_S, spotrun_run, steps_on  # noqa: F401  (fixture)
 from tests.trainrun import ls_json, start_supervised, torchrun_command, wait_for_step

@@ -1,50 +1,64 @@
-"""Preemption notice sources: AWS, GCP, Azure metadata servers and a drill file.
+"""Preemption notices: the supervisor's signals, AWS, GCP, Azure metadata servers, a drill file.
+
+* :mod:`~spotrun.notices.base`      :class:`Notice`, the :class:`NoticeSource` interface, polled sources;
+* :mod:`~spotrun.notices.inbox`     :class:`Inbox`, where every source delivers and the main loop reads;
+* :mod:`~spotrun.notices.signals`   the signal source (always on) and ``--notice-signals``;
+* :mod:`~spotrun.notices.aws`, :mod:`~spotrun.notices.gcp`, :mod:`~spotrun.notices.azure`,
+  :mod:`~spotrun.notices.files`     one source each;
+* :mod:`~spotrun.notices.registry`  every source by its ``--notice`` name;
+* :mod:`~spotrun.notices.detect`    which sources run (``--notice auto``: DMI facts, probes);
+* :mod:`~spotrun.notices.options`   :class:`NoticeOptions`, where and how often the sources look.
 
 Typical use in the supervisor::
 
-    choice = parse_notice_option(args.notice)               # ConfigError on a bad value
-    sources = build_sources(choice, NoticeOptions(...))     # auto: may probe DMI-named clouds (<= ~2 s)
-    with NoticePollers(sources, inbox.post):                # one daemon thread per source
-        ...                                                 # notices arrive in the inbox
-
-Every notice is a :class:`spotrun.supervisor.notices.Notice`; :func:`is_stop` tells a stop
-notice from a rebalance recommendation (kind :data:`REBALANCE`: an ordinary checkpoint).
+    with Inbox() as inbox, NoticeWatch(inbox) as watch:
+        start_sources(parse_notice_option("auto"), NoticeOptions(...), watch)  # main thread
+        events = inbox.wait(timeout_s)                                          # Notice, ...
 """
 
 from spotrun.notices.base import (
     REBALANCE,
     Finding,
+    Notice,
     NoticePoller,
-    NoticePollers,
     NoticeSource,
+    NoticeWatch,
+    PolledSource,
     PollProblem,
     is_stop,
 )
 from spotrun.notices.detect import (
-    SOURCE_NAMES,
     DetectionPlan,
-    NoticeChoice,
-    NoticeOptions,
+    always_on_sources,
     build_sources,
     detect_cloud,
-    parse_notice_option,
     plan_detection,
+    start_sources,
 )
 from spotrun.notices.dmi import DMI_ROOT_ENV, DmiFacts, cloud_from_dmi, read_dmi
+from spotrun.notices.inbox import Inbox
+from spotrun.notices.options import NoticeOptions
+from spotrun.notices.registry import SOURCE_NAMES, SOURCES, NoticeChoice, Registration, parse_notice_option
 
 __all__ = [
     "DMI_ROOT_ENV",
     "REBALANCE",
+    "SOURCES",
     "SOURCE_NAMES",
     "DetectionPlan",
     "DmiFacts",
     "Finding",
+    "Inbox",
+    "Notice",
     "NoticeChoice",
     "NoticeOptions",
     "NoticePoller",
-    "NoticePollers",
     "NoticeSource",
+    "NoticeWatch",
     "PollProblem",
+    "PolledSource",
+    "Registration",
+    "always_on_sources",
     "build_sources",
     "cloud_from_dmi",
     "detect_cloud",
@@ -52,4 +66,5 @@ __all__ = [
     "parse_notice_option",
     "plan_detection",
     "read_dmi",
+    "start_sources",
 ]

@@ -31,10 +31,14 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from spotrun.errors import ConfigError
 from spotrun.notices import _http, _parse
-from spotrun.notices.base import REBALANCE, Finding, NoticeSource, PollProblem
+from spotrun.notices.base import REBALANCE, Endpoint, Finding, NoticeSource, PolledSource, PollProblem
+
+if TYPE_CHECKING:
+    from spotrun.notices.options import NoticeOptions
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +63,7 @@ def endpoint_from_env(environ: Mapping[str, str] | None = None) -> str:
     return env.get(ENDPOINT_ENV) or DEFAULT_ENDPOINT
 
 
-class AwsSource(NoticeSource):
+class AwsSource(PolledSource):
     """Polls IMDSv2 for a spot instance-action (stop notice) and a rebalance recommendation.
 
     Args:
@@ -179,3 +183,21 @@ def probe(endpoint: str, timeout_s: float) -> bool:
     except PollProblem:
         return False
     return response.status == 200 and bool(response.body.strip())
+
+
+def endpoint(options: NoticeOptions, environ: Mapping[str, str]) -> Endpoint:
+    """The IMDS URL in use: ``--aws-metadata-endpoint``, else :func:`endpoint_from_env`."""
+    if options.aws_endpoint:
+        return Endpoint(options.aws_endpoint, "--aws-metadata-endpoint is set")
+    if environ.get(ENDPOINT_ENV):
+        return Endpoint(environ[ENDPOINT_ENV], f"{ENDPOINT_ENV} is set")
+    return Endpoint(DEFAULT_ENDPOINT, None)
+
+
+def build(options: NoticeOptions, environ: Mapping[str, str]) -> list[NoticeSource]:
+    """The AWS source of ``options``.
+
+    Raises:
+        ConfigError: a bad endpoint URL.
+    """
+    return [AwsSource(endpoint(options, environ).url, timeout_s=options.http_timeout_s, **options.poll_timing())]

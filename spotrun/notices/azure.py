@@ -27,11 +27,16 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
 from spotrun.errors import SpotrunError
 from spotrun.notices import _http, _parse
-from spotrun.notices.base import Finding, NoticeSource, PollProblem
+from spotrun.notices.base import Endpoint, Finding, NoticeSource, PolledSource, PollProblem
+
+if TYPE_CHECKING:
+    from spotrun.notices.options import NoticeOptions
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +61,7 @@ class AcknowledgeError(SpotrunError):
     """The StartRequests POST failed (no answer, or a status other than 200)."""
 
 
-class AzureSource(NoticeSource):
+class AzureSource(PolledSource):
     """Polls Scheduled Events for a stop event naming this VM.
 
     Args:
@@ -190,3 +195,22 @@ def probe(endpoint: str, timeout_s: float) -> bool:
     except PollProblem:
         return False
     return True
+
+
+def endpoint(options: NoticeOptions, environ: Mapping[str, str]) -> Endpoint:
+    """The IMDS URL in use: ``--azure-metadata-endpoint``, else the default address."""
+    if options.azure_endpoint:
+        return Endpoint(options.azure_endpoint, "--azure-metadata-endpoint is set")
+    return Endpoint(DEFAULT_ENDPOINT, None)
+
+
+def build(options: NoticeOptions, environ: Mapping[str, str]) -> list[NoticeSource]:
+    """The Azure source of ``options``.
+
+    Raises:
+        ConfigError: a bad endpoint URL.
+    """
+    return [AzureSource(
+        endpoint(options, environ).url, vm_name=options.azure_vm_name, timeout_s=options.http_timeout_s,
+        first_call_timeout_s=options.azure_first_call_timeout_s, **options.poll_timing(),
+    )]

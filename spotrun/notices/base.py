@@ -1,14 +1,17 @@
-"""The one interface of every preemption notice source, and the threads that poll them.
+"""The notice every source delivers, the one interface of a source, and polled sources.
 
-A source (:class:`NoticeSource`) knows one protocol: AWS instance metadata, GCP metadata,
-Azure Scheduled Events, a drill file. :meth:`NoticeSource.poll_once` asks once and returns
-what it found as :class:`Finding` objects; it never posts anything itself. A
-:class:`NoticePoller` turns findings into :class:`~spotrun.supervisor.notices.Notice`
-objects, drops repeats (a metadata server answers every poll with the same notice: the
-poller remembers a hash of each finding's body, as aws-node-termination-handler does with
-its event ids) and posts each new notice through a callback, usually
-:meth:`spotrun.supervisor.notices.Inbox.post`. :class:`NoticePollers` runs one poller per
-source in a daemon thread.
+A source (:class:`NoticeSource`, aws-node-termination-handler's ``Monitor``) knows one way to
+learn of a preemption: AWS instance metadata, GCP metadata, Azure Scheduled Events, a drill
+file, the supervisor's own signals. Started with the supervisor's
+:class:`~spotrun.notices.inbox.Inbox`, it delivers each notice there as a :class:`Notice`;
+:class:`NoticeWatch` starts and stops the sources of one run together.
+
+Most sources are polled (:class:`PolledSource`): :meth:`PolledSource.poll_once` asks once
+and returns what it found as :class:`Finding` objects; it never posts anything itself. A
+:class:`NoticePoller`, in one daemon thread per source, turns findings into notices, drops
+repeats (a metadata server answers every poll with the same notice: the poller remembers a
+hash of each finding's body, as aws-node-termination-handler does with its event ids) and
+posts each new notice to the inbox.
 
 Nothing raised while polling leaves the poll loop: expected failures arrive as
 :class:`PollProblem` (key + message), anything else is caught too, and each distinct problem
@@ -27,10 +30,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-if TYPE_CHECKING:  # imported lazily: spotrun.supervisor may import this package
-    from spotrun.supervisor.notices import Notice
+if TYPE_CHECKING:
+    from spotrun.notices.inbox import Inbox
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +43,44 @@ REBALANCE = "rebalance"
 _MAX_REMEMBERED = 1024
 
 
+@dataclass(frozen=True)
+class Notice:
+    """One preemption notice.
+
+    Attributes:
+        source: the name of the source that sent it (``"signal"``, ``"aws"``, ``"gcp"``,
+            ``"azure"``, ``"file"``).
+        kind: what it says, e.g. ``"SIGTERM"`` or ``"spot instance-action terminate"``.
+        received_unix_s: when the supervisor learned of it (seconds since the epoch).
+        deadline_unix_s: when the machine goes away, if the source knows (seconds since the
+            epoch); ``None`` means "the configured grace period from ``received_unix_s``".
+        acknowledge: called once after the emergency checkpoint committed (Azure wants a
+            ``StartRequests`` POST); ``None`` when the source needs no acknowledgement.
+    """
+
+    source: str
+    kind: str
+    received_unix_s: float
+    deadline_unix_s: float | None = None
+    acknowledge: Callable[[], None] | None = None
+
+
 def is_stop(notice: Notice) -> bool:
     """True unless ``notice`` only recommends an ordinary checkpoint (kind :data:`REBALANCE`)."""
     return notice.kind != REBALANCE
+
+
+class Endpoint(NamedTuple):
+    """A cloud's metadata server as the options and the environment name it.
+
+    Attributes:
+        url: ``http://host[:port]``.
+        named_by: the setting that named it (``"--aws-metadata-endpoint is set"``); ``None``
+            for the cloud's default address.
+    """
+
+    url: str
+    named_by: str | None
 
 
 class PollProblem(Exception):
@@ -98,22 +136,48 @@ class ProblemLog:
 
 
 class NoticeSource(abc.ABC):
-    """One way to learn of a preemption.
+    """One way to learn of a preemption; started at most once, then stopped.
 
     Attributes:
         name: the source's name in ``--notice`` and in :attr:`Notice.source`
-            (``"aws"``, ``"gcp"``, ``"azure"``, ``"file"``).
+            (``"aws"``, ``"gcp"``, ``"azure"``, ``"file"``, ``"signal"``).
+    """
+
+    name: str = "source"
+
+    @abc.abstractmethod
+    def start(self, inbox: Inbox) -> None:
+        """Begin delivering this source's notices into ``inbox`` (a source that installs
+        signal handlers must be started from the main thread)."""
+
+    @abc.abstractmethod
+    def stop(self, timeout_s: float) -> None:
+        """Stop delivering and undo what :meth:`start` changed.
+
+        Args:
+            timeout_s: the longest to wait for the source's own threads to end, in seconds.
+        """
+
+    def describe(self) -> str:
+        """One line saying where this source looks, for the start-up log."""
+        return self.name
+
+
+class PolledSource(NoticeSource):
+    """A source that asks something again and again (a metadata server, a file), in its own thread.
+
+    Attributes:
         poll_period_s: seconds between the end of one poll and the start of the next.
         retry_after_error_s: seconds to wait instead after a poll that failed.
         problems: where :meth:`poll_once` reports problems that do not end the poll.
     """
 
-    name: str = "source"
-
     def __init__(self, *, poll_period_s: float, retry_after_error_s: float | None = None):
         self.poll_period_s = poll_period_s
         self.retry_after_error_s = poll_period_s if retry_after_error_s is None else retry_after_error_s
         self.problems = ProblemLog(self.name)
+        self._stop_event = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @abc.abstractmethod
     def poll_once(self) -> list[Finding]:
@@ -125,15 +189,30 @@ class NoticeSource(abc.ABC):
             PollProblem: the poll failed; the poller waits ``retry_after_error_s`` and retries.
         """
 
-    def describe(self) -> str:
-        """One line saying where this source looks, for the start-up log."""
-        return self.name
+    def start(self, inbox: Inbox) -> None:
+        """Poll in a daemon thread, posting new notices with ``inbox.post``."""
+        log.info("watching for preemption notices: %s", self.describe())
+        poller = NoticePoller(self, inbox.post)
+        self._thread = threading.Thread(target=poller.run, args=(self._stop_event,),
+                                        name=f"spotrun-notice-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop polling: nothing is posted once the thread sees it. A thread blocked in a
+        request longer than ``timeout_s`` is left to end on its own."""
+        self._stop_event.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def alive(self) -> bool:
+        """Whether the polling thread is still running."""
+        return self._thread is not None and self._thread.is_alive()
 
 
 class NoticePoller:
     """Polls one source, de-duplicates its findings and posts new ones as notices."""
 
-    def __init__(self, source: NoticeSource, post: Callable[[Notice], None], *,
+    def __init__(self, source: PolledSource, post: Callable[[Notice], None], *,
                  clock: Callable[[], float] = time.time):
         self.source = source
         self._post = post
@@ -146,8 +225,6 @@ class NoticePoller:
         Returns:
             The notices posted, and whether the poll succeeded. Never raises.
         """
-        from spotrun.supervisor.notices import Notice
-
         try:
             findings = self.source.poll_once()
         except PollProblem as problem:
@@ -192,45 +269,45 @@ class NoticePoller:
         return True
 
 
-class NoticePollers:
-    """One daemon thread per source, posting notices through ``post``.
+class NoticeWatch:
+    """The sources of one supervisor run, delivering into one inbox.
 
-    Use as a context manager, or call :meth:`start` and :meth:`stop`. A thread blocked in a
-    request when :meth:`stop` is called is left to finish on its own (it is a daemon and
-    posts nothing after the stop).
+    Sources may be started from several threads (``auto`` starts a detected cloud's from a
+    background thread); none starts after :meth:`stop`. Use as a context manager, or call
+    :meth:`stop`.
     """
 
-    def __init__(self, sources: Sequence[NoticeSource], post: Callable[[Notice], None]):
-        self.pollers = [NoticePoller(source, post) for source in sources]
-        self._stop_event = threading.Event()
-        self._threads: list[threading.Thread] = []
+    def __init__(self, inbox: Inbox):
+        self.inbox = inbox
+        self.sources: list[NoticeSource] = []
+        self._lock = threading.Lock()  # held while starting, so stop waits for a start under way
+        self._stopped = False
 
-    def start(self) -> None:
-        """Start polling; a second call does nothing."""
-        if self._threads:
-            return
-        for poller in self.pollers:
-            log.info("watching for preemption notices: %s", poller.source.describe())
-            thread = threading.Thread(
-                target=poller.run, args=(self._stop_event,), name=f"spotrun-notice-{poller.source.name}",
-                daemon=True,
-            )
-            thread.start()
-            self._threads.append(thread)
+    def start(self, sources: Sequence[NoticeSource]) -> None:
+        """Start ``sources`` (nothing once :meth:`stop` was called).
+
+        Raises:
+            Whatever a source's :meth:`~NoticeSource.start` raises; the sources started
+            before it are stopped by :meth:`stop`.
+        """
+        with self._lock:
+            for source in sources:
+                if self._stopped:
+                    return
+                source.start(self.inbox)
+                self.sources.append(source)
 
     def stop(self, timeout_s: float = 1.0) -> None:
-        """Stop polling; wait up to ``timeout_s`` seconds in total for the threads to end."""
-        self._stop_event.set()
+        """Stop every source, the last started first; wait up to ``timeout_s`` seconds in
+        total for their threads to end."""
+        with self._lock:
+            self._stopped = True
+            sources, self.sources = self.sources, []
         end = time.monotonic() + timeout_s
-        for thread in self._threads:
-            thread.join(max(0.0, end - time.monotonic()))
+        for source in reversed(sources):
+            source.stop(max(0.0, end - time.monotonic()))
 
-    def alive(self) -> bool:
-        """Whether any polling thread is still running."""
-        return any(thread.is_alive() for thread in self._threads)
-
-    def __enter__(self) -> "NoticePollers":
-        self.start()
+    def __enter__(self) -> "NoticeWatch":
         return self
 
     def __exit__(self, *exc_info: object) -> None:

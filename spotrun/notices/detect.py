@@ -1,8 +1,10 @@
-"""``--notice auto|none|LIST``: which notice sources to run, and cloud detection for ``auto``.
+"""Which notice sources run: ``--notice auto|none|LIST``, and cloud detection for ``auto``.
 
-``LIST`` is a comma-separated subset of ``aws``, ``gcp``, ``azure``, ``signal``, ``file``.
-``auto`` means signals, the file source if a notice file is configured, and the cloud found
-in two steps:
+The signal source runs whatever ``--notice`` says (it is the supervisor's only defence
+against signals that would end it; ``--notice-signals`` chooses which signals are notices).
+``LIST`` adds the named sources (see :data:`~spotrun.notices.registry.SOURCES`); ``none``
+adds nothing; ``auto`` adds the file source if a notice file is set, and the cloud found in
+two steps:
 
 1. Local facts only (:func:`plan_detection`, no network): the DMI strings under
    ``/sys/class/dmi/id`` (:mod:`spotrun.notices.dmi`) may name AWS, GCP or Azure, and the
@@ -13,13 +15,9 @@ in two steps:
    nothing at all is sent: no DNS query, no connection.
 2. The candidates' metadata servers get a short probe (in parallel; detection gives up after
    ``detect_timeout_s``, 2 s by default); the first that answers like its cloud is used.
+   :func:`start_sources` probes in a background thread, so that never delays the launch.
 
-``none`` means no source at all (not even signals). Naming a cloud (``--notice aws``)
-polls its metadata server without any detection.
-
-Signals are not a :class:`~spotrun.notices.base.NoticeSource`: the supervisor routes them
-itself (:func:`spotrun.supervisor.notices.signal_notices`); :attr:`NoticeChoice.signals`
-says whether it should treat them as notices.
+Naming a cloud (``--notice aws``) polls its metadata server without any detection.
 """
 
 from __future__ import annotations
@@ -32,145 +30,13 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from spotrun.errors import ConfigError
-from spotrun.notices import aws, azure, gcp
-from spotrun.notices.base import NoticeSource
-from spotrun.notices.dmi import DmiFacts, cloud_from_dmi, dmi_root, read_dmi
-from spotrun.notices.files import FileSource
+from spotrun.notices import aws, gcp
+from spotrun.notices.base import NoticeSource, NoticeWatch
+from spotrun.notices.dmi import DmiFacts, cloud_from_dmi, read_dmi
+from spotrun.notices.options import NoticeOptions
+from spotrun.notices.registry import CLOUDS, SOURCES, NoticeChoice
 
 log = logging.getLogger(__name__)
-
-SOURCE_NAMES = ("aws", "gcp", "azure", "signal", "file")
-CLOUDS = ("aws", "gcp", "azure")
-
-
-@dataclass(frozen=True)
-class NoticeChoice:
-    """A parsed ``--notice`` value.
-
-    Attributes:
-        auto: detect the cloud when the sources are built.
-        names: the sources named explicitly (empty for ``auto`` and ``none``).
-    """
-
-    auto: bool
-    names: frozenset[str]
-
-    @property
-    def signals(self) -> bool:
-        """Whether SIGTERM, SIGINT and SIGHUP count as notices."""
-        return self.auto or "signal" in self.names
-
-
-def parse_notice_option(value: str) -> NoticeChoice:
-    """Parse ``auto``, ``none`` or a comma-separated list such as ``aws,signal``.
-
-    Raises:
-        ConfigError: an empty value, an unknown name, or auto/none mixed with names.
-    """
-    parts = [p.strip().lower() for p in str(value).split(",")]
-    if parts == ["auto"]:
-        return NoticeChoice(auto=True, names=frozenset())
-    if parts == ["none"]:
-        return NoticeChoice(auto=False, names=frozenset())
-    unknown = [p for p in parts if p not in SOURCE_NAMES]
-    if not value.strip() or unknown:
-        raise ConfigError(
-            f"--notice: expected auto, none or a comma-separated list of {', '.join(SOURCE_NAMES)}; "
-            f"got {value!r}"
-        )
-    return NoticeChoice(auto=False, names=frozenset(parts))
-
-
-@dataclass(frozen=True)
-class NoticeOptions:
-    """Where and how often the notice sources look.
-
-    Attributes:
-        aws_endpoint: IMDS URL; ``None``: ``$AWS_EC2_METADATA_SERVICE_ENDPOINT`` or
-            ``http://169.254.169.254``.
-        gcp_host: metadata ``host[:port]``; ``None``: ``$GCE_METADATA_HOST`` or
-            ``metadata.google.internal``.
-        azure_endpoint: IMDS URL; ``None``: ``http://169.254.169.254``.
-        azure_vm_name: this VM's name in Azure events; ``None``: asked from IMDS.
-        notice_file: path watched by the ``file`` source.
-        gcp_window_s: deadline of a GCP preemption, seconds after it is seen (30: the
-            hard off follows the soft off by 30 s).
-        poll_period_s: seconds between polls of every source; ``None``: each source's own
-            default (AWS 2, GCP 1 between long polls, Azure 1, file 0.5).
-        retry_after_error_s: pause after a failed poll; ``None``: each source's default
-            (GCP 5 s, the others their poll period).
-        http_timeout_s: bound on each metadata request, in seconds (2, as AWS NTH).
-        gcp_wait_timeout_s: ``timeout_sec`` of GCP long polls, whole seconds.
-        azure_first_call_timeout_s: bound on the first Scheduled Events request, seconds.
-        detect_timeout_s: the longest ``auto`` waits for the cloud probes, in seconds.
-        dmi_root: directory of the DMI files ``auto`` reads; ``None``: ``$SPOTRUN_DMI_ROOT``
-            or ``/sys/class/dmi/id`` (see :mod:`spotrun.notices.dmi`).
-
-    Raises:
-        ConfigError: a negative or zero duration.
-    """
-
-    aws_endpoint: str | None = None
-    gcp_host: str | None = None
-    azure_endpoint: str | None = None
-    azure_vm_name: str | None = None
-    notice_file: str | None = None
-    gcp_window_s: float = gcp.DEFAULT_PREEMPT_WINDOW_S
-    poll_period_s: float | None = None
-    retry_after_error_s: float | None = None
-    http_timeout_s: float = 2.0
-    gcp_wait_timeout_s: int = gcp.DEFAULT_WAIT_TIMEOUT_S
-    azure_first_call_timeout_s: float = azure.DEFAULT_FIRST_CALL_TIMEOUT_S
-    detect_timeout_s: float = 2.0
-    dmi_root: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("gcp_window_s", "poll_period_s", "retry_after_error_s", "http_timeout_s",
-                     "azure_first_call_timeout_s", "detect_timeout_s"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ConfigError(f"notice option {name} must be > 0, got {value}")
-
-    def aws_url(self, environ: Mapping[str, str] | None = None) -> str:
-        """The AWS endpoint in use."""
-        return self.aws_endpoint or aws.endpoint_from_env(environ)
-
-    def gcp_url(self, environ: Mapping[str, str] | None = None) -> str:
-        """The GCP metadata base URL in use (``http://host[:port]``)."""
-        return "http://" + self.gcp_host if self.gcp_host else gcp.base_url_from_env(environ)
-
-    def azure_url(self) -> str:
-        """The Azure endpoint in use."""
-        return self.azure_endpoint or azure.DEFAULT_ENDPOINT
-
-    def dmi_path(self, environ: Mapping[str, str] | None = None) -> str:
-        """The DMI directory ``auto`` reads."""
-        return self.dmi_root or dmi_root(environ)
-
-    def named_endpoints(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-        """Clouds whose metadata endpoint the user set -> which setting named it."""
-        env = os.environ if environ is None else environ
-        named = {}
-        if self.aws_endpoint:
-            named["aws"] = "--aws-metadata-endpoint is set"
-        elif env.get(aws.ENDPOINT_ENV):
-            named["aws"] = f"{aws.ENDPOINT_ENV} is set"
-        if self.gcp_host:
-            named["gcp"] = "--gcp-metadata-host is set"
-        elif env.get(gcp.HOST_ENV):
-            named["gcp"] = f"{gcp.HOST_ENV} is set"
-        if self.azure_endpoint:
-            named["azure"] = "--azure-metadata-endpoint is set"
-        return named
-
-    def url_of(self, cloud: str, environ: Mapping[str, str] | None = None) -> str:
-        """The metadata base URL of ``cloud`` (``aws``, ``gcp`` or ``azure``)."""
-        if cloud == "aws":
-            return self.aws_url(environ)
-        if cloud == "gcp":
-            return self.gcp_url(environ)
-        return self.azure_url()
 
 
 #: How a user opts in where ``auto`` finds no cloud (logged with that finding).
@@ -214,10 +80,12 @@ def plan_detection(options: NoticeOptions, *, environ: Mapping[str, str] | None 
     env = os.environ if environ is None else environ
     facts = read_dmi(options.dmi_path(env))
     dmi_cloud = cloud_from_dmi(facts)
-    reasons = options.named_endpoints(env)
-    if dmi_cloud is not None:
-        reasons.setdefault(dmi_cloud, f"DMI names it: {facts.describe()}")
-    probes = {cloud: (options.url_of(cloud, env), reasons[cloud]) for cloud in CLOUDS if cloud in reasons}
+    probes = {}
+    for cloud in CLOUDS:
+        url, named_by = SOURCES[cloud].endpoint(options, env)
+        why = named_by or (f"DMI names it: {facts.describe()}" if cloud == dmi_cloud else None)
+        if why is not None:
+            probes[cloud] = (url, why)
     return DetectionPlan(dmi=facts, dmi_cloud=dmi_cloud, probes=probes)
 
 
@@ -236,12 +104,11 @@ def detect_cloud(options: NoticeOptions, *, environ: Mapping[str, str] | None = 
     if not plan.probes:
         return None
     timeout_s = options.detect_timeout_s
-    probe_of = {"aws": aws.probe, "gcp": gcp.probe, "azure": azure.probe}
     answers: queue.SimpleQueue = queue.SimpleQueue()
 
     def run(cloud: str, url: str) -> None:
         try:
-            answers.put((cloud, probe_of[cloud](url, timeout_s)))
+            answers.put((cloud, SOURCES[cloud].probe(url, timeout_s)))
         except Exception:  # a probe must never break start-up
             log.debug("probing %s failed", cloud, exc_info=True)
             answers.put((cloud, False))
@@ -266,9 +133,16 @@ def detect_cloud(options: NoticeOptions, *, environ: Mapping[str, str] | None = 
     return None
 
 
+def always_on_sources(options: NoticeOptions, *, environ: Mapping[str, str] | None = None) -> list[NoticeSource]:
+    """The sources that run whatever ``--notice`` says (the signal source)."""
+    env = os.environ if environ is None else environ
+    return [source for registration in SOURCES.values() if registration.always
+            for source in registration.build(options, env)]
+
+
 def build_sources(choice: NoticeChoice, options: NoticeOptions, *,
                   environ: Mapping[str, str] | None = None, plan: DetectionPlan | None = None) -> list[NoticeSource]:
-    """The polling sources for ``choice`` (signals excluded: see :attr:`NoticeChoice.signals`).
+    """The sources ``choice`` adds to :func:`always_on_sources`.
 
     With ``choice.auto`` this runs :func:`detect_cloud` first (given ``plan``, or a new
     :func:`plan_detection`): immediate and silent on the network when there is no
@@ -283,25 +157,41 @@ def build_sources(choice: NoticeChoice, options: NoticeOptions, *,
         cloud = detect_cloud(options, environ=env, plan=plan)
         if cloud is not None:
             names.add(cloud)
-        if options.notice_file:
-            names.add("file")
-    timing = {} if options.poll_period_s is None else {"poll_period_s": options.poll_period_s}
-    retry = {} if options.retry_after_error_s is None else {"retry_after_error_s": options.retry_after_error_s}
-    sources: list[NoticeSource] = []
-    if "aws" in names:
-        sources.append(aws.AwsSource(options.aws_url(env), timeout_s=options.http_timeout_s, **timing, **retry))
-    if "gcp" in names:
-        sources.extend(gcp.gcp_sources(
-            options.gcp_url(env), window_s=options.gcp_window_s, timeout_s=options.http_timeout_s,
-            wait_timeout_s=options.gcp_wait_timeout_s, **timing, **retry,
-        ))
-    if "azure" in names:
-        sources.append(azure.AzureSource(
-            options.azure_url(), vm_name=options.azure_vm_name, timeout_s=options.http_timeout_s,
-            first_call_timeout_s=options.azure_first_call_timeout_s, **timing, **retry,
-        ))
-    if "file" in names:
-        if not options.notice_file:
-            raise ConfigError("--notice file needs a notice file path")
-        sources.append(FileSource(options.notice_file, **timing))
-    return sources
+        names.update(name for name, registration in SOURCES.items()
+                     if registration.in_auto is not None and registration.in_auto(options))
+    return [source for name, registration in SOURCES.items() if name in names and not registration.always
+            for source in registration.build(options, env)]
+
+
+def start_sources(choice: NoticeChoice, options: NoticeOptions, watch: NoticeWatch, *,
+                  environ: Mapping[str, str] | None = None) -> None:
+    """Start on ``watch`` the always-on sources, then those of ``choice``.
+
+    Where ``auto`` has candidate clouds to probe, the sources of ``choice`` are built and
+    started in a background thread after the probes, so the launch never waits for them.
+
+    Raises:
+        ConfigError: ``file`` without a notice file, or a bad endpoint URL - found here,
+            before anything is launched (``auto``'s probes themselves never raise).
+        ValueError: not called from the main thread (the signal source).
+    """
+    env = os.environ if environ is None else environ
+    watch.start(always_on_sources(options, environ=env))
+    plan = plan_detection(options, environ=env) if choice.auto else None
+    if plan is None or not plan.probes:
+        watch.start(build_sources(choice, options, environ=env, plan=plan))
+        return
+    threading.Thread(target=_detect_then_start, args=(choice, options, watch, env, plan),
+                     name="spotrun-notice-detect", daemon=True).start()
+
+
+def _detect_then_start(choice: NoticeChoice, options: NoticeOptions, watch: NoticeWatch,
+                       environ: Mapping[str, str], plan: DetectionPlan) -> None:
+    try:
+        sources = build_sources(choice, options, environ=environ, plan=plan)
+    except Exception as exc:  # a probe must never take the supervisor down
+        log.warning("cloud detection failed (%s): only signals are notices", exc)
+        return
+    if not sources:
+        log.info("no cloud metadata server answered: signals are the only notices")
+    watch.start(sources)

@@ -17,16 +17,21 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from spotrun.errors import ConfigError
-from spotrun.notices.base import Finding, NoticeSource, PollProblem
+from spotrun.notices.base import Finding, NoticeSource, PolledSource, PollProblem
+
+if TYPE_CHECKING:
+    from spotrun.notices.options import NoticeOptions
 
 DEFAULT_POLL_PERIOD_S = 0.5
 #: At most this many bytes of the file are read.
 MAX_FILE_BYTES = 64 * 1024
 
 
-class FileSource(NoticeSource):
+class FileSource(PolledSource):
     """Posts a notice when ``path`` exists.
 
     Args:
@@ -84,3 +89,19 @@ class FileSource(NoticeSource):
             else:
                 self.problems.report(f"bad {name}", f"{self.path}: {name!r} is not a number: ignored")
         return [Finding(kind=kind, body=body, deadline_unix_s=deadline_unix_s)]
+
+
+def configured(options: NoticeOptions) -> bool:
+    """Whether ``options`` name a notice file (``auto`` then watches it)."""
+    return bool(options.notice_file)
+
+
+def build(options: NoticeOptions, environ: Mapping[str, str]) -> list[NoticeSource]:
+    """The file source of ``options``.
+
+    Raises:
+        ConfigError: no notice file is set.
+    """
+    if not options.notice_file:
+        raise ConfigError("--notice file needs a notice file path")
+    return [FileSource(options.notice_file, **options.poll_timing(retry=False))]

@@ -27,11 +27,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
 from spotrun.errors import ConfigError
 from spotrun.notices import _http
-from spotrun.notices.base import Finding, NoticeSource, PollProblem
+from spotrun.notices.base import Endpoint, Finding, NoticeSource, PolledSource, PollProblem
+
+if TYPE_CHECKING:
+    from spotrun.notices.options import NoticeOptions
 
 HOST_ENV = "GCE_METADATA_HOST"
 DEFAULT_HOST = "metadata.google.internal"
@@ -55,7 +59,7 @@ def base_url_from_env(environ: Mapping[str, str] | None = None) -> str:
     return "http://" + (env.get(HOST_ENV) or DEFAULT_HOST)
 
 
-class GcpValueSource(NoticeSource):
+class GcpValueSource(PolledSource):
     """Long-polls one metadata value and turns some of its values into notices.
 
     Args:
@@ -149,3 +153,22 @@ def probe(base_url: str, timeout_s: float) -> bool:
     except PollProblem:
         return False
     return response.status == 200 and response.text().strip() in ("TRUE", "FALSE")
+
+
+def endpoint(options: NoticeOptions, environ: Mapping[str, str]) -> Endpoint:
+    """The metadata base URL in use: ``--gcp-metadata-host``, else :func:`base_url_from_env`."""
+    if options.gcp_host:
+        return Endpoint("http://" + options.gcp_host, "--gcp-metadata-host is set")
+    return Endpoint(base_url_from_env(environ), f"{HOST_ENV} is set" if environ.get(HOST_ENV) else None)
+
+
+def build(options: NoticeOptions, environ: Mapping[str, str]) -> list[NoticeSource]:
+    """Both GCP sources of ``options``.
+
+    Raises:
+        ConfigError: a bad host.
+    """
+    return list(gcp_sources(
+        endpoint(options, environ).url, window_s=options.gcp_window_s, timeout_s=options.http_timeout_s,
+        wait_timeout_s=options.gcp_wait_timeout_s, **options.poll_timing(),
+    ))

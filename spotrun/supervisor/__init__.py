@@ -4,13 +4,12 @@
 * :mod:`spotrun.supervisor.config`  :class:`SupervisorConfig`, the options;
 * :mod:`spotrun.supervisor.launch`  resume point and environment of each launch;
 * :mod:`spotrun.supervisor.preflight` the storage check before the first launch;
-* :mod:`spotrun.supervisor.notices` :class:`Notice` and the :class:`Inbox` every notice
-  source (signals now, cloud metadata pollers later) delivers through;
 * :mod:`spotrun.supervisor.process` descendants, stopping the process tree, reaping.
+
+The notices it acts on (signals, cloud metadata servers) come from :mod:`spotrun.notices`.
 """
 
 from spotrun.supervisor.config import SupervisorConfig
-from spotrun.supervisor.notices import Inbox, Notice
 from spotrun.supervisor.run import (
     EXIT_FINISHED,
     EXIT_PREEMPTED_NOT_SAVED,
@@ -22,8 +21,6 @@ __all__ = [
     "EXIT_FINISHED",
     "EXIT_PREEMPTED_NOT_SAVED",
     "EXIT_PREEMPTED_SAVED",
-    "Inbox",
-    "Notice",
     "SupervisorConfig",
     "supervise",
 ]

@@ -11,7 +11,7 @@ from spotrun.env import DEFAULT_CHECKPOINT_URI, default_safety_margin_s
 from spotrun.checkpoint.retention import RetentionPolicy
 from spotrun.errors import ConfigError
 from spotrun.notices import NoticeOptions, parse_notice_option
-from spotrun.supervisor.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals
+from spotrun.notices.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals
 
 #: Upper bound of the wait before a crash restart, in seconds.
 MAX_RESTART_BACKOFF_S = 300.0
@@ -45,7 +45,7 @@ class SupervisorConfig:
         notice_options: endpoints, Azure VM name, drill file and timings of those sources.
         notice_signals: the signals that are notices, comma-separated (``"TERM,INT,HUP,USR1,USR2"``,
             the default), or ``"none"``; every other signal that would end the supervisor is
-            logged and ignored (see :mod:`spotrun.supervisor.signals`).
+            logged and ignored (see :mod:`spotrun.notices.signals`).
         log_format: ``text`` or ``json``, passed to the launch command as ``$SPOTRUN_LOG_FORMAT``
             (:mod:`spotrun.logs`); ``None``: whatever the environment has.
         keep_last, keep_every: retention for the workers' checkpoints (passed as

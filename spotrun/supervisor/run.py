@@ -6,8 +6,8 @@ error, exit code 2, before anything is launched). It then finds the newest compl
 checkpoint, starts the launch command (usually ``torchrun ...``) in its own process group
 with the resume point in the environment (:mod:`spotrun.supervisor.launch`), and waits.
 A preemption notice (a notice signal to the supervisor - SIGTERM, SIGINT, SIGHUP, SIGUSR1,
-SIGUSR2 by default, see :mod:`spotrun.supervisor.signals` - or a cloud notice, all through
-:class:`~spotrun.supervisor.notices.Inbox`) never reaches torchrun as a signal, because
+SIGUSR2 by default, see :mod:`spotrun.notices.signals` - or a cloud notice, all through
+:class:`~spotrun.notices.inbox.Inbox`) never reaches torchrun as a signal, because
 torchrun treats those as fatal. Instead the supervisor writes a save request into the
 node-local control directory (:mod:`spotrun.control`) with the deadline
 ``notice time + grace period - safety margin``, and waits for the command to exit. If the
@@ -56,6 +56,7 @@ become its children). It must be the only code in its process that waits for chi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shlex
@@ -69,16 +70,15 @@ from spotrun import control
 from spotrun.checkpoint import catalog
 from spotrun.errors import ConfigError, SpotrunError
 from spotrun.manifest import Manifest
+from spotrun.notices import Inbox, Notice, NoticeWatch, is_stop, parse_notice_option, start_sources
+from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal
+from spotrun.notices.signals import describe as describe_signals
 from spotrun.storage import Storage, open_storage
 from spotrun.supervisor import outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.estimate import decide, estimate_emergency_save
 from spotrun.supervisor.launch import LaunchPlan, describe_start, plan_launch
-from spotrun.notices import is_stop
-from spotrun.supervisor.cloud_notices import CloudNotices
-from spotrun.supervisor.notices import CHILD_EVENT, IgnoredSignal, Inbox, Notice, signal_notices
 from spotrun.supervisor.observers import Observers
-from spotrun.supervisor.signals import describe as describe_signals
 from spotrun.supervisor.torchrun_command import TorchrunLaunch, read_torchrun_command
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
     for (it reaps every child), and that thread must live as long as the process (the
     launch command gets SIGTERM when the thread that started it ends). Installs handlers
     for every signal that would end the process (notices and ignored signals, see
-    :mod:`spotrun.supervisor.signals`) and SIGCHLD while it runs and restores the old
+    :mod:`spotrun.notices.signals`) and SIGCHLD while it runs and restores the old
     ones afterwards.
 
     Args:
@@ -118,14 +118,13 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
         log.warning("%s", warning)
     preflight.check_storage(config.checkpoint_uri, s3_endpoint_url=config.s3_endpoint_url)
     with contextlib.ExitStack() as stack:
-        inbox = stack.enter_context(Inbox(config.notice_signal_numbers))
-        stack.enter_context(signal_notices(inbox))
+        inbox = stack.enter_context(Inbox())
+        notice_options = dataclasses.replace(config.notice_options, notice_signals=config.notice_signal_numbers)
+        watch = stack.enter_context(NoticeWatch(inbox))
         log.info("notice signals: %s (other signals that would end spotrun are logged and ignored); "
                  "grace period %.1f s, safety margin %.1f s",
-                 describe_signals(inbox.notice_signals), config.grace_period_s, config.safety_margin_s)
-        cloud = CloudNotices(config.notice, config.notice_options, inbox.post)
-        stack.callback(cloud.stop)
-        cloud.start()
+                 describe_signals(notice_options.notice_signals), config.grace_period_s, config.safety_margin_s)
+        start_sources(parse_notice_option(config.notice), notice_options, watch)
         storage = open_storage(config.checkpoint_uri, **config.storage_options())
         control_root = tempfile.mkdtemp(prefix="spotrun-control-")
         stack.callback(shutil.rmtree, control_root, ignore_errors=True)
@@ -300,7 +299,7 @@ class _Supervisor:
             return
         self.ignored_signals.add(event.signum)
         log.warning("ignoring %s: not a notice signal (--notice-signals: %s); still supervising "
-                    "(further %s are not logged)", event.name, describe_signals(self.inbox.notice_signals), event.name)
+                    "(further %s are not logged)", event.name, describe_signals(self.config.notice_signal_numbers), event.name)
 
     def _on_notice(self, notice: Notice) -> None:
         """The one place where a notice turns into a save request (signals and clouds alike)."""

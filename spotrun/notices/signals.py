@@ -1,4 +1,11 @@
-"""Which signals the supervisor takes as preemption notices, and what it does with the rest.
+"""The signal notice source: which signals to the supervisor are preemption notices, and the rest.
+
+:class:`SignalSource` is always on (``--notice`` does not turn it off): it routes every
+signal that would end the supervisor, and SIGCHLD, into the inbox. No work happens inside a
+signal handler: the Python handlers do nothing, and :func:`signal.set_wakeup_fd` makes the
+interpreter's C-level handler write the signal number into the inbox's self-pipe
+(:mod:`spotrun.notices.inbox`); the main loop turns it into an event: a :class:`Notice`,
+an :class:`IgnoredSignal`, or :data:`CHILD_EVENT` (SIGCHLD: reap the children).
 
 Every signal whose default action would end the supervisor falls in one of three groups:
 
@@ -25,12 +32,22 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Iterable
+import time
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from spotrun.errors import ConfigError
+from spotrun.notices.base import Notice, NoticeSource
+
+if TYPE_CHECKING:
+    from spotrun.notices.inbox import Inbox
+    from spotrun.notices.options import NoticeOptions
 
 #: The notice signals when ``--notice-signals`` is not given.
 DEFAULT_NOTICE_SIGNALS = "TERM,INT,HUP,USR1,USR2"
+#: Event meaning "a child process changed state" (SIGCHLD arrived).
+CHILD_EVENT = "child"
 
 #: Signals that report a fault in the process itself: they keep their default action.
 FAULT_SIGNALS = frozenset(
@@ -134,3 +151,92 @@ def describe(numbers: Iterable[int]) -> str:
     """``{15, 2}`` -> ``"SIGINT, SIGTERM"`` (sorted by number); ``"none"`` when empty."""
     names = [signal_name(n) for n in sorted(numbers)]
     return ", ".join(names) if names else "none"
+
+
+@dataclass(frozen=True)
+class IgnoredSignal:
+    """A signal that is not a notice arrived (e.g. SIGALRM, or SIGUSR1 left out of ``--notice-signals``).
+
+    Attributes:
+        signum: its number.
+        name: its name (``"SIGALRM"``, ``"SIGRTMIN+3"``).
+    """
+
+    signum: int
+    name: str
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """Python-level handler: nothing to do; the wakeup fd already carries the signal."""
+
+
+class SignalSource(NoticeSource):
+    """Routes every signal that would end the supervisor, and SIGCHLD, into the inbox.
+
+    The notice signals become :class:`Notice` events, every other signal of
+    :func:`terminating_signals` an :class:`IgnoredSignal`, so no such signal can end the
+    supervisor and leave its job unsupervised. Fault signals (SIGSEGV, ...) keep their
+    default action. The signals are also unblocked in the main thread: a parent may have
+    blocked them and the mask is inherited (a blocked SIGCHLD would leave exited children
+    unnoticed, a blocked SIGTERM would swallow the notice). Handlers, unlike ``SIG_IGN``, are
+    reset to the default by ``exec``, so the launch command starts with default
+    dispositions. :meth:`stop` restores the previous handlers, wakeup fd and signal mask.
+
+    Args:
+        notice_signals: the signal numbers that are notices (see :func:`parse_notice_signals`).
+    """
+
+    name = "signal"
+
+    def __init__(self, notice_signals: Collection[int]):
+        self.notice_signals = frozenset(notice_signals)
+        self._restore: tuple[dict[int, object], int, set[int] | None] | None = None
+
+    def describe(self) -> str:
+        return f"signals ({describe(self.notice_signals)})"
+
+    def event(self, signum: int) -> object:
+        """The inbox event for ``signum``: :data:`CHILD_EVENT`, a :class:`Notice` or an :class:`IgnoredSignal`."""
+        if signum == signal.SIGCHLD:
+            return CHILD_EVENT
+        if signum in self.notice_signals:
+            return Notice(source=self.name, kind=signal_name(signum), received_unix_s=time.time())
+        return IgnoredSignal(signum=signum, name=signal_name(signum))
+
+    def start(self, inbox: Inbox) -> None:
+        """Install the handlers and the wakeup fd, and unblock the signals.
+
+        Raises:
+            ValueError: not called from the main thread.
+        """
+        watched = tuple(sorted({*terminating_signals(), *self.notice_signals, signal.SIGCHLD}))
+        previous = {signum: signal.getsignal(signum) for signum in watched}
+        old_fd = signal.set_wakeup_fd(inbox.route_signals(self.event), warn_on_full_buffer=False)
+        old_mask = None
+        try:
+            for signum in watched:
+                signal.signal(signum, _ignore)
+            old_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, watched)
+        except BaseException:
+            _restore(previous, old_fd, old_mask)
+            raise
+        self._restore = (previous, old_fd, old_mask)
+
+    def stop(self, timeout_s: float) -> None:
+        """Restore the previous signal mask, handlers and wakeup fd (no thread to wait for)."""
+        if self._restore is not None:
+            restore, self._restore = self._restore, None
+            _restore(*restore)
+
+
+def _restore(previous: Mapping[int, object], old_fd: int, old_mask: set[int] | None) -> None:
+    if old_mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    for signum, handler in previous.items():
+        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    signal.set_wakeup_fd(old_fd)
+
+
+def build(options: NoticeOptions, environ: Mapping[str, str]) -> list[NoticeSource]:
+    """The signal source of ``options.notice_signals``."""
+    return [SignalSource(options.notice_signals)]
