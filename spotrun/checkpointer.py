@@ -12,9 +12,11 @@ Typical use inside a ``torchrun`` worker (see the README for the whole loop)::
         if ckpt.end_of_step(step):     # True: stop now (an emergency checkpoint committed,
             return                     # unless the supervisor found no time for one)
 
-"When to save" (:meth:`Checkpointer.end_of_step`) is kept apart from "how to save"
-(:mod:`spotrun.checkpoint.save`; in the background: :mod:`spotrun.checkpoint.background`,
-and what happens to a save in flight when the job must stop: :mod:`spotrun.checkpoint.in_flight`).
+"When to save" (:mod:`spotrun.save_decision`, a pure function :meth:`Checkpointer.end_of_step`
+acts on) is kept apart from "how to save" (:mod:`spotrun.checkpoint.save`; in the background:
+:mod:`spotrun.checkpoint.background`, and what happens to a save in flight when the job must
+stop: :mod:`spotrun.checkpoint.in_flight`). Three mixins hold parts of the class: :meth:`Checkpointer.restore`
+(:mod:`spotrun.restoring`), due saves (:mod:`spotrun.periodic_saving`), stops (:mod:`spotrun.stopping`).
 """
 
 from __future__ import annotations
@@ -22,25 +24,28 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from spotrun import control, dist
-from spotrun.checkpoint import resume
 from spotrun.checkpoint.background import BackgroundSaver
+from spotrun.checkpoint.claim import claim_incarnation
 from spotrun.checkpoint.retention import Retainer, RetentionPolicy
 from spotrun.checkpoint.encode import encode_state
 from spotrun.checkpoint.save import SaveContext, save_step
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES, ShardLimits
 from spotrun.gc_pause import gc_paused
 from spotrun.env import DEFAULT_CHECKPOINT_URI, DEFAULT_SAVE_TIMEOUT_S, WorkerEnv
+from spotrun.save_decision import Action, StepContext, decide
 from spotrun.save_meter import SaveMeter
-from spotrun.errors import CheckpointSaveError, ConfigError
+from spotrun.errors import ConfigError
 from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState
 from spotrun.state.optimizer import pair_optimizers
 from spotrun.state.rng import RNGState
 from spotrun.state.stateful import state_of
 from spotrun.stop_requests import StopRequests
 from spotrun.restoring import RestoringMixin
+from spotrun.periodic_saving import PeriodicSavingMixin
 from spotrun.stopping import StoppingMixin
 from spotrun.training_events import TrainingEvents
 from spotrun.storage import Storage, open_storage
@@ -51,7 +56,7 @@ log = logging.getLogger(__name__)
 ON_SAVE_IN_FLIGHT = ("wait", "skip")
 
 
-class Checkpointer(RestoringMixin, StoppingMixin):
+class Checkpointer(RestoringMixin, PeriodicSavingMixin, StoppingMixin):
     """Saves and restores the whole training state of every rank.
 
     Args:
@@ -72,7 +77,7 @@ class Checkpointer(RestoringMixin, StoppingMixin):
             capability, GPU models; :mod:`spotrun.state.numerics`): a restore logs a warning
             when they differ from the writer's. Names ``rng`` and ``numerics`` are reserved.
         check_interval_steps: look for a save request every this many steps (1 = every
-            step; each check is one 1-element all-reduce).
+            step; each check is one all-reduce of a few flags).
         handle_signals: turn SIGTERM/SIGINT into an emergency-save request (main thread
             only). A second SIGINT interrupts as usual.
         max_failed_periodic_saves: consecutive failed periodic saves tolerated (logged)
@@ -201,32 +206,30 @@ class Checkpointer(RestoringMixin, StoppingMixin):
         current = self._background.in_flight
         return None if current is None else current.step
 
+    @property
+    def step_time_s(self) -> float | None:
+        """Seconds one training step takes (see :attr:`spotrun.save_meter.SaveMeter.step_time_s`)."""
+        return self._meter.step_time_s
+
     # --- saving ---------------------------------------------------------------
 
     def end_of_step(self, step: int) -> bool:
-        """Call once per training step, after the optimizer step, on every rank.
+        """Call once per training step, after the optimizer step, on every rank; True: stop
+        the loop now (and exit 0; :attr:`preempted` is set).
 
-        Agrees across ranks whether a save was requested (a supervisor's request file, a
-        signal, or a supervisor that is gone - see :mod:`spotrun.supervisor_watch` - on any
-        rank); if so, every rank saves this same step as an emergency
-        checkpoint, and this returns True: the loop must stop and the process exit 0.
-        When a supervisor asked to stop *without* saving (it estimated that a save cannot
-        commit before the deadline), every rank stops at this step without saving and this
-        returns True as well (:attr:`preempted` is set either way); the newest complete
-        checkpoint stays the resume point.
-        When ``$SPOTRUN_STOP_AT_STEP`` is set and ``step`` is at or past it, every rank
-        behaves as on an agreed save request: it takes the emergency checkpoint of this
-        step (under a supervisor, which then exits 143) and this returns True; every rank
-        reads the same variable at the same step, so this needs no collective.
-        Otherwise saves a periodic checkpoint every ``interval_steps``, and an ordinary
-        checkpoint when the supervisor asked for one (e.g. on an AWS rebalance
-        recommendation) - training then goes on. One all-reduce decides both.
+        Every ``check_interval_steps`` steps one all-reduce agrees what the ranks were asked
+        (a supervisor's request file, a signal, a supervisor that is gone:
+        :mod:`spotrun.stop_requests`; an ordinary checkpoint) and whether a background save
+        is still being written anywhere; :func:`spotrun.save_decision.decide` then picks, the
+        same on every rank: stop without saving (a supervisor found no time for a save; the
+        newest complete checkpoint stays the resume point), the emergency checkpoint of this
+        step (also when ``step`` reached ``$SPOTRUN_STOP_AT_STEP``), a requested or periodic
+        checkpoint (training goes on), or nothing.
         With ``background_saves`` those saves return once the state is staged; a background
         save that failed is reported here (logged, or raised as below) at the first step
-        that looks for requests after it ended on every rank, or at the next due save. An
-        emergency request while a background save is in flight decides between finishing
-        it and saving this step too, finishing it only, or abandoning it for this step
-        (:mod:`spotrun.checkpoint.in_flight`), and logs which.
+        that looks for requests after it ended on every rank, or at the next due save. A
+        stop with a background save in flight finishes or abandons it as
+        :mod:`spotrun.checkpoint.in_flight` decides, and logs which.
 
         Raises:
             CheckpointSaveError: the emergency save failed, or too many periodic saves
@@ -237,32 +240,28 @@ class Checkpointer(RestoringMixin, StoppingMixin):
         self._meter.step_boundary()
         self._events.step_reached(step)
         self._background.publish_progress()
-        checkpoint_requested = False
-        still_running: bool | None = None  # whether some rank still writes a save in flight; None: not asked
+        context = StepContext(step, self.interval_steps, self._env.stop_at_step)
+        asked, still_running = None, None  # None: not looked at this step
         if step % self.check_interval_steps == 0:
-            save_requested, stop_requested = self._requests.pending()
+            asked = self._requests.read()
+            checkpoint = self._checkpoint_requests is not None and self._checkpoint_requests.pending()
             # one more flag in the same all-reduce: is a background save still being written anywhere?
-            stop, no_save, checkpoint_requested, still_running = dist.any_rank_each(
-                [save_requested, stop_requested,
-                 self._checkpoint_requests is not None and self._checkpoint_requests.pending(),
-                 self._background.running])
+            save_and_stop, stop_without_save, checkpoint, still_running = dist.any_rank_each(
+                [asked.save_and_stop, asked.stop_without_save, checkpoint, self._background.running])
+            context = replace(context, save_and_stop=save_and_stop, stop_without_save=stop_without_save,
+                              checkpoint_requested=checkpoint)
             if not still_running and self._background.in_flight is not None:  # ended on every rank:
                 self._report_background(self._background.take())  # every rank reports it at this step
-            if no_save:  # one node's supervisor found no time to save: nobody saves
-                self._stop_without_save(step)
-                return True
-            if stop:
-                self._emergency_save(step)
-                return True
-        if self._stop_step_reached(step):  # $SPOTRUN_STOP_AT_STEP: the same on every rank
-            self._emergency_save(step, why=f"SPOTRUN_STOP_AT_STEP={self._env.stop_at_step}")
-            return True
-        if checkpoint_requested:
-            if self._periodic_save(step, "requested", still_running) and self._checkpoint_requests is not None:
+        decision = decide(context)
+        if decision.action is Action.STOP_WITHOUT_SAVE:
+            self._stop_without_save(step, asked)
+        elif decision.action is Action.SAVE_AND_STOP:  # $SPOTRUN_STOP_AT_STEP needs no look: read once here
+            self._emergency_save(step, asked or self._requests.read(), why=decision.why)
+        elif decision.action is Action.SAVE:
+            served = self._due_save(step, decision.reason, still_running)
+            if served and decision.reason == "requested" and self._checkpoint_requests is not None:
                 self._checkpoint_requests.handled()
-        elif self.interval_steps and step % self.interval_steps == 0:
-            self._periodic_save(step, "periodic", still_running)
-        return False
+        return decision.stops
 
     @gc_paused()
     def save(self, step: int, reason: str = "manual", *, timeout_s: float | None = None) -> None:
@@ -290,8 +289,7 @@ class Checkpointer(RestoringMixin, StoppingMixin):
             return
         started_s = self._meter.save_started(step, reason)
         try:
-            replicated = {name: state_of(obj) for name, obj in self._state.items()}
-            rank_local = {name: state_of(obj) for name, obj in self._rank_state.items()}
+            replicated, rank_local = self._state_dicts()
             with self._storage.deadline(self.save_timeout_s if timeout_s is None else timeout_s):
                 context = self._context(step, reason, replicated, rank_local)
                 saved = save_step(self._storage, step, replicated, rank_local, context, self._limits)
@@ -305,6 +303,11 @@ class Checkpointer(RestoringMixin, StoppingMixin):
                      step, reason, len(saved.manifest.files), saved.size_bytes / 2**20, duration_s)
         self._retain(step, reason)
 
+    def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the replicated state, this rank's own state) as state dicts of the live objects."""
+        return ({name: state_of(obj) for name, obj in self._state.items()},
+                {name: state_of(obj) for name, obj in self._rank_state.items()})
+
     def _retain(self, step: int, reason: str) -> None:  # on global rank 0; an emergency save's grace is the save's
         if dist.rank() == 0 and reason != "emergency":
             self._retainer.after_commit(step, self._incarnation)
@@ -314,49 +317,12 @@ class Checkpointer(RestoringMixin, StoppingMixin):
         incarnation (collective), once the state can be saved. Call under a storage deadline."""
         if self._incarnation is None:
             encode_state(replicated, rank_local, dist.rank())  # raises before anything is claimed
-            self._incarnation = resume.claim_incarnation(
+            self._incarnation = claim_incarnation(
                 self._storage, resumed_step=None, at_least=self._env.incarnation, run_id=self._run_id,
                 after_newest=True, saving_step=step)
             self._events.started(self._incarnation, None, 0)
         return SaveContext(reason=reason, run_id=self._run_id, incarnation=self._incarnation,
                            step_time_s=self._meter.step_time_s)
-
-    def _periodic_save(self, step: int, reason: str, still_running: bool | None) -> bool:
-        """A due save (periodic, or requested by the supervisor); False when skipped because
-        the save before it is still in flight (``on_save_in_flight="skip"``).
-
-        ``still_running``: whether some rank still writes the save in flight, if this step's
-        all-reduce already asked; else one all-reduce asks here (only while a save is in flight).
-        """
-        if self._last_saved_step == step:
-            return True
-        if not self.background_saves:
-            try:
-                self.save(step, reason=reason)
-                self._failed_periodic_saves = 0
-            except CheckpointSaveError as exc:
-                self._count_failed_periodic_save(step, exc)
-            return True
-        if still_running is None:  # this step's all-reduce did not ask: one all-reduce at a due step
-            still_running = dist.any_rank(self._background.running)
-        if still_running and self.on_save_in_flight == "skip":
-            if dist.rank() == 0:
-                log.warning("%s save of step %d skipped: the background save of step %s is still in flight "
-                            "(on_save_in_flight='skip')%s", reason, step, self._background.in_flight.step
-                            if self._background.in_flight else "?",
-                            "; the request is served at a later step" if reason == "requested" else "")
-            return False
-        waited_s = self._background.wait_reporting(f"{reason} save of step {step}") if still_running else 0.0
-        self._report_background(self._background.take())
-        replicated = {name: state_of(obj) for name, obj in self._state.items()}
-        rank_local = {name: state_of(obj) for name, obj in self._rank_state.items()}
-        try:  # staged here; claiming the incarnation (a save without restore()) also happens here
-            self._background.start(self._storage, step, replicated, rank_local,
-                                   lambda: self._context(step, reason, replicated, rank_local), self._limits,
-                                   timeout_s=self.save_timeout_s, reason=reason, waited_s=waited_s)
-        except CheckpointSaveError as exc:
-            self._count_failed_periodic_save(step, exc)
-        return True
 
     def wait_for_save(self) -> None:
         """Block until the background save in flight (if any) ended on this rank (call it
@@ -368,11 +334,6 @@ class Checkpointer(RestoringMixin, StoppingMixin):
             FencedError: a newer incarnation started on the root; nothing was committed.
         """
         self._report_background(self._background.take(), count_failure=False)
-
-    @property
-    def step_time_s(self) -> float | None:
-        """Seconds one training step takes (see :attr:`spotrun.save_meter.SaveMeter.step_time_s`)."""
-        return self._meter.step_time_s
 
     def close(self) -> None:
         """Wait for the background save in flight (its failure is reported as in

@@ -11,8 +11,9 @@ import logging
 import time
 
 from spotrun import dist
-from spotrun.checkpoint import resume
 from spotrun.checkpoint.apply import apply_loaded, check_serialisable, restore_destinations
+from spotrun.checkpoint.claim import claim_incarnation
+from spotrun.checkpoint.restore import load_newest
 from spotrun.gc_pause import gc_paused
 from spotrun.manifest import Manifest
 from spotrun.rank_layout import restored_onto
@@ -52,7 +53,7 @@ class RestoringMixin:
         if manifest is not None:
             self._meter.restore_ended(step, time.monotonic() - started_s, self.restore_bytes_read)
         check_serialisable(self._state, self._rank_state)  # refused before this start leaves any trace on the root
-        self._incarnation = resume.claim_incarnation(
+        self._incarnation = claim_incarnation(
             self._storage, resumed_step=step if manifest else None, run_id=self._run_id,
             at_least=max(self._env.incarnation, manifest.incarnation + 1 if manifest else 0))
         self._events.started(self._incarnation, step if manifest else None, self.restore_bytes_read)
@@ -63,8 +64,7 @@ class RestoringMixin:
 
     def _restore(self) -> tuple[int, Manifest | None]:
         """Load the newest loadable complete step: (its step and manifest), or (0, None)."""
-        loaded = resume.load_newest(self._storage, supervisor_step=self._env.resume_step,
-                                    destinations=self._destinations)
+        loaded = load_newest(self._storage, supervisor_step=self._env.resume_step, destinations=self._destinations)
         if loaded is None:
             return 0, None
         apply_loaded(loaded, self._state, self._rank_state)

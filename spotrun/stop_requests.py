@@ -2,9 +2,10 @@
 
 A rank is asked to stop by a signal to itself (SIGTERM, SIGINT), by its supervisor's request
 file (:mod:`spotrun.control`: save and stop, or stop without saving), or by a supervisor
-that is gone (:mod:`spotrun.supervisor_watch`). :class:`StopRequests` gathers these for the
-:class:`~spotrun.checkpointer.Checkpointer`, which turns them into one decision of all ranks
-at a step boundary, and says how long an emergency save may take.
+that is gone (:mod:`spotrun.supervisor_watch`). :meth:`StopRequests.read` gathers these once
+per look into an :class:`Asked`, from which the :class:`~spotrun.checkpointer.Checkpointer`
+makes one decision of all ranks at a step boundary (:mod:`spotrun.save_decision`) and bounds
+its emergency save.
 """
 
 from __future__ import annotations
@@ -14,15 +15,55 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from spotrun import control, supervisor_watch
+from spotrun import control, save_decision, supervisor_watch
 from spotrun.env import WorkerEnv, default_safety_margin_s
 from spotrun.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What one rank was asked at one look (:meth:`StopRequests.read`).
+
+    Attributes:
+        request: the supervisor's request file as read then (a damaged one reads as a save
+            request without a deadline); ``None``: there was none.
+        signal_name: the signal this process got (``"SIGTERM"``), if any.
+        gone_supervisor_pid: the pid of the supervisor, if it had exited.
+    """
+
+    request: control.SaveRequest | None = None
+    signal_name: str | None = None
+    gone_supervisor_pid: int | None = None
+
+    @property
+    def stop_without_save(self) -> bool:
+        """The supervisor asked to stop without a save (it outranks a signal)."""
+        return self.request is not None and not self.request.save
+
+    @property
+    def save_and_stop(self) -> bool:
+        """Asked for an emergency checkpoint: by the supervisor's request, else by a signal
+        or a supervisor that is gone."""
+        if self.request is not None:
+            return self.request.save
+        return self.signal_name is not None or self.gone_supervisor_pid is not None
+
+    def describe(self) -> str:
+        """Who asked, for the log (``"SIGTERM"``, ``"supervisor: SIGTERM"``, ``"another rank"``)."""
+        if self.signal_name:
+            return self.signal_name
+        if self.request is not None:
+            return f"supervisor: {self.request.reason}"
+        if self.gone_supervisor_pid is not None:
+            return f"the supervisor (pid {self.gone_supervisor_pid}) is gone"
+        return "another rank"
 
 
 class StopRequests:
@@ -45,46 +86,32 @@ class StopRequests:
         if handle_signals:
             self._install_signal_handlers()
 
-    def pending(self) -> tuple[bool, bool]:
-        """(save and stop, stop without saving) as asked of this rank: a signal or the
-        supervisor's request file (one ``stat`` per call while there is none)."""
+    def read(self) -> Asked:
+        """What this rank is asked now: the supervisor's request file read once (one
+        ``stat`` while there is none), the signal, the supervisor watch."""
+        request = None
         if self._env.control_dir and control.save_requested(self._env.control_dir):
             try:
                 request = control.read_save_request(self._env.control_dir)
-            except ConfigError as exc:  # half-visible or damaged: saving is the safe reading
+            except ConfigError as exc:  # damaged: saving is the safe reading
                 log.warning("%s; taking it as a save request", exc)
-                request = None
-            if request is not None and not request.save:
-                return False, True
-            return True, False
-        supervisor_gone = self._supervisor is not None and self._supervisor.gone
-        return self.signal_name is not None or supervisor_gone, False
+                request = control.SaveRequest(reason="unreadable request file", requested_unix_s=time.time(),
+                                              deadline_unix_s=None)
+        gone = self._supervisor is not None and self._supervisor.gone
+        return Asked(request=request, signal_name=self.signal_name,
+                     gone_supervisor_pid=self._supervisor.supervisor_pid if gone else None)
 
-    def emergency_timeout_s(self, save_timeout_s: float) -> float:
-        """Seconds an emergency save may take: ``save_timeout_s``, or less when the
-        supervisor's request names an earlier deadline, or when the supervisor is gone (the
-        save must end a safety margin before this process is killed)."""
-        timeout_s = save_timeout_s
-        request = control.read_save_request(self._env.control_dir) if self._env.control_dir else None
-        if request is not None and request.deadline_unix_s is not None:
-            timeout_s = min(timeout_s, request.deadline_unix_s - time.time())
-        end_unix_s = self._supervisor.end_unix_s if self._supervisor is not None else None
-        if end_unix_s is not None:
-            margin_s = default_safety_margin_s(self._supervisor.grace_period_s)
-            timeout_s = min(timeout_s, end_unix_s - margin_s - time.time())
-        return timeout_s
-
-    def describe(self) -> str:
-        """Who asked, for the log (``"SIGTERM"``, ``"supervisor: SIGTERM"``, ``"another rank"``)."""
-        if self.signal_name:
-            return self.signal_name
-        if self._env.control_dir:
-            request = control.read_save_request(self._env.control_dir)
-            if request is not None:
-                return f"supervisor: {request.reason}"
-        if self._supervisor is not None and self._supervisor.gone:
-            return f"the supervisor (pid {self._supervisor.supervisor_pid}) is gone"
-        return "another rank"
+    def emergency_timeout_s(self, asked: Asked, save_timeout_s: float) -> float:
+        """Seconds an emergency save may take (:func:`spotrun.save_decision.emergency_timeout_s`):
+        at most ``save_timeout_s``, bounded by the deadline of the request in ``asked`` and,
+        when the supervisor is gone, by the time this process will be killed."""
+        watch = self._supervisor
+        kill_unix_s = watch.end_unix_s if watch is not None else None
+        return save_decision.emergency_timeout_s(
+            save_timeout_s, time.time(),
+            deadline_unix_s=asked.request.deadline_unix_s if asked.request is not None else None,
+            kill_unix_s=kill_unix_s,
+            safety_margin_s=0.0 if kill_unix_s is None else default_safety_margin_s(watch.grace_period_s))
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -178,7 +178,7 @@ def preload(scenario: Scenario) -> None:
     starts a thread or opens a connection."""
     import spotrun.checkpoint.catalog  # noqa: F401
     import spotrun.checkpoint.restore  # noqa: F401
-    import spotrun.checkpoint.resume  # noqa: F401
+    import spotrun.checkpoint.claim  # noqa: F401
     import spotrun.checkpointer  # noqa: F401
     import spotrun.storage.local  # noqa: F401
 

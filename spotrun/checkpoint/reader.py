@@ -10,7 +10,7 @@ after, chunks in parallel. No buffer of the whole file exists; bytes of tensors 
 does not want go through a scratch buffer of at most one chunk.
 
 A file that fails verification has already written into its destinations; the caller
-(:mod:`spotrun.checkpoint.resume`) then loads an older step into the same tensors, or
+(:func:`spotrun.checkpoint.restore.load_newest`) then loads an older step into the same tensors, or
 fails the start.
 """
 

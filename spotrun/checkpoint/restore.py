@@ -1,5 +1,6 @@
-"""Loading one step: read the manifest, fetch and verify the files this rank needs,
-and rebuild the state dicts.
+"""Loading a step: read the manifest, fetch and verify the files this rank needs, and rebuild
+the state dicts; at a start, the newest step every rank can load (:func:`load_newest`: a step
+that fails on any rank is skipped by all of them together).
 
 Nothing is applied to the training objects here: a caller first loads everything
 (so a corrupt shard is found before any model is touched), then applies it. Each file
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +32,14 @@ from spotrun.checkpoint.dtypes import from_stored
 from spotrun.checkpoint.reader import fits, read_shard_into
 from spotrun.gc_pause import gc_paused
 from spotrun.checkpoint.shard import decode_shard
-from spotrun.errors import CorruptShardError, ManifestError, SpotrunError, StateMismatchError
+from spotrun.errors import (
+    CorruptShardError,
+    ManifestError,
+    NoCheckpointError,
+    SpotrunError,
+    StateMismatchError,
+    StorageError,
+)
 from spotrun.manifest import Manifest
 from spotrun.state import tree
 from spotrun.storage.base import Storage
@@ -129,6 +138,122 @@ def load_committed(storage: Storage, step: int, rank: int, world_size: int) -> L
         Everything :func:`load_step` raises.
     """
     return load_step(storage, step, catalog.committed(storage, step).manifest_key, rank, world_size)
+
+
+def load_newest(storage: Storage, *, supervisor_step: int | None,
+                destinations: Callable[[], dict[str, torch.Tensor]] | dict[str, torch.Tensor] | None = None,
+                ) -> LoadedStep | None:
+    """Load the newest complete step that every rank can verify, or ``None`` when there is none.
+
+    Lists the steps again (so a step committed since the supervisor chose ``supervisor_step``
+    is newer and used). A step that fails verification on any rank is skipped by every rank
+    (:func:`judge`), logged (``checkpoint step S failed verification (...); falling back to step R``) and,
+    when a file or manifest is corrupt, un-committed. ``destinations`` (name -> live
+    tensor, or a function returning them, called only once there is a step to load) are
+    filled in place where they fit (:func:`load_step`).
+
+    Raises:
+        StorageError: the listing failed.
+        NoCheckpointError: complete steps exist but none of them loads.
+    """
+    listing: dict = {}
+    listed: dict[int, Manifest] = {}
+    if dist.rank() == 0:
+        try:
+            complete = _complete_newest_first(storage, supervisor_step)
+            listing = {"steps": [(s.step, s.manifest_key) for s in complete]}
+            listed = {s.step: s.manifest for s in complete[:1]}  # parsed already: not parsed again
+        except NoCheckpointError as exc:
+            listing = {"refused": str(exc)}
+        except (SpotrunError, OSError) as exc:
+            listing = {"error": f"{type(exc).__name__}: {exc}"}
+    listing = dist.broadcast_json(listing)
+    if "refused" in listing:
+        raise NoCheckpointError(listing["refused"])
+    if "error" in listing:
+        raise StorageError(5, f"cannot list checkpoints under {storage.uri}: {listing['error']}")
+    candidates = [step for step, _key in listing["steps"]]
+    if callable(destinations) and candidates:
+        destinations = destinations()
+    for index, (step, key) in enumerate(listing["steps"]):
+        loaded, problem = _try_load(storage, step, key, listed.pop(step, None), destinations)
+        verdict = judge(dist.all_gather_json(problem))
+        if verdict.loads:
+            return loaded
+        if verdict.mismatch is not None:
+            raise StateMismatchError(f"checkpoint step {step} does not fit this job: {verdict.mismatch}")
+        older = candidates[index + 1] if index + 1 < len(candidates) else None
+        if dist.rank() == 0:
+            log.warning(
+                "checkpoint step %d failed verification (%s); falling back to %s",
+                step,
+                "; ".join(f"rank {r}: {p}" for r, p in sorted(verdict.failures.items())),
+                f"step {older}" if older is not None else "nothing older",
+            )
+            if verdict.corrupt:
+                reject_step(storage, key, "; ".join(verdict.failures.values()))
+    if candidates:
+        raise NoCheckpointError(
+            f"no complete checkpoint under {storage.uri} could be loaded "
+            f"(tried steps {candidates}); see the log for each failure"
+        )
+    return None
+
+
+def _complete_newest_first(storage: Storage, supervisor_step: int | None) -> list[catalog.StepInfo]:
+    steps = catalog.list_steps(storage)
+    catalog.refuse_start_over(storage, steps)
+    complete = [s for s in steps if s.status == catalog.COMPLETE]
+    complete.sort(key=lambda s: s.step, reverse=True)
+    if supervisor_step is not None and complete and complete[0].step != supervisor_step:
+        log.info("the supervisor chose step %d; the newest complete step is now %d",
+                 supervisor_step, complete[0].step)
+    return complete
+
+
+def _try_load(storage: Storage, step: int, key: str, manifest: Manifest | None,
+              destinations: Any) -> tuple[LoadedStep | None, dict | None]:
+    try:
+        return load_step(storage, step, key, dist.rank(), dist.world_size(), manifest, destinations), None
+    except (CorruptShardError, ManifestError) as exc:
+        return None, {"corrupt": True, "message": str(exc)}
+    except StateMismatchError as exc:  # not a bad step: every rank refuses it together
+        return None, {"corrupt": False, "mismatch": True, "message": str(exc)}
+    except StorageError as exc:  # missing object, or the store failed after retries
+        return None, {"corrupt": False, "message": f"{type(exc).__name__}: {exc}"}
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """What every rank does with a step that they all tried to load (:func:`judge`).
+
+    Attributes:
+        failures: rank -> why it could not load the step; empty: every rank loaded it.
+        mismatch: why the step does not fit this job (a rank's :class:`StateMismatchError`):
+            every rank refuses it rather than falling back; ``None`` otherwise.
+        corrupt: a file or manifest of the step is corrupt on some rank: rank 0 un-commits
+            the step (:func:`reject_step`) before every rank falls back to the next older one.
+    """
+
+    failures: dict[int, str]
+    mismatch: str | None = None
+    corrupt: bool = False
+
+    @property
+    def loads(self) -> bool:
+        """Whether every rank loaded the step."""
+        return not self.failures
+
+
+def judge(problems: list[dict | None]) -> StepVerdict:
+    """The verdict on one step from every rank's problem with it, indexed by rank: ``None``
+    where that rank loaded it, else ``{"message": str, "corrupt": bool}``, with
+    ``"mismatch": True`` when the step does not fit the job."""
+    failed = {rank: p for rank, p in enumerate(problems) if p is not None}
+    mismatched = [p["message"] for p in failed.values() if p.get("mismatch")]
+    return StepVerdict(failures={rank: p["message"] for rank, p in failed.items()},
+                       mismatch=mismatched[0] if mismatched else None,
+                       corrupt=any(p["corrupt"] for p in failed.values()))
 
 
 def read_whole_tensors(storage: Storage, manifest: Manifest, names: list[str],

@@ -1,0 +1,53 @@
+"""Claiming this start's incarnation on the root, a collective (:mod:`spotrun.checkpoint.fencing`).
+
+Every rank calls :func:`claim_incarnation`; rank 0 writes, every rank learns the outcome,
+and a failure is told to all of them, so none waits alone at a collective.
+"""
+
+from __future__ import annotations
+
+from spotrun import dist
+from spotrun.checkpoint import catalog, fencing
+from spotrun.errors import CheckpointSaveError, CommitUnsupportedError, SpotrunError, StorageError
+from spotrun.storage.base import Storage
+
+
+def claim_incarnation(storage: Storage, *, resumed_step: int | None, at_least: int, run_id: str,
+                      after_newest: bool = False, saving_step: int | None = None) -> int:
+    """Rank 0 claims the next incarnation on the root (fencing older writers); every rank
+    gets the number.
+
+    Args:
+        resumed_step: the step this start resumed from; ``None`` for a fresh start.
+        at_least: the smallest acceptable number.
+        after_newest: this start restored nothing (a save without ``restore()``); it counts
+            as resumed from the newest complete step, so the steps already committed stay
+            valid and only later commits of older incarnations are fenced.
+        saving_step: the step being saved, when a save claims (a failure is then that
+            save's :class:`CheckpointSaveError`).
+
+    Raises:
+        CheckpointSaveError: with ``saving_step``: the claim failed (``retryable`` false when
+            the store cannot commit at all).
+        StorageError: without it: the claim failed.
+    """
+    claimed: dict = {}
+    if dist.rank() == 0:
+        try:
+            if after_newest:
+                newest = catalog.newest_complete(storage)
+                resumed_step = newest.step if newest else None
+                at_least = max(at_least, newest.manifest.incarnation + 1 if newest else 0)
+            claimed = {"incarnation": fencing.claim(storage, resumed_step=resumed_step, run_id=run_id,
+                                                    at_least=at_least).incarnation}
+        except (SpotrunError, OSError) as exc:  # told to every rank, so none waits alone
+            claimed = {"error": f"{type(exc).__name__}: {exc}",
+                       "retryable": not isinstance(exc, CommitUnsupportedError)}
+    claimed = dist.broadcast_json(claimed)
+    if "error" in claimed:
+        problem = f"cannot record this start under {storage.uri}: {claimed['error']}"
+        if saving_step is not None:
+            raise CheckpointSaveError(f"save of step {saving_step} failed on rank 0: {problem} - nothing was committed",
+                                      retryable=claimed["retryable"])
+        raise StorageError(5, problem)
+    return claimed["incarnation"]
