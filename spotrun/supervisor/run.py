@@ -69,7 +69,7 @@ from spotrun import control
 from spotrun.checkpoint import catalog
 from spotrun.errors import ConfigError, SpotrunError
 from spotrun.manifest import Manifest
-from spotrun.storage import Storage, open_storage
+from spotrun.storage import Storage
 from spotrun.supervisor import outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.estimate import decide, estimate_emergency_save
@@ -116,7 +116,8 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
     launch = read_torchrun_command(config.command)  # a --nnodes torchrun refuses: before anything else
     for warning in launch.warnings() if launch is not None else ():
         log.warning("%s", warning)
-    preflight.check_storage(config.checkpoint_uri, s3_endpoint_url=config.s3_endpoint_url)
+    location = config.location
+    preflight.check_storage(location)
     with contextlib.ExitStack() as stack:
         inbox = stack.enter_context(Inbox(config.notice_signal_numbers))
         stack.enter_context(signal_notices(inbox))
@@ -126,7 +127,7 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
         cloud = CloudNotices(config.notice, config.notice_options, inbox.post)
         stack.callback(cloud.stop)
         cloud.start()
-        storage = open_storage(config.checkpoint_uri, **config.storage_options())
+        storage = location.open()
         control_root = tempfile.mkdtemp(prefix="spotrun-control-")
         stack.callback(shutil.rmtree, control_root, ignore_errors=True)
         if not process.become_subreaper():
@@ -188,9 +189,8 @@ class _Supervisor:
                 return EXIT_PREEMPTED_NOT_SAVED
             control_dir = tempfile.mkdtemp(prefix=f"launch-{attempt}-", dir=self.control_root)
             plan = plan_launch(
-                self.storage, self.config.checkpoint_uri, control_dir=control_dir,
-                grace_period_s=self.config.grace_period_s, previous=plan,
-                s3_endpoint_url=self.config.s3_endpoint_url, supervisor_pid=os.getpid(),
+                self.storage, self.config.location, control_dir=control_dir,
+                grace_period_s=self.config.grace_period_s, previous=plan, supervisor_pid=os.getpid(),
                 log_format=self.config.log_format,
                 retention=self.config.retention_env(),
             )
