@@ -42,27 +42,18 @@ import time
 from collections.abc import Sequence
 
 from spotrun.commands import register_all
-from spotrun.commands._shared import add_storage_options, check_objects_exist, launch_command, open_existing_root
+from spotrun.commands._shared import add_storage_options, launch_command, location_of
 from spotrun.env import DEFAULT_CHECKPOINT_URI
 from spotrun.errors import SpotrunError
-from spotrun.logs import LOG_FORMATS, configure_logging, log_format_from_env
-from spotrun.notices.signals import DEFAULT_NOTICE_SIGNALS
+from spotrun.logs import configure_logging, log_format_from_env
+from spotrun.supervisor.config import add_options
 
 EXIT_USAGE = 2
-_LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--log-level", choices=_LOG_LEVELS, default=None,
-        help="log verbosity on stderr (default: info for run, warning for ls)",
-    )
-    common.add_argument(
-        "--log-format", choices=LOG_FORMATS, default=None,
-        help="log lines on stderr: text, or json (one object per line: time, level, logger, message, ...); "
-        "default $SPOTRUN_LOG_FORMAT, else text. run passes it to the launch command as $SPOTRUN_LOG_FORMAT",
-    )
+    add_options(common, every_command=True)
     parser = argparse.ArgumentParser(
         prog="spotrun",
         description="Keep torchrun training alive on spot machines.",
@@ -77,30 +68,7 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
         "and saved, 142 preempted without a new checkpoint, 2 spotrun error, else the "
         "command's own code.",
     )
-    run.add_argument("--checkpoint-uri", default=DEFAULT_CHECKPOINT_URI, metavar="URI",
-                     help="checkpoint root: local dir, file:// or s3://bucket/prefix (default %(default)s)")
-    add_storage_options(run)
-    run.add_argument("--grace-period-s", type=float, default=30.0, metavar="S",
-                     help="seconds from a notice to the hard kill (default %(default)s, as Kubernetes); the "
-                     "emergency checkpoint must commit by notice + grace period - safety margin")
-    run.add_argument("--safety-margin-s", type=float, default=None, metavar="S",
-                     help="seconds kept free before the end of the grace period (default 5, or half "
-                     "the grace period when that is less)")
-    run.add_argument("--stop-timeout-s", type=float, default=5.0, metavar="S",
-                     help="seconds between SIGTERM and SIGKILL when stopping the command (default %(default)s); "
-                     "after a notice SIGKILL comes halfway through the safety margin at the latest")
-    run.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                     help="restarts after a crash without a notice (default %(default)s)")
-    run.add_argument("--restart-backoff-s", type=float, default=10.0, metavar="S",
-                     help="wait before the first restart, doubled each time, at most 300 s (default %(default)s)")
-    _add_notice_options(run)
-    _add_metrics_options(run)
-    run.add_argument("--keep-last", type=int, default=None, metavar="N",
-                     help="retention: the workers keep the N newest complete steps and delete older ones "
-                     "after each commit (default: keep every step; passed as SPOTRUN_KEEP_LAST)")
-    run.add_argument("--keep-every", type=int, default=None, metavar="M",
-                     help="retention: also keep every step divisible by M (with --keep-last; passed as "
-                     "SPOTRUN_KEEP_EVERY)")
+    add_options(run, every_command=False)
     run.add_argument("--config", metavar="FILE",
                      help="YAML file of defaults for the options above, keys in snake_case "
                      "(grace_period_s: 110); options given here override it (see configs/)")
@@ -128,91 +96,32 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
     return parser
 
 
-def _add_notice_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--notice", default="auto", metavar="auto|none|LIST",
-        help="preemption notice sources besides the notice signals (always on): auto "
-        "(default: probe only a cloud that the DMI facts under /sys/class/dmi/id name or whose "
-        "endpoint is set; nothing off a cloud), none, or a comma-separated list of aws, gcp, "
-        "azure, file, signal (signals are on anyway)",
-    )
-    parser.add_argument(
-        "--notice-signals", default=DEFAULT_NOTICE_SIGNALS, metavar="LIST",
-        help="signals to spotrun that are preemption notices, comma-separated, or none (default "
-        "%(default)s: SLURM's --signal=USR1@N and submitit's USR2 included); every other signal "
-        "that would end spotrun (ALRM, PIPE, QUIT, RTMIN+N, ...) is logged and ignored",
-    )
-    parser.add_argument("--notice-file", default=None, metavar="PATH",
-                        help="drill: a notice when this file appears (its JSON may set deadline_unix_s)")
-    parser.add_argument("--aws-metadata-endpoint", default=None, metavar="URL",
-                        help="AWS IMDS base URL (default $AWS_EC2_METADATA_SERVICE_ENDPOINT, else http://169.254.169.254)")
-    parser.add_argument("--gcp-metadata-host", default=None, metavar="HOST[:PORT]",
-                        help="GCP metadata server (default $GCE_METADATA_HOST, else metadata.google.internal)")
-    parser.add_argument("--azure-metadata-endpoint", default=None, metavar="URL",
-                        help="Azure IMDS base URL (default http://169.254.169.254)")
-    parser.add_argument("--azure-vm-name", default=None, metavar="NAME",
-                        help="this VM's name in Azure Scheduled Events (default: asked from IMDS)")
-
-
-def _add_metrics_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                        help="serve Prometheus metrics on http://ADDRESS:PORT/metrics while spotrun runs "
-                        "(0: a free port, named in the log)")
-    parser.add_argument("--metrics-address", default=None, metavar="ADDRESS",
-                        help="address of the metrics endpoint (default 0.0.0.0: every interface, as a "
-                        "Prometheus scraping pods needs; 127.0.0.1 keeps it to this machine)")
-    parser.add_argument("--metrics-textfile", default=None, metavar="PATH",
-                        help="write the metrics to this .prom file for node_exporter's textfile collector "
-                        "(atomically, at every event, every 15 s and at exit: it keeps the exit code)")
-
-
 def _configure_logging(level_name: str, log_format: str) -> None:
     configure_logging(level_name, log_format=log_format, logger="spotrun", prefix="spotrun:")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from spotrun.notices import NoticeOptions
     from spotrun.supervisor import SupervisorConfig, supervise
 
     command = launch_command(args)
-    config = SupervisorConfig(
-        command=tuple(command),
-        checkpoint_uri=args.checkpoint_uri,
-        grace_period_s=args.grace_period_s,
-        safety_margin_s=args.safety_margin_s,
-        stop_timeout_s=args.stop_timeout_s,
-        max_restarts=args.max_restarts,
-        restart_backoff_s=args.restart_backoff_s,
-        s3_endpoint_url=args.s3_endpoint_url,
-        notice=args.notice,
-        notice_signals=args.notice_signals,
-        keep_last=args.keep_last,
-        keep_every=args.keep_every,
-        notice_options=NoticeOptions(
-            aws_endpoint=args.aws_metadata_endpoint,
-            gcp_host=args.gcp_metadata_host,
-            azure_endpoint=args.azure_metadata_endpoint,
-            azure_vm_name=args.azure_vm_name,
-            notice_file=args.notice_file,
-        ),
-        log_format=args.effective_log_format,
-    )
+    config = SupervisorConfig.from_args(args, command, log_format=args.effective_log_format)
     from spotrun.supervisor.event_log import EventLogObserver
     from spotrun.supervisor.metrics_export import metrics_observers
     from spotrun.supervisor.observers import Observers
 
     observers = Observers([EventLogObserver.for_config(config),
-                           *metrics_observers(args.metrics_port, args.metrics_address, args.metrics_textfile)])
+                           *metrics_observers(config.metrics_port, config.metrics_address, config.metrics_textfile)])
     return supervise(config, observers)
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     from spotrun.checkpoint.catalog import list_steps
 
-    storage = open_existing_root(args.uri, args.s3_endpoint_url, check_objects=False)
+    location = location_of(args.uri, args)
+    storage = location.open_existing(check_objects=False)
     steps = list_steps(storage)
     if not steps:  # the one listing found no step: is anything stored there at all?
-        check_objects_exist(storage)
+        location.check_objects_exist(storage)
     if args.json:
         print(json.dumps([{**s.to_json(), "meshes": s.manifest.meshes if s.manifest else None,
                            "layout": _layout(s)} for s in steps], indent=1))
@@ -242,7 +151,7 @@ def _layout(step) -> str | None:
 def _cmd_preflight(args: argparse.Namespace) -> int:
     from spotrun.supervisor.preflight import check_storage
 
-    result = check_storage(args.uri, s3_endpoint_url=args.s3_endpoint_url)
+    result = check_storage(location_of(args.uri, args))
     print(f"ok: {result.uri} can be written, read, listed and deleted, and commits without "
           f"overwriting ({result.commit_primitive}) ({result.elapsed_s:.2f} s)")
     return 0

@@ -1,37 +1,12 @@
 """YAML configuration files for ``spotrun run --config FILE``.
 
-A config file holds defaults for the long options of ``spotrun run``, spelled in
-snake_case (``--grace-period-s`` becomes ``grace_period_s``). Options given on the
-command line win over the file: the CLI passes the loaded dict to
-``parser.set_defaults(**cfg)`` before parsing. Keys, types and units:
-
-=================  ========  ==============================================================
-key                type      meaning
-=================  ========  ==============================================================
-checkpoint_uri     string    checkpoint root: local directory, ``file://`` or ``s3://bucket/prefix``
-grace_period_s     number    seconds from a preemption notice to the hard kill of the machine/pod
-safety_margin_s    number    seconds kept free before the end of the grace period
-stop_timeout_s     number    seconds between SIGTERM and SIGKILL when stopping the command
-max_restarts       integer   restarts after a crash without a notice
-restart_backoff_s  number    seconds before the first crash restart (doubled each time)
-s3_endpoint_url    string    S3 endpoint (MinIO, R2, moto); ``null`` or ``""``: the standard
-                             AWS settings (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, AWS)
-notice             string    notice sources: ``auto``, ``none`` or a comma-separated list of
-                             ``aws``, ``gcp``, ``azure``, ``signal``, ``file`` (a YAML list of
-                             names is accepted too); see :mod:`spotrun.notices.detect`
-notice_file        string    path watched by the ``file`` notice source (drills); ``null``: none
-notice_signals     string    signals that are notices, comma-separated (``TERM,INT,HUP,USR1,USR2``,
-                             the default) or ``none``; a YAML list of names is accepted too
-keep_last          integer   retention: keep this many newest complete steps (0 or ``null``:
-                             every step)
-keep_every         integer   retention: also keep every step divisible by this (needs keep_last)
-log_level          string    one of :data:`LOG_LEVELS`; ``null``: the subcommand's default
-log_format         string    ``text`` or ``json`` (:mod:`spotrun.logs`); ``null``: ``$SPOTRUN_LOG_FORMAT``,
-                             else ``text``
-metrics_port       integer   serve Prometheus metrics on this port (:mod:`spotrun.supervisor.metrics_export`)
-metrics_address    string    the endpoint's address (default ``0.0.0.0``)
-metrics_textfile   string    write the metrics to this ``.prom`` file (node_exporter textfile collector)
-=================  ========  ==============================================================
+A config file holds defaults for the options of ``spotrun run``: its keys are the fields of
+:class:`~spotrun.supervisor.config.SupervisorConfig` made with ``option(...)``, each the long
+option spelled in snake_case (``--grace-period-s`` becomes ``grace_period_s``), with the
+option's type and meaning (``spotrun run --help`` lists them). Options given on the command
+line win over the file: the CLI passes the loaded dict to ``parser.set_defaults(**cfg)``
+before parsing. An optional value (one whose default is "not set") may be ``null`` or
+``""`` for its default; ``notice`` and ``notice_signals`` accept a YAML list of names too.
 
 Numbers may be written as integers or decimals (``30`` or ``30.5``); they are returned
 as ``float``. Range checks (a grace period > 0, ...) happen where the options are used
@@ -64,43 +39,7 @@ from collections.abc import Mapping
 import yaml
 
 from spotrun.errors import ConfigError
-from spotrun.logs import LOG_FORMATS
-
-#: Values of ``log_level``.
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
-_STR, _FLOAT, _INT = "string", "number", "integer"
-#: key -> expected type; the keys are the ``dest`` names of ``spotrun run``'s options.
-RUN_KEYS: dict[str, str] = {
-    "checkpoint_uri": _STR,
-    "grace_period_s": _FLOAT,
-    "safety_margin_s": _FLOAT,
-    "stop_timeout_s": _FLOAT,
-    "max_restarts": _INT,
-    "restart_backoff_s": _FLOAT,
-    "s3_endpoint_url": _STR,
-    "notice": _STR,
-    "notice_file": _STR,
-    "notice_signals": _STR,
-    "aws_metadata_endpoint": _STR,
-    "gcp_metadata_host": _STR,
-    "azure_metadata_endpoint": _STR,
-    "azure_vm_name": _STR,
-    "log_level": _STR,
-    "log_format": _STR,
-    "metrics_port": _INT,
-    "metrics_address": _STR,
-    "metrics_textfile": _STR,
-    "keep_last": _INT,
-    "keep_every": _INT,
-}
-_CHOICES: dict[str, tuple[str, ...]] = {"log_level": LOG_LEVELS, "log_format": LOG_FORMATS}
-#: Keys whose "not set" (``null`` or an empty string) means "use the built-in behaviour".
-_NULLABLE = frozenset({
-    "s3_endpoint_url", "notice_file", "aws_metadata_endpoint", "gcp_metadata_host",
-    "azure_metadata_endpoint", "azure_vm_name", "log_level", "log_format", "metrics_port", "metrics_address",
-    "metrics_textfile", "keep_last", "keep_every",
-})
+from spotrun.supervisor.config import OptionSpec, option_specs
 
 _EXPANSION = re.compile(r"\$\$|\$\{([^}]*)\}|\$\{")
 _REFERENCE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?", re.DOTALL)
@@ -117,8 +56,8 @@ def load_run_config(
 
     Returns:
         ``{key: value}`` for the keys present in the file (see the module docstring),
-        with numbers as ``float`` (``max_restarts``: ``int``), strings expanded, and a
-        ``null``/empty ``s3_endpoint_url``, ``notice_file`` or ``log_level`` as ``None``. Suitable for
+        with numbers as ``float`` (integer options: ``int``), strings expanded, and a
+        ``null``/empty optional value as ``None``. Suitable for
         ``argparse.ArgumentParser.set_defaults(**result)``.
 
     Raises:
@@ -148,7 +87,8 @@ def load_run_config(
             f"{where}: the top level must be a mapping of option names to values, "
             f"got {_type_name(data)}"
         )
-    return {str(key): _convert(where, key, value, env) for key, value in data.items()}
+    specs = {spec.name: spec for spec in option_specs()}
+    return {str(key): _convert(where, specs, key, value, env) for key, value in data.items()}
 
 
 def expand_env(text: str, environ: Mapping[str, str]) -> str:
@@ -179,17 +119,18 @@ def expand_env(text: str, environ: Mapping[str, str]) -> str:
     return _EXPANSION.sub(replace, text)
 
 
-def _convert(where: str, key: object, value: object, env: Mapping[str, str]) -> object:
-    kind = RUN_KEYS.get(key) if isinstance(key, str) else None
-    if kind is None:
-        hint = difflib.get_close_matches(str(key).replace("-", "_"), RUN_KEYS, n=1)
+def _convert(where: str, specs: dict[str, OptionSpec], key: object, value: object,
+             env: Mapping[str, str]) -> object:
+    spec = specs.get(key) if isinstance(key, str) else None
+    if spec is None:
+        hint = difflib.get_close_matches(str(key).replace("-", "_"), specs, n=1)
         did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
         raise ConfigError(
-            f"{where}: unknown key {key!r}{did_you_mean}; valid keys: {', '.join(RUN_KEYS)}"
+            f"{where}: unknown key {key!r}{did_you_mean}; valid keys: {', '.join(specs)}"
         )
-    if value is None and key in _NULLABLE:
+    if value is None and spec.null_in_file:
         return None
-    if key in ("notice", "notice_signals") and isinstance(value, list) and all(isinstance(v, str) for v in value):
+    if spec.list_in_file and isinstance(value, list) and all(isinstance(v, str) for v in value):
         value = ",".join(value)  # [aws, signal] -> "aws,signal", as on the command line
     expanded = False
     if isinstance(value, str) and "$" in value:
@@ -198,64 +139,51 @@ def _convert(where: str, key: object, value: object, env: Mapping[str, str]) -> 
         except ConfigError as exc:
             raise ConfigError(f"{where}: {key}: {exc}") from None
         expanded = True
-    if kind == _STR:
-        if not isinstance(value, str):
-            raise _type_error(where, key, kind, value)
-        if key in _NULLABLE and value == "":
-            return None
-        if value == "":
-            raise ConfigError(f"{where}: {key} must not be empty")
-        choices = _CHOICES.get(key)
-        if choices is not None and value not in choices:
-            raise ConfigError(f"{where}: {key} must be one of {', '.join(choices)}, got {value!r}")
-        if key == "notice":
-            _check_notice(where, value)
-        if key == "notice_signals":
-            from spotrun.notices.signals import parse_notice_signals
-
-            try:
-                parse_notice_signals(value)
-            except ConfigError as exc:
-                raise ConfigError(f"{where}: {exc}") from None
-        return value
+    if spec.kind is str:
+        return _checked_string(where, spec, value)
     if expanded:  # a number from the environment: "${GRACE_S:-25}"
-        value = _parse_number(value, kind)
+        value = _parse_number(value, spec.kind)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _type_error(where, key, kind, value)
-    if kind == _INT:
+        raise _type_error(where, spec, value)
+    if spec.kind is int:
         if not isinstance(value, int):
-            raise _type_error(where, key, kind, value)
+            raise _type_error(where, spec, value)
         return value
     if not math.isfinite(value):
         raise ConfigError(f"{where}: {key} must be a finite number, got {value}")
     return float(value)
 
 
-def _check_notice(where: str, value: str) -> None:
-    from spotrun.notices.registry import SOURCE_NAMES, parse_notice_option
+def _checked_string(where: str, spec: OptionSpec, value: object) -> str | None:
+    if not isinstance(value, str):
+        raise _type_error(where, spec, value)
+    if value == "":
+        if spec.null_in_file:
+            return None
+        raise ConfigError(f"{where}: {spec.name} must not be empty")
+    if spec.choices is not None and value not in spec.choices:
+        raise ConfigError(f"{where}: {spec.name} must be one of {', '.join(spec.choices)}, got {value!r}")
+    if spec.check_in_file is not None:
+        try:
+            spec.check_in_file(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    return value
 
-    try:
-        parse_notice_option(value)
-    except ConfigError:
-        raise ConfigError(
-            f"{where}: notice must be auto, none or a comma-separated list of "
-            f"{', '.join(SOURCE_NAMES)}; got {value!r}"
-        ) from None
 
-
-def _parse_number(text: object, kind: str) -> object:
+def _parse_number(text: object, kind: type) -> object:
     """The number in an expanded string, or the string itself if it is none."""
     if not isinstance(text, str):
         return text
     try:
-        return int(text.strip()) if kind == _INT else float(text.strip())
+        return kind(text.strip())
     except ValueError:
         return text
 
 
-def _type_error(where: str, key: str, kind: str, value: object) -> ConfigError:
-    article = "an" if kind == _INT else "a"
-    return ConfigError(f"{where}: {key} must be {article} {kind}, got {_type_name(value)} {value!r}")
+def _type_error(where: str, spec: OptionSpec, value: object) -> ConfigError:
+    expected = {str: "a string", int: "an integer", float: "a number"}[spec.kind]
+    return ConfigError(f"{where}: {spec.name} must be {expected}, got {_type_name(value)} {value!r}")
 
 
 def _type_name(value: object) -> str:

@@ -34,6 +34,8 @@ from spotrun.errors import ConfigError
 
 #: The values of ``--log-format`` / ``$SPOTRUN_LOG_FORMAT``.
 LOG_FORMATS = ("text", "json")
+#: The values of ``--log-level``.
+LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LOG_FORMAT = "text"
 
 # Attributes every LogRecord has: anything else on a record came from ``extra={...}``.

@@ -34,7 +34,7 @@ import torch
 
 import spotrun
 from spotrun.errors import CommitUnsupportedError, ObjectExistsError, StorageError
-from spotrun.storage import LocalStorage, open_storage
+from spotrun.storage import LocalStorage, open_storage, parse_location
 from spotrun.storage import local as local_backend
 from spotrun.storage.s3 import MAX_SINGLE_PUT_BYTES
 from spotrun.supervisor.preflight import PROBE_PREFIX, check_storage
@@ -84,7 +84,7 @@ def visible_files(root) -> list[str]:
 def test_3_local_root_without_hard_links_commits_with_rename_noreplace(tmp_path, monkeypatch, error_number):
     monkeypatch.setattr(os, "link", no_hard_links(error_number))
     root = tmp_path / "ck"
-    result = check_storage(str(root))
+    result = check_storage(parse_location(str(root)))
     assert result.commit_primitive == local_backend.RENAME_NOREPLACE
 
     storage = LocalStorage(str(root))
@@ -143,7 +143,7 @@ def test_3_local_root_without_any_no_replace_primitive_fails_preflight(tmp_path,
     monkeypatch.setattr(local_backend, "rename_noreplace", no_rename_noreplace)
     root = tmp_path / "ck"
     with pytest.raises(CommitUnsupportedError) as caught:
-        check_storage(str(root))
+        check_storage(parse_location(str(root)))
     message = caught.value.strerror
     assert "preflight" in message and str(root) in message
     assert "no hard links" in message and "Function not implemented" in message
@@ -168,7 +168,7 @@ def test_3_s3_store_answering_501_to_conditional_put_fails_preflight(s3_bucket, 
     proxy.set_rule(FaultRule(fraction=1.0, kinds=(NOT_IMPLEMENTED,), match=conditional_put))
     uri = f"{s3_bucket.uri}/job"
     with pytest.raises(CommitUnsupportedError) as caught:
-        check_storage(uri, s3_endpoint_url=proxy.url)
+        check_storage(parse_location(uri, endpoint_url=proxy.url))
     message = caught.value.strerror
     assert "preflight" in message and "501 NotImplemented" in message and "If-None-Match: *" in message
     assert "Upgrade the store" in message
@@ -228,7 +228,7 @@ def test_3_s3_store_ignoring_the_condition_fails_preflight(s3_bucket, proxy, tmp
     storage.delete("step-000000010/manifest.json")
 
     with pytest.raises(CommitUnsupportedError) as caught:
-        check_storage(uri, s3_endpoint_url=proxy.url)
+        check_storage(parse_location(uri, endpoint_url=proxy.url))
     message = caught.value.strerror
     assert "second no-overwrite write onto the same key succeeded" in message
     assert "ignores conditional writes (PutObject with If-None-Match: *)" in message
@@ -244,7 +244,7 @@ def test_3_s3_store_ignoring_the_condition_fails_preflight(s3_bucket, proxy, tmp
 
 
 def test_3_s3_store_enforcing_the_condition_passes_preflight(s3_bucket, proxy):
-    result = check_storage(f"{s3_bucket.uri}/job", s3_endpoint_url=proxy.url)
+    result = check_storage(parse_location(f"{s3_bucket.uri}/job", endpoint_url=proxy.url))
     assert result.commit_primitive == "conditional PutObject (If-None-Match: *)"
     # write, read, list, delete, then two conditional puts (the second refused), read, delete
     assert len(proxy.seen(conditional_put)) == 2
@@ -261,7 +261,8 @@ def test_9_multipart_sized_put_if_absent_onto_existing_key_is_refused_on_rgw(rgw
     with pytest.raises(ObjectExistsError):
         storage.put_if_absent("step-000000010/manifest.json", b"x" * MULTIPART_SIZED_BYTES)
     assert storage.get("step-000000010/manifest.json") == first
-    assert check_storage(f"{rgw_bucket.uri}/job").commit_primitive.startswith("conditional PutObject")
+    result = check_storage(parse_location(f"{rgw_bucket.uri}/job"))
+    assert result.commit_primitive.startswith("conditional PutObject")
 
 
 def test_9_put_if_absent_larger_than_one_put_is_refused_before_sending(s3_bucket):

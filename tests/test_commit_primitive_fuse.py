@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import pytest
 
 from spotrun.storage import local as local_backend
+from spotrun.storage import parse_location
 from spotrun.supervisor.preflight import check_storage
 from tests.test_commit_primitive import error_line, spotrun_cli
 from tests.trainrun import preempt_and_resume_exactly
@@ -118,7 +119,7 @@ def test_3_local_root_on_fuse_without_hard_links_commits_with_rename_noreplace(
         fuse_available, reference, tmp_path, processes):
     with nolink_mount(tmp_path / "backing", tmp_path / "mnt", "honour") as mnt:
         root = os.path.join(mnt, "ck")
-        assert check_storage(root).commit_primitive == local_backend.RENAME_NOREPLACE
+        assert check_storage(parse_location(root)).commit_primitive == local_backend.RENAME_NOREPLACE
         done = spotrun_cli("preflight", root)
         assert done.returncode == 0 and "rename without replace" in done.stdout, done.stderr
         preempt_and_resume_exactly(reference, root, tmp_path, processes)

@@ -17,7 +17,7 @@ from spotrun.checkpointer import Checkpointer
 from spotrun.drill.compare import Difference, compare_states, compare_steps
 from spotrun.drill.scratch import copy_step, open_scratch_root
 from spotrun.errors import ConfigError
-from spotrun.storage import LocalStorage, open_storage
+from spotrun.storage import LocalStorage, open_storage, parse_location
 from tests.trainrun import ls_json, read_log, torchrun_command
 
 PREEMPTED = 143
@@ -198,18 +198,18 @@ def test_copy_step_and_compare_steps(tmp_path):
 
 
 def test_scratch_roots(tmp_path):
-    local = open_scratch_root(LocalStorage(str(tmp_path / "ck")), None, s3_endpoint_url=None)
+    local = open_scratch_root(parse_location(str(tmp_path / "ck")), None)
     try:
         assert local.temporary_dir == local.uri and os.path.isdir(local.uri) and not local.uri.startswith(str(tmp_path))
         local.storage.put("step-000000001/x", b"1")
         assert local.delete() == 1 and not os.path.exists(local.uri)
     finally:
         local.delete()
-    s3 = open_scratch_root(open_storage("s3://bucket/jobs/a"), None, s3_endpoint_url="http://127.0.0.1:9")
+    s3 = open_scratch_root(parse_location("s3://bucket/jobs/a", endpoint_url="http://127.0.0.1:9"), None)
     assert s3.uri.startswith("s3://bucket/jobs/a-drill-reference/") and s3.temporary_dir is None
-    bucket_wide = open_scratch_root(open_storage("s3://bucket"), None, s3_endpoint_url="http://127.0.0.1:9")
+    bucket_wide = open_scratch_root(parse_location("s3://bucket", endpoint_url="http://127.0.0.1:9"), None)
     assert bucket_wide.uri.startswith("s3://bucket/spotrun-drill-reference/")
     given = tmp_path / "given"
     save_one_step(given, 1, torch.zeros(1))
     with pytest.raises(ConfigError, match="already holds objects"):
-        open_scratch_root(LocalStorage(str(tmp_path / "ck")), str(given), s3_endpoint_url=None)
+        open_scratch_root(parse_location(str(tmp_path / "ck")), str(given))

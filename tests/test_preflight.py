@@ -11,9 +11,10 @@ import time
 import pytest
 
 from spotrun.errors import ConfigError, ObjectNotFoundError, StorageError, StoragePermissionError
-from spotrun.storage import open_storage
+from spotrun.storage import open_storage, parse_location
 from spotrun.supervisor.config import SupervisorConfig
-from spotrun.supervisor.launch import S3_ENDPOINT_URL, plan_launch
+from spotrun.storage.s3_location import S3_ENDPOINT_URL
+from spotrun.supervisor.launch import plan_launch
 from spotrun.supervisor.preflight import PROBE_PREFIX, check_storage
 from tests.s3_server import (  # noqa: F401  (fixtures)
     free_loopback_port,
@@ -40,7 +41,7 @@ def error_lines(stderr: str) -> list[str]:
 
 
 def test_local_directory_passes_and_keeps_no_probe(tmp_path):
-    result = check_storage(str(tmp_path / "ck"))
+    result = check_storage(parse_location(str(tmp_path / "ck")))
     assert result.uri == str(tmp_path / "ck")
     assert os.listdir(tmp_path / "ck") == []
 
@@ -48,7 +49,7 @@ def test_local_directory_passes_and_keeps_no_probe(tmp_path):
 def test_local_path_that_cannot_be_written_names_the_cause(tmp_path):
     (tmp_path / "a-file").write_text("not a directory")
     with pytest.raises(StorageError) as caught:
-        check_storage(str(tmp_path / "a-file" / "ck"))
+        check_storage(parse_location(str(tmp_path / "a-file" / "ck")))
     message = caught.value.strerror
     assert "preflight" in message and "cannot write a probe object" in message
     assert "Not a directory" in message and str(tmp_path / "a-file" / "ck") in message
@@ -58,32 +59,32 @@ def test_local_path_that_cannot_be_written_names_the_cause(tmp_path):
 
 
 def test_s3_prefix_passes_and_keeps_no_probe(s3_bucket):
-    check_storage(f"{s3_bucket.uri}/job")
+    check_storage(parse_location(f"{s3_bucket.uri}/job"))
     assert make_client(s3_bucket.endpoint_url).list_objects_v2(Bucket=s3_bucket.name).get("KeyCount") == 0
 
 
 def test_missing_bucket(s3_bucket):
     with pytest.raises(ObjectNotFoundError, match=f"bucket '{s3_bucket.name}-gone' does not exist"):
-        check_storage(f"{s3_bucket.uri}-gone/job")
+        check_storage(parse_location(f"{s3_bucket.uri}-gone/job"))
 
 
 def test_missing_credentials(s3_bucket, monkeypatch):
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     with pytest.raises(StoragePermissionError, match="no AWS credentials found"):
-        check_storage(f"{s3_bucket.uri}/job")
+        check_storage(parse_location(f"{s3_bucket.uri}/job"))
 
 
 def test_access_denied(s3_bucket, moto_endpoint_enforcing_auth):
     with pytest.raises(StoragePermissionError, match=r"access denied \(InvalidAccessKeyId\)"):
-        check_storage(f"{s3_bucket.uri}/job", s3_endpoint_url=moto_endpoint_enforcing_auth)
+        check_storage(parse_location(f"{s3_bucket.uri}/job", endpoint_url=moto_endpoint_enforcing_auth))
 
 
 def test_endpoint_not_listening(s3_bucket):
     dead = f"http://127.0.0.1:{free_loopback_port()}"
     started_s = time.monotonic()
     with pytest.raises(StorageError, match=f"cannot connect to endpoint {dead}"):
-        check_storage(f"{s3_bucket.uri}/job", s3_endpoint_url=dead, timeout_s=2.0)
+        check_storage(parse_location(f"{s3_bucket.uri}/job", endpoint_url=dead), timeout_s=2.0)
     assert time.monotonic() - started_s < QUICK_S
 
 
@@ -132,9 +133,11 @@ def test_malformed_endpoint_is_a_config_error(url):
 
 
 def test_workers_get_the_endpoint_for_s3_only(s3_bucket, tmp_path):
-    s3 = plan_launch(open_storage(f"{s3_bucket.uri}/job"), f"{s3_bucket.uri}/job", control_dir=str(tmp_path),
-                     grace_period_s=30, base_env={}, s3_endpoint_url="http://minio:9000")
+    s3_root = parse_location(f"{s3_bucket.uri}/job", endpoint_url="http://minio:9000")
+    s3 = plan_launch(open_storage(f"{s3_bucket.uri}/job"), s3_root, control_dir=str(tmp_path),
+                     grace_period_s=30, base_env={})
     assert s3.env[S3_ENDPOINT_URL] == "http://minio:9000"
-    local = plan_launch(open_storage(str(tmp_path / "ck")), str(tmp_path / "ck"), control_dir=str(tmp_path),
-                        grace_period_s=30, base_env={}, s3_endpoint_url="http://minio:9000")
+    local_root = parse_location(str(tmp_path / "ck"), endpoint_url="http://minio:9000")
+    local = plan_launch(open_storage(str(tmp_path / "ck")), local_root, control_dir=str(tmp_path),
+                        grace_period_s=30, base_env={})
     assert S3_ENDPOINT_URL not in local.env

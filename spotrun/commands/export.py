@@ -4,7 +4,6 @@ sharded safetensors (:mod:`spotrun.export_hf`)."""
 from __future__ import annotations
 
 import argparse
-import os
 
 from spotrun.commands._shared import add_storage_options
 
@@ -49,17 +48,16 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from spotrun.cli import human_size
-    from spotrun.commands._shared import open_existing_root
+    from spotrun.commands._shared import location_of
     from spotrun.export_hf import export_hf
     from spotrun.export_plan import parse_size
     from spotrun.errors import ExportError
-    from spotrun.storage import LocalStorage, open_storage
-    from spotrun.supervisor.config import storage_options
 
     max_shard_size_bytes = parse_size(args.max_shard_size)
-    source = open_existing_root(args.uri, args.s3_endpoint_url)
-    out = open_storage(args.out, **storage_options(args.out, s3_endpoint_url=args.s3_endpoint_url))
-    if isinstance(out, LocalStorage) and os.path.exists(out.uri) and not os.path.isdir(out.uri):
+    source = location_of(args.uri, args).open_existing()
+    out_location = location_of(args.out, args)
+    out = out_location.open()
+    if out_location.blocked_by_file():
         raise ExportError(f"{out.uri} is not a directory: the output is a directory (or s3://bucket/prefix)")
     result = export_hf(source, out, step=args.step, state_name=args.state, max_shard_size_bytes=max_shard_size_bytes,
                        tied="drop" if args.drop_tied else "copy", overwrite=args.overwrite)

@@ -32,7 +32,7 @@ import time
 
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.retention import Decision, RetentionPolicy, delete_step, plan_gc
-from spotrun.commands._shared import add_storage_options, open_existing_root
+from spotrun.commands._shared import add_storage_options, location_of
 from spotrun.env import DEFAULT_SAVE_TIMEOUT_S
 from spotrun.errors import ConfigError
 from spotrun.storage.base import Storage, UnfinishedUpload
@@ -84,7 +84,7 @@ def run_gc(args: argparse.Namespace) -> int:
     if older_than_s < DEFAULT_SAVE_TIMEOUT_S:
         log.warning("--incomplete-older-than-s %g is below a save's default bound (save_timeout_s=%g s): a save "
                     "still running may be deleted", older_than_s, DEFAULT_SAVE_TIMEOUT_S)
-    storage = open_existing_root(args.uri, args.s3_endpoint_url)
+    storage = location_of(args.uri, args).open_existing()
     steps, fences = catalog.list_root(storage)
     protected = {}
     if fences.newest is not None and fences.resumed[fences.newest] is not None:

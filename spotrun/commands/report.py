@@ -15,7 +15,7 @@ import errno
 import json
 import time
 
-from spotrun.commands._shared import URI_HELP, add_storage_options, open_existing_root
+from spotrun.commands._shared import URI_HELP, add_storage_options, location_of
 from spotrun.env import DEFAULT_CHECKPOINT_URI
 
 
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from spotrun.goodput import account, launches
     from spotrun.interval_advice import advise
 
-    storage = open_existing_root(args.uri, args.s3_endpoint_url)
+    storage = location_of(args.uri, args).open_existing()
     objects = read_events(storage)
     if not objects:
         raise ObjectNotFoundError(errno.ENOENT, f"no event log under {storage.uri} (nothing in {EVENTS_DIR}/: "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from spotrun.commands._shared import URI_HELP, add_storage_options, open_existing_root
+from spotrun.commands._shared import URI_HELP, add_storage_options, location_of
 from spotrun.env import DEFAULT_CHECKPOINT_URI
 
 
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.step is not None and args.step < 0:
         raise ConfigError(f"--step must be >= 0, got {args.step}")
-    storage = open_existing_root(args.uri, args.s3_endpoint_url)
+    storage = location_of(args.uri, args).open_existing()
     steps = steps_to_verify(storage, step=args.step, every=args.all)
     total_bytes = sum(s.manifest.size_bytes for s in steps if s.manifest is not None)
     reports = []

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from spotrun.drill.clouds import clouds
 from spotrun.env import DEFAULT_CHECKPOINT_URI
 from spotrun.errors import ConfigError
-from spotrun.supervisor.config import storage_options
+from spotrun.storage import StorageLocation, parse_location
 
 #: Trigger used when neither ``after_steps`` nor ``after_s`` is given, in seconds.
 DEFAULT_AFTER_S = 60.0
@@ -72,25 +71,23 @@ class DrillConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"drill option {name} must be > 0, got {value}")
-        storage_options(self.checkpoint_uri, s3_endpoint_url=self.s3_endpoint_url)
+        parse_location(self.checkpoint_uri, endpoint_url=self.s3_endpoint_url)
         if not self.exact_check and (self.reference_uri is not None or self.keep_reference):
             raise ConfigError("--reference-uri and --keep-reference need the exact check (drop --no-exact-check)")
         if self.reference_uri is not None:
             if not self.reference_uri.strip():
                 raise ConfigError("--reference-uri is empty")
-            storage_options(self.reference_uri, s3_endpoint_url=self.s3_endpoint_url)
-            if _normalised(self.reference_uri) == _normalised(self.checkpoint_uri):
+            reference = parse_location(self.reference_uri, endpoint_url=self.s3_endpoint_url)
+            if reference.uri.rstrip("/") == self.location.uri.rstrip("/"):
                 raise ConfigError(f"--reference-uri must differ from --checkpoint-uri, both are {self.reference_uri}")
+
+    @property
+    def location(self) -> StorageLocation:
+        """The checkpoint root with the drill's endpoint."""
+        return parse_location(self.checkpoint_uri, endpoint_url=self.s3_endpoint_url)
 
     @property
     def lead_s(self) -> float:
         """Seconds between the drill's notice and its deadline."""
         return self.grace_period_s if self.grace_period_s is not None else clouds()[self.cloud].lead_s
 
-
-def _normalised(uri: str) -> str:
-    """A URI in one spelling per root: local paths absolute, no trailing ``/``."""
-    uri = uri.strip()
-    if uri.startswith("s3://"):
-        return uri.rstrip("/")
-    return os.path.abspath(os.path.expanduser(uri.removeprefix("file://")))

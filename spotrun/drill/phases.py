@@ -33,8 +33,7 @@ from spotrun.drill.report import MAX_REPORTED_DIFFERENCES, DrillReport
 from spotrun.drill.scratch import ScratchRoot, copy_step, open_scratch_root
 from spotrun.env import STOP_AT_STEP
 from spotrun.errors import SpotrunError
-from spotrun.storage import Storage, open_storage
-from spotrun.supervisor.config import storage_options
+from spotrun.storage import Storage
 from spotrun.supervisor.launch import find_resume_point
 from spotrun.supervisor.run import EXIT_PREEMPTED_NOT_SAVED, EXIT_PREEMPTED_SAVED
 
@@ -55,10 +54,10 @@ def run_drill(config: DrillConfig) -> DrillReport:
         ConfigError: a bad URI.
         StorageError: the checkpoints cannot be listed before phase 1.
     """
-    storage = open_storage(config.checkpoint_uri, **storage_options(config.checkpoint_uri,
-                                                                    s3_endpoint_url=config.s3_endpoint_url))
+    location = config.location
+    storage = location.open()
     if config.exact_check and config.reference_uri is not None:  # refused before the job is touched
-        open_scratch_root(storage, config.reference_uri, s3_endpoint_url=config.s3_endpoint_url)
+        open_scratch_root(location, config.reference_uri)
     report = DrillReport(cloud=config.cloud)
     start = catalog.newest_complete(storage)
     report.start_step = None if start is None else start.step
@@ -178,7 +177,7 @@ def _phase_restart(config: DrillConfig, storage: Storage, report: DrillReport) -
 
 def _phase_reference(config: DrillConfig, storage: Storage, report: DrillReport) -> None:
     try:
-        scratch = open_scratch_root(storage, config.reference_uri, s3_endpoint_url=config.s3_endpoint_url)
+        scratch = open_scratch_root(config.location, config.reference_uri)
     except SpotrunError as exc:
         report.problems.append(f"no reference run: {exc}")
         return

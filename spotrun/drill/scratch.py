@@ -4,21 +4,15 @@ and the step it starts from (:func:`copy_step`)."""
 from __future__ import annotations
 
 import shutil
-import tempfile
-import uuid
 from dataclasses import dataclass
 
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import file_key
 from spotrun.errors import ConfigError
-from spotrun.storage import LocalStorage, Storage, open_storage
-from spotrun.supervisor.config import storage_options
+from spotrun.storage import Storage, StorageLocation, parse_location
 
-#: Appended to an ``s3://bucket/prefix`` checkpoint root to name the reference run's prefix
-#: (``s3://bucket/prefix-drill-reference/<random>``).
-S3_REFERENCE_SUFFIX = "-drill-reference"
-#: The reference run's prefix under a bucket-wide root ``s3://bucket``.
-S3_BUCKET_REFERENCE_PREFIX = "spotrun-drill-reference"
+#: Names the reference run's root beside the checkpoint root (:meth:`StorageLocation.scratch_sibling`).
+REFERENCE_LABEL = "drill-reference"
 
 
 @dataclass
@@ -51,32 +45,26 @@ class ScratchRoot:
         return count
 
 
-def open_scratch_root(storage: Storage, override_uri: str | None, *, s3_endpoint_url: str | None) -> ScratchRoot:
-    """Choose and open the reference run's root for the checkpoint root ``storage``.
+def open_scratch_root(location: StorageLocation, override_uri: str | None) -> ScratchRoot:
+    """Choose and open the reference run's root beside the checkpoint root ``location``.
 
-    ``override_uri`` when given (it must hold no objects yet); else a new temporary directory
-    for a local root, ``s3://bucket/prefix-drill-reference/<random>`` for ``s3://bucket/prefix``
-    (``s3://bucket/spotrun-drill-reference/<random>`` for a bucket-wide root).
+    ``override_uri`` when given (it must hold no objects yet; same endpoint as ``location``);
+    else a new root beside it (:meth:`~spotrun.storage.StorageLocation.scratch_sibling`: a new
+    temporary directory for a local root, ``s3://bucket/prefix-drill-reference/<random>`` for
+    ``s3://bucket/prefix``).
 
     Raises:
         ConfigError: ``override_uri`` is malformed or already holds objects.
         StorageError: listing ``override_uri`` failed.
     """
     if override_uri is not None:
-        scratch = open_storage(override_uri, **storage_options(override_uri, s3_endpoint_url=s3_endpoint_url))
+        scratch = parse_location(override_uri, endpoint_url=location.endpoint_url).open()
         if scratch.list(""):
             raise ConfigError(f"the reference root {override_uri} already holds objects; give an empty one")
         return ScratchRoot(uri=override_uri, storage=scratch)
-    if isinstance(storage, LocalStorage):
-        directory = tempfile.mkdtemp(prefix="spotrun-drill-reference-")
-        return ScratchRoot(uri=directory, storage=LocalStorage(directory), temporary_dir=directory)
-    uri = storage.uri.rstrip("/")
-    random_name = uuid.uuid4().hex[:12]
-    if "/" in uri[len("s3://"):]:
-        uri = f"{uri}{S3_REFERENCE_SUFFIX}/{random_name}"
-    else:
-        uri = f"{uri}/{S3_BUCKET_REFERENCE_PREFIX}/{random_name}"
-    return ScratchRoot(uri=uri, storage=open_storage(uri, **storage_options(uri, s3_endpoint_url=s3_endpoint_url)))
+    sibling = location.scratch_sibling(REFERENCE_LABEL)
+    return ScratchRoot(uri=sibling.location.uri, storage=sibling.location.open(),
+                       temporary_dir=sibling.temporary_dir)
 
 
 def copy_step(source: Storage, target: Storage, step: int) -> int:

@@ -2,16 +2,18 @@
 
 ``open_storage("./checkpoints")`` or ``open_storage("/abs/dir")`` or ``file:///abs/dir``
 gives a :class:`LocalStorage`; ``s3://bucket/prefix`` gives the S3 backend, imported
-lazily so that local use never imports boto3.
+lazily so that local use never imports boto3. :func:`parse_location` gives the
+:class:`StorageLocation` of a URI, which answers the questions that depend on the backend
+(its registry, :data:`~spotrun.storage.location.BACKENDS`, maps schemes to backends).
 """
 
 from __future__ import annotations
 
-from spotrun.errors import ConfigError
 from spotrun.storage.base import ObjectInfo, Storage
 from spotrun.storage.local import LocalStorage
+from spotrun.storage.location import StorageLocation, parse_location
 
-__all__ = ["ObjectInfo", "Storage", "LocalStorage", "open_storage"]
+__all__ = ["ObjectInfo", "Storage", "LocalStorage", "StorageLocation", "open_storage", "parse_location"]
 
 
 def open_storage(uri: str, **options) -> Storage:
@@ -24,17 +26,4 @@ def open_storage(uri: str, **options) -> Storage:
     Raises:
         ConfigError: empty URI or an unsupported scheme.
     """
-    if not uri or not uri.strip():
-        raise ConfigError("checkpoint URI is empty")
-    uri = uri.strip()
-    if uri.startswith("file://"):
-        return LocalStorage(uri[len("file://") :], **options)
-    if uri.startswith("s3://"):
-        from spotrun.storage.s3 import S3Storage
-
-        return S3Storage.from_uri(uri, **options)
-    if "://" in uri:
-        raise ConfigError(
-            f"unsupported checkpoint URI scheme in {uri!r}: use a local path, file:// or s3://"
-        )
-    return LocalStorage(uri, **options)
+    return parse_location(uri).open(**options)

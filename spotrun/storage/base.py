@@ -12,6 +12,7 @@ import abc
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from spotrun.errors import ConfigError, ObjectTooShortError
 
@@ -114,6 +115,11 @@ class Storage(abc.ABC):
         ``"conditional PutObject (If-None-Match: *)"``), for messages; ``None`` while
         unknown (a backend that decides on first use)."""
         return None
+
+    #: What ``put_if_absent`` needs of the store, in words, and what to do where the store
+    #: ignores it: the preflight's message (:mod:`spotrun.supervisor.preflight`) names both.
+    commit_requirement: ClassVar[str] = "a no-overwrite write"
+    commit_advice: ClassVar[str] = "use a store that enforces it"
 
     @property
     def read_concurrency(self) -> int:

@@ -93,6 +93,9 @@ class LocalStorage(Storage):
             ``O_DIRECT`` (tmpfs, some FUSE mounts) get buffered writes, found on first use.
     """
 
+    commit_requirement = "a no-overwrite commit (hard link or rename without replace)"
+    commit_advice = "put the checkpoint root on a local filesystem (ext4, xfs, btrfs, tmpfs...)"
+
     def __init__(
         self,
         root_dir: str,

@@ -54,13 +54,14 @@ from spotrun.errors import (
 )
 from spotrun.storage import s3_download, s3_transfer
 from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, Storage, UnfinishedUpload
-from spotrun.storage.s3_config import S3Options, make_client, parse_s3_uri
+from spotrun.storage.s3_config import S3Options, make_client
 from spotrun.storage.s3_errors import (
     is_conditional_conflict,
     is_not_implemented,
     is_precondition_failed,
     translate,
 )
+from spotrun.storage.s3_location import parse_s3_uri
 from spotrun.storage.s3_retry import RetryPolicy
 
 __all__ = ["S3Options", "S3Storage", "make_client", "parse_s3_uri"]
@@ -87,6 +88,9 @@ class S3Storage(Storage):
     Raises:
         ConfigError: bad bucket, prefix or options.
     """
+
+    commit_requirement = "conditional writes (PutObject with If-None-Match: *)"
+    commit_advice = "use a store that enforces them (AWS S3, MinIO, Ceph RGW), or upgrade this store or its gateway"
 
     def __init__(
         self,

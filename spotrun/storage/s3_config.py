@@ -1,4 +1,4 @@
-"""Options of the S3 backend, ``s3://`` URI parsing, and boto3 client construction.
+"""Options of the S3 backend and boto3 client construction.
 
 Endpoint, credentials and profile are resolved by boto3 itself from the standard AWS
 settings; see :mod:`spotrun.storage.s3`.
@@ -84,23 +84,6 @@ class S3Options:
         if unknown:
             raise ConfigError(f"unknown S3 storage option(s) {unknown}; known: {sorted(known)}")
         return cls(**options)
-
-
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """Split ``s3://bucket/some/prefix/`` into ``("bucket", "some/prefix")``.
-
-    Raises:
-        ConfigError: not an ``s3://`` URI, no bucket, or an empty/``..`` prefix component.
-    """
-    if not uri.startswith("s3://"):
-        raise ConfigError(f"not an s3:// URI: {uri!r}")
-    bucket, _, prefix = uri[len("s3://") :].partition("/")
-    if not bucket:
-        raise ConfigError(f"S3 URI {uri!r} names no bucket")
-    prefix = prefix.strip("/")
-    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
-        raise ConfigError(f"S3 URI {uri!r} has an empty, '.' or '..' path component")
-    return bucket, prefix
 
 
 def make_client(options: S3Options) -> Any:

@@ -1,16 +1,30 @@
-"""Options of the node supervisor (``spotrun run``), validated when constructed."""
+"""The options of ``spotrun run``, each defined once: a field of :class:`SupervisorConfig`.
+
+A field made with :func:`option` is an option: its name is the YAML key of ``--config`` files
+(:mod:`spotrun.config_file`) and, with ``-`` for ``_``, the command-line flag
+(``grace_period_s`` -> ``--grace-period-s``); its type (``float``, ``int``, ``str``, or one of
+them ``| None``) is the flag's and the key's; its default is both; its ``help`` is the
+``--help`` text (``%(default)s`` names the default). Adding an option is one field here, plus
+its use.
+"""
 
 from __future__ import annotations
 
-import urllib.parse
+import argparse
+import dataclasses
+import typing
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from spotrun import env as spotrun_env
-from spotrun.env import DEFAULT_CHECKPOINT_URI, default_safety_margin_s
 from spotrun.checkpoint.retention import RetentionPolicy
+from spotrun.env import DEFAULT_CHECKPOINT_URI, default_safety_margin_s
 from spotrun.errors import ConfigError
-from spotrun.notices import NoticeOptions, parse_notice_option
+from spotrun.logs import LOG_FORMATS, LOG_LEVELS
+from spotrun.notices import SOURCE_NAMES, NoticeOptions, parse_notice_option
+from spotrun.storage import StorageLocation, parse_location
+from spotrun.storage.location import check_endpoint_url
 from spotrun.notices.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals
 
 #: Upper bound of the wait before a crash restart, in seconds.
@@ -18,58 +32,138 @@ MAX_RESTART_BACKOFF_S = 300.0
 
 
 @dataclass(frozen=True)
-class SupervisorConfig:
-    """Options of ``spotrun run``.
+class OptionSpec:
+    """One option, as :func:`option_specs` reads it from a field.
 
     Attributes:
-        command: the launch command and its arguments (``["torchrun", ...]``).
-        checkpoint_uri: root of the checkpoints (local path, ``file://`` or ``s3://``).
-        grace_period_s: seconds between a notice and the hard kill of the machine or pod
-            (Kubernetes' ``terminationGracePeriodSeconds``, 30 by default).
-        safety_margin_s: seconds kept free before the end of the grace period: the save
-            deadline is ``notice + grace_period_s - safety_margin_s``. ``None`` (the default)
-            picks :func:`~spotrun.env.default_safety_margin_s`: 5 s, or half the grace
-            period when that is less. A command still running at the save deadline gets
-            SIGTERM, and SIGKILL at the latest halfway through the margin.
-        stop_timeout_s: most seconds between SIGTERM and SIGKILL when stopping the command
-            (after a notice, cut short so that SIGKILL comes halfway through the safety margin
-            at the latest).
-        max_restarts: crash restarts allowed (a failure without a notice).
-        restart_backoff_s: wait before the first restart in seconds; doubles every restart,
-            capped at :data:`MAX_RESTART_BACKOFF_S`.
-        s3_endpoint_url: S3 endpoint (``http://minio:9000``) for an ``s3://`` checkpoint URI,
-            used by the supervisor and passed to the workers as ``AWS_ENDPOINT_URL_S3``;
-            ``None`` keeps the standard AWS settings of the environment.
-        notice: polling notice sources besides signals: ``auto`` (detect the cloud),
-            ``none``, or a comma-separated list of ``aws``, ``gcp``, ``azure``, ``file``.
-        notice_options: endpoints, Azure VM name, drill file and timings of those sources.
-        notice_signals: the signals that are notices, comma-separated (``"TERM,INT,HUP,USR1,USR2"``,
-            the default), or ``"none"``; every other signal that would end the supervisor is
-            logged and ignored (see :mod:`spotrun.notices.signals`).
-        log_format: ``text`` or ``json``, passed to the launch command as ``$SPOTRUN_LOG_FORMAT``
-            (:mod:`spotrun.logs`); ``None``: whatever the environment has.
-        keep_last, keep_every: retention for the workers' checkpoints (passed as
-            ``SPOTRUN_KEEP_LAST``/``SPOTRUN_KEEP_EVERY``; see
-            :class:`~spotrun.checkpoint.retention.RetentionPolicy`); ``None``: not set here.
+        name: the field's name: the YAML key and the ``argparse`` destination.
+        kind: ``str``, ``int`` or ``float``.
+        default: the default value.
+        help: the ``--help`` text.
+        metavar: the value's name in ``--help``.
+        choices: the allowed values; ``None``: any.
+        null_in_file: a YAML ``null`` (or an empty string) means the default.
+        every_command: an option of every ``spotrun`` subcommand (on their shared parser).
+        list_in_file: a YAML list of strings is accepted and joined with ``,``.
+        check_in_file: raises :class:`ConfigError` for a bad string value read from a file.
+    """
+
+    name: str
+    kind: type
+    default: object
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    null_in_file: bool = False
+    every_command: bool = False
+    list_in_file: bool = False
+    check_in_file: Callable[[str], None] | None = None
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag (``--grace-period-s``)."""
+        return "--" + self.name.replace("_", "-")
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        """Add this option to ``parser``."""
+        parser.add_argument(self.flag, type=None if self.kind is str else self.kind, default=self.default,
+                            choices=self.choices, metavar=self.metavar, help=self.help)
+
+
+def option(default: object, help: str, *, metavar: str | None = None, choices: tuple[str, ...] | None = None,
+           null_in_file: bool | None = None, every_command: bool = False, list_in_file: bool = False,
+           check_in_file: Callable[[str], None] | None = None) -> Any:
+    """A field of :class:`SupervisorConfig` that is an option (arguments as :class:`OptionSpec`'s;
+    ``null_in_file`` defaults to whether the type admits ``None``)."""
+    return field(default=default, metadata={"option": dict(
+        help=help, metavar=metavar, choices=choices, null_in_file=null_in_file, every_command=every_command,
+        list_in_file=list_in_file, check_in_file=check_in_file)})
+
+
+def _check_notice_in_file(value: str) -> None:
+    try:
+        parse_notice_option(value)
+    except ConfigError:
+        raise ConfigError(f"notice must be auto, none or a comma-separated list of {', '.join(SOURCE_NAMES)}; "
+                          f"got {value!r}") from None
+
+
+def _check_signals_in_file(value: str) -> None:
+    parse_notice_signals(value)
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """The launch command and the options of ``spotrun run`` (see the module docstring).
 
     Raises:
         ConfigError: an empty command or an out-of-range value.
     """
 
-    command: tuple[str, ...]
-    checkpoint_uri: str = DEFAULT_CHECKPOINT_URI
-    grace_period_s: float = 30.0
-    safety_margin_s: float | None = None
-    stop_timeout_s: float = 5.0
-    max_restarts: int = 0
-    restart_backoff_s: float = 10.0
-    s3_endpoint_url: str | None = None
-    notice: str = "auto"
-    notice_options: NoticeOptions = field(default_factory=NoticeOptions)
-    notice_signals: str = DEFAULT_NOTICE_SIGNALS
-    log_format: str | None = None
-    keep_last: int | None = None
-    keep_every: int | None = None
+    command: tuple[str, ...] = field(metadata={"doc": "the launch command and its arguments (torchrun ...)"})
+    checkpoint_uri: str = option(
+        DEFAULT_CHECKPOINT_URI, "checkpoint root: local dir, file:// or s3://bucket/prefix (default %(default)s)",
+        metavar="URI")
+    s3_endpoint_url: str | None = option(
+        None, "S3 endpoint for s3:// URIs, e.g. http://minio:9000 (default: the standard AWS settings such as "
+        "AWS_ENDPOINT_URL); run passes it on to the workers", metavar="URL")
+    grace_period_s: float = option(
+        30.0, "seconds from a notice to the hard kill (default %(default)s, as Kubernetes); the emergency "
+        "checkpoint must commit by notice + grace period - safety margin", metavar="S")
+    # None: computed from the grace period (spotrun.env.default_safety_margin_s); a file gives a number.
+    safety_margin_s: float | None = option(
+        None, "seconds kept free before the end of the grace period (default 5, or half the grace period when "
+        "that is less)", metavar="S", null_in_file=False)
+    stop_timeout_s: float = option(
+        5.0, "seconds between SIGTERM and SIGKILL when stopping the command (default %(default)s); after a "
+        "notice SIGKILL comes halfway through the safety margin at the latest", metavar="S")
+    max_restarts: int = option(0, "restarts after a crash without a notice (default %(default)s)", metavar="N")
+    restart_backoff_s: float = option(
+        10.0, "wait before the first restart, doubled each time, at most 300 s (default %(default)s)", metavar="S")
+    notice: str = option(
+        "auto", "preemption notice sources besides the notice signals (always on): auto (default: probe only a "
+        "cloud that the DMI facts under /sys/class/dmi/id name or whose endpoint is set; nothing off a cloud), "
+        "none, or a comma-separated list of aws, gcp, azure, file, signal (signals are on anyway)",
+        metavar="auto|none|LIST", list_in_file=True, check_in_file=_check_notice_in_file)
+    notice_signals: str = option(
+        DEFAULT_NOTICE_SIGNALS, "signals to spotrun that are preemption notices, comma-separated, or none "
+        "(default %(default)s: SLURM's --signal=USR1@N and submitit's USR2 included); every other signal that "
+        "would end spotrun (ALRM, PIPE, QUIT, RTMIN+N, ...) is logged and ignored",
+        metavar="LIST", list_in_file=True, check_in_file=_check_signals_in_file)
+    notice_file: str | None = option(
+        None, "drill: a notice when this file appears (its JSON may set deadline_unix_s)", metavar="PATH")
+    aws_metadata_endpoint: str | None = option(
+        None, "AWS IMDS base URL (default $AWS_EC2_METADATA_SERVICE_ENDPOINT, else http://169.254.169.254)",
+        metavar="URL")
+    gcp_metadata_host: str | None = option(
+        None, "GCP metadata server (default $GCE_METADATA_HOST, else metadata.google.internal)",
+        metavar="HOST[:PORT]")
+    azure_metadata_endpoint: str | None = option(
+        None, "Azure IMDS base URL (default http://169.254.169.254)", metavar="URL")
+    azure_vm_name: str | None = option(
+        None, "this VM's name in Azure Scheduled Events (default: asked from IMDS)", metavar="NAME")
+    metrics_port: int | None = option(
+        None, "serve Prometheus metrics on http://ADDRESS:PORT/metrics while spotrun runs (0: a free port, "
+        "named in the log)", metavar="PORT")
+    metrics_address: str | None = option(
+        None, "address of the metrics endpoint (default 0.0.0.0: every interface, as a Prometheus scraping "
+        "pods needs; 127.0.0.1 keeps it to this machine)", metavar="ADDRESS")
+    metrics_textfile: str | None = option(
+        None, "write the metrics to this .prom file for node_exporter's textfile collector (atomically, at "
+        "every event, every 15 s and at exit: it keeps the exit code)", metavar="PATH")
+    keep_last: int | None = option(
+        None, "retention: the workers keep the N newest complete steps and delete older ones after each "
+        "commit (default: keep every step; passed as SPOTRUN_KEEP_LAST)", metavar="N")
+    keep_every: int | None = option(
+        None, "retention: also keep every step divisible by M (with --keep-last; passed as SPOTRUN_KEEP_EVERY)",
+        metavar="M")
+    log_level: str | None = option(
+        None, "log verbosity on stderr (default: info for run, warning for ls)", choices=LOG_LEVELS,
+        every_command=True)
+    log_format: str | None = option(
+        None, "log lines on stderr: text, or json (one object per line: time, level, logger, message, ...); "
+        "default $SPOTRUN_LOG_FORMAT, else text. run passes it to the launch command as $SPOTRUN_LOG_FORMAT",
+        choices=LOG_FORMATS, every_command=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
@@ -90,10 +184,37 @@ class SupervisorConfig:
             raise ConfigError(f"max restarts must be >= 0, got {self.max_restarts}")
         if not self.restart_backoff_s >= 0:
             raise ConfigError(f"restart backoff must be >= 0 s, got {self.restart_backoff_s}")
-        storage_options(self.checkpoint_uri, s3_endpoint_url=self.s3_endpoint_url)
+        check_endpoint_url(self.s3_endpoint_url)  # the URI itself is checked by the preflight, as it opens it
         parse_notice_option(self.notice)
         parse_notice_signals(self.notice_signals)
         RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, command: Iterable[str], *, log_format: str | None) -> SupervisorConfig:
+        """The config of parsed ``spotrun run`` arguments (every option's value is ``args.<name>``),
+        with the log format in effect (the flag, the file or ``$SPOTRUN_LOG_FORMAT``).
+
+        Raises:
+            ConfigError: as the constructor.
+        """
+        values = {spec.name: getattr(args, spec.name) for spec in option_specs()}
+        return cls(command=tuple(command), **{**values, "log_format": log_format})
+
+    @property
+    def location(self) -> StorageLocation:
+        """Where the checkpoints are (:attr:`checkpoint_uri` and :attr:`s3_endpoint_url`).
+
+        Raises:
+            ConfigError: an empty URI or an unsupported scheme.
+        """
+        return parse_location(self.checkpoint_uri, endpoint_url=self.s3_endpoint_url)
+
+    @property
+    def notice_options(self) -> NoticeOptions:
+        """The notice sources' endpoints, Azure VM name, drill file and notice signals."""
+        return NoticeOptions(aws_endpoint=self.aws_metadata_endpoint, gcp_host=self.gcp_metadata_host,
+                             azure_endpoint=self.azure_metadata_endpoint, azure_vm_name=self.azure_vm_name,
+                             notice_file=self.notice_file, notice_signals=self.notice_signal_numbers)
 
     def retention_env(self) -> dict[str, str]:
         """The retention variables for the launch command (only those given)."""
@@ -105,23 +226,33 @@ class SupervisorConfig:
         """The signal numbers of :attr:`notice_signals`."""
         return parse_notice_signals(self.notice_signals)
 
-    def storage_options(self) -> dict[str, Any]:
-        """Keyword arguments of ``open_storage`` for :attr:`checkpoint_uri`."""
-        return storage_options(self.checkpoint_uri, s3_endpoint_url=self.s3_endpoint_url)
+
+def option_specs() -> tuple[OptionSpec, ...]:
+    """Every option of :class:`SupervisorConfig`, in field order."""
+    hints = typing.get_type_hints(SupervisorConfig)
+    specs = []
+    for f in dataclasses.fields(SupervisorConfig):
+        meta = f.metadata.get("option")
+        if meta is None:
+            continue
+        kinds = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
+        null_in_file = meta["null_in_file"]
+        if null_in_file is None:
+            null_in_file = type(None) in typing.get_args(hints[f.name])
+        specs.append(OptionSpec(name=f.name, kind=kinds[0], default=f.default,
+                                **{**meta, "null_in_file": null_in_file}))
+    return tuple(specs)
 
 
-def storage_options(uri: str, *, s3_endpoint_url: str | None) -> dict[str, Any]:
-    """Keyword arguments of ``open_storage(uri, ...)`` for the command-line storage options.
+def add_options(parser: argparse.ArgumentParser, *, every_command: bool) -> None:
+    """Add the options of ``spotrun run`` (``every_command=False``) or those every subcommand
+    shares (``True``: the log options) to ``parser``, in field order."""
+    for spec in option_specs():
+        if spec.every_command == every_command:
+            spec.add_to(parser)
 
-    The endpoint only applies to ``s3://`` URIs and is ignored for local ones; ``None`` or
-    ``""`` means the standard AWS settings.
 
-    Raises:
-        ConfigError: the endpoint is not an ``http://`` or ``https://`` URL.
-    """
-    if not s3_endpoint_url:
-        return {}
-    parts = urllib.parse.urlsplit(s3_endpoint_url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"--s3-endpoint-url must be an http:// or https:// URL, got {s3_endpoint_url!r}")
-    return {"endpoint_url": s3_endpoint_url} if uri.strip().startswith("s3://") else {}
+def add_option(parser: argparse.ArgumentParser, name: str) -> None:
+    """Add one option (``"s3_endpoint_url"``) to another subcommand's ``parser``."""
+    [spec] = [s for s in option_specs() if s.name == name]
+    spec.add_to(parser)

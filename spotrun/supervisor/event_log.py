@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spotrun.events import CLOSE_TIMEOUT_S, EventLog, supervisor_key
-from spotrun.storage import Storage, open_storage
+from spotrun.storage import Storage
 from spotrun.supervisor.config import SupervisorConfig
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,8 @@ class EventLogObserver:
 
     @classmethod
     def for_config(cls, config: SupervisorConfig) -> EventLogObserver:
-        """The observer for ``spotrun run`` with ``config`` (its checkpoint root and S3 endpoint)."""
-        return cls(lambda: open_storage(config.checkpoint_uri, **config.storage_options()))
+        """The observer for ``spotrun run`` with ``config`` (its checkpoint root)."""
+        return cls(lambda: config.location.open())
 
     def event(self, name: str, fields: dict[str, Any]) -> None:
         """Record event ``name`` (see :mod:`spotrun.supervisor.observers`)."""

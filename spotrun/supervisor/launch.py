@@ -17,16 +17,13 @@ from spotrun import env as spotrun_env
 from spotrun import rank_layout
 from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.catalog import StepInfo
-from spotrun.storage import LocalStorage, Storage
+from spotrun.storage import Storage, StorageLocation
 from spotrun.supervisor.torchrun_command import TorchrunLaunch
 
 log = logging.getLogger(__name__)
 
 #: torchrun's variable for its --shutdown-timeout (seconds between its SIGTERM and SIGKILL).
 TORCH_SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
-#: boto3's variable for the S3 endpoint; it wins over ``AWS_ENDPOINT_URL`` and touches
-#: no other AWS service the training script may use.
-S3_ENDPOINT_URL = "AWS_ENDPOINT_URL_S3"
 
 
 @dataclass(frozen=True)
@@ -95,13 +92,12 @@ def describe_start(resume: StepInfo | None, launch: TorchrunLaunch | None) -> st
 
 def plan_launch(
     storage: Storage,
-    uri: str,
+    location: StorageLocation,
     *,
     control_dir: str,
     grace_period_s: float,
     previous: LaunchPlan | None = None,
     base_env: dict[str, str] | None = None,
-    s3_endpoint_url: str | None = None,
     supervisor_pid: int | None = None,
     log_format: str | None = None,
     retention: dict[str, str] | None = None,
@@ -110,17 +106,16 @@ def plan_launch(
 
     Args:
         storage: the checkpoint storage.
-        uri: the checkpoint URI as the user gave it (passed on for non-local backends;
-            a local directory is passed as an absolute path so workers agree whatever
-            their working directory).
+        location: where ``storage`` is; the workers get its
+            :meth:`~spotrun.storage.StorageLocation.worker_env` (the checkpoint URI, a local
+            directory as an absolute path so workers agree whatever their working directory;
+            an S3 endpoint given to spotrun), so that they open the same root.
         control_dir: this launch's node-local control directory.
         grace_period_s: seconds between a notice and the hard kill; torchrun's shutdown
             timeout defaults to it (rounded up) unless the user set one.
         previous: the plan of the previous launch by this supervisor (after a crash):
             keeps the run id and makes the incarnation grow even without a new checkpoint.
         base_env: environment to extend; default ``os.environ``.
-        s3_endpoint_url: the ``--s3-endpoint-url`` option; for an ``s3://`` URI the workers
-            get it as ``AWS_ENDPOINT_URL_S3``, so their storage uses the same endpoint.
         supervisor_pid: the supervisor's process id, passed as ``SPOTRUN_SUPERVISOR_PID`` with
             ``SPOTRUN_GRACE_PERIOD_S``: the workers stop when it is gone
             (:mod:`spotrun.supervisor_watch`); ``None`` leaves both out.
@@ -145,10 +140,7 @@ def plan_launch(
     )
 
     env = dict(os.environ if base_env is None else base_env)
-    local = isinstance(storage, LocalStorage)
-    env[spotrun_env.CHECKPOINT_URI] = storage.uri if local else uri
-    if s3_endpoint_url and not local:
-        env[S3_ENDPOINT_URL] = s3_endpoint_url
+    env.update(location.worker_env())
     env[spotrun_env.CONTROL_DIR] = control_dir
     env[spotrun_env.RUN_ID] = run_id
     env[spotrun_env.INCARNATION] = str(incarnation)

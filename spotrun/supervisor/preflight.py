@@ -32,11 +32,10 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from spotrun.errors import CommitUnsupportedError, ObjectExistsError, StorageError
-from spotrun.storage import Storage, open_storage
-from spotrun.supervisor.config import storage_options
+from spotrun.storage import Storage, StorageLocation
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +43,6 @@ T = TypeVar("T")
 
 #: Default bound of the whole check, in seconds.
 PREFLIGHT_TIMEOUT_S = 10.0
-#: Connect timeout of one S3 request during the check, in seconds.
-CONNECT_TIMEOUT_S = 3.0
 #: Prefix of the probe objects, relative to the checkpoint root.
 PROBE_PREFIX = ".spotrun-preflight/"
 
@@ -66,28 +63,18 @@ class PreflightResult:
     commit_primitive: str = "no-overwrite write"
 
 
-def check_storage(
-    uri: str, *, s3_endpoint_url: str | None = None, timeout_s: float = PREFLIGHT_TIMEOUT_S
-) -> PreflightResult:
-    """Open the storage at ``uri`` with short request timeouts and :func:`check` it.
+def check_storage(location: StorageLocation, *, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> PreflightResult:
+    """Open the storage at ``location`` with short request timeouts and :func:`check` it.
 
     Args:
-        uri: checkpoint root (local path, ``file://`` or ``s3://bucket/prefix``).
-        s3_endpoint_url: S3 endpoint overriding the environment's (``--s3-endpoint-url``).
+        location: the checkpoint root (:func:`~spotrun.storage.parse_location`).
         timeout_s: bound of the whole check, in seconds (> 0).
 
     Raises:
-        ConfigError: a bad URI, endpoint or timeout.
+        ConfigError: a bad URI or timeout.
         StorageError: the check failed (subclasses as in :func:`check`).
     """
-    options: dict[str, Any] = storage_options(uri, s3_endpoint_url=s3_endpoint_url)
-    if uri.strip().startswith("s3://"):
-        options.update(
-            connect_timeout_s=min(CONNECT_TIMEOUT_S, timeout_s),
-            read_timeout_s=timeout_s,
-            retry_deadline_s=timeout_s,
-        )
-    return check(open_storage(uri, **options), timeout_s=timeout_s)
+    return check(location.open(timeout_s=timeout_s), timeout_s=timeout_s)
 
 
 def check(storage: Storage, *, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> PreflightResult:
@@ -159,18 +146,11 @@ def _check_commit(storage: Storage, key: str) -> None:
 
 
 def _ignores_condition(storage: Storage, what_happened: str) -> CommitUnsupportedError:
-    if storage.uri.startswith("s3://"):
-        feature = "conditional writes (PutObject with If-None-Match: *)"
-        advice = ("use a store that enforces them (AWS S3, MinIO, Ceph RGW), or upgrade this "
-                  "store or its gateway")
-    else:
-        feature = "a no-overwrite commit (hard link or rename without replace)"
-        advice = "put the checkpoint root on a local filesystem (ext4, xfs, btrfs, tmpfs...)"
     return CommitUnsupportedError(
         errno.EOPNOTSUPP,
         f"checkpoint storage {storage.uri} failed the preflight check: {what_happened}: the "
-        f"store ignores {feature}, so two writers could both believe they committed the same "
-        f"checkpoint step; {advice}",
+        f"store ignores {storage.commit_requirement}, so two writers could both believe they "
+        f"committed the same checkpoint step; {storage.commit_advice}",
     )
 
 

@@ -56,7 +56,6 @@ become its children). It must be the only code in its process that waits for chi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import shlex
@@ -73,7 +72,7 @@ from spotrun.manifest import Manifest
 from spotrun.notices import Inbox, Notice, NoticeWatch, is_stop, parse_notice_option, start_sources
 from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal
 from spotrun.notices.signals import describe as describe_signals
-from spotrun.storage import Storage, open_storage
+from spotrun.storage import Storage
 from spotrun.supervisor import outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.estimate import decide, estimate_emergency_save
@@ -116,16 +115,17 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
     launch = read_torchrun_command(config.command)  # a --nnodes torchrun refuses: before anything else
     for warning in launch.warnings() if launch is not None else ():
         log.warning("%s", warning)
-    preflight.check_storage(config.checkpoint_uri, s3_endpoint_url=config.s3_endpoint_url)
+    location = config.location
+    preflight.check_storage(location)
     with contextlib.ExitStack() as stack:
         inbox = stack.enter_context(Inbox())
-        notice_options = dataclasses.replace(config.notice_options, notice_signals=config.notice_signal_numbers)
+        notice_options = config.notice_options
         watch = stack.enter_context(NoticeWatch(inbox))
         log.info("notice signals: %s (other signals that would end spotrun are logged and ignored); "
                  "grace period %.1f s, safety margin %.1f s",
                  describe_signals(notice_options.notice_signals), config.grace_period_s, config.safety_margin_s)
         start_sources(parse_notice_option(config.notice), notice_options, watch)
-        storage = open_storage(config.checkpoint_uri, **config.storage_options())
+        storage = location.open()
         control_root = tempfile.mkdtemp(prefix="spotrun-control-")
         stack.callback(shutil.rmtree, control_root, ignore_errors=True)
         if not process.become_subreaper():
@@ -187,9 +187,8 @@ class _Supervisor:
                 return EXIT_PREEMPTED_NOT_SAVED
             control_dir = tempfile.mkdtemp(prefix=f"launch-{attempt}-", dir=self.control_root)
             plan = plan_launch(
-                self.storage, self.config.checkpoint_uri, control_dir=control_dir,
-                grace_period_s=self.config.grace_period_s, previous=plan,
-                s3_endpoint_url=self.config.s3_endpoint_url, supervisor_pid=os.getpid(),
+                self.storage, self.config.location, control_dir=control_dir,
+                grace_period_s=self.config.grace_period_s, previous=plan, supervisor_pid=os.getpid(),
                 log_format=self.config.log_format,
                 retention=self.config.retention_env(),
             )
