@@ -41,9 +41,11 @@ _LOAD_WITH_SKYPILOT = textwrap.dedent("""\
 
 
 def test_task_is_valid_for_skypilot(tmp_path, record_property):
-    # HOME: SkyPilot writes its state under ~/.sky. No cloud credentials or network needed.
+    # HOME: SkyPilot writes its state under ~/.sky. No cloud credentials or network needed
+    # (strace shows no connection); its usage reports are switched off all the same.
+    env = {**os.environ, "HOME": str(tmp_path), "SKYPILOT_DISABLE_USAGE_COLLECTION": "1"}
     result = subprocess.run([sys.executable, "-c", _LOAD_WITH_SKYPILOT, str(TASK)], capture_output=True,
-                            text=True, timeout=120, env={**os.environ, "HOME": str(tmp_path)})
+                            text=True, timeout=120, env=env)
     assert result.returncode == 0, f"skypilot: sky.Task.from_yaml refused deploy/skypilot/task.yaml:\n{result.stderr}"
     task = json.loads(result.stdout.splitlines()[-1])
     tool = f"skypilot {task['version']}"
