@@ -197,7 +197,7 @@ def test_example_configs_load_and_make_a_valid_supervisor_config(path):
 
 def test_example_and_deploy_files_exist():
     assert {"local.yaml", "aws-spot.yaml", "gke-spot.yaml", "azure-spot.yaml"} <= {p.name for p in EXAMPLE_CONFIGS}
-    assert {"job.yaml", "pytorchjob.yaml"} <= {p.name for p in DEPLOY_YAML}
+    assert {"job.yaml", "pytorchjob.yaml", "jobset.yaml", "task.yaml"} <= {p.name for p in DEPLOY_YAML}
     for name in ("container/Dockerfile", "vm/spotrun-train.service", "vm/startup.sh", "README.md"):
         assert (ROOT / "deploy" / name).is_file(), name
 
