@@ -140,7 +140,7 @@ def main(argv=None) -> int:
             record("step", step=state.step, loss=loss.item())
         time.sleep(args.step_sleep_s)
 
-        notice = spotrun.preemption_notice() if args.notice == "poll" else None  # noqa: F821 (imported above)
+        notice = spotrun.preemption_notice() if args.notice == "poll" else None
         asked = torch.tensor([1 if notice is not None or flag.signal_name else 0])  # CPU: gloo
         dist.all_reduce(asked, op=dist.ReduceOp.MAX)  # every rank stops at the same step
         if asked.item():

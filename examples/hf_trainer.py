@@ -150,6 +150,8 @@ def main(argv=None) -> int:
     trainer.train(resume_from_checkpoint=resume)
     if not callback.stopped:
         record("done", step=trainer.state.global_step)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()  # else gloo's threads may abort the exit (transformers 4.x)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Helpers for tests of jobs that checkpoint by their own means (examples/dcp_on_signal.py, examples/hf_trainer.py).
+"""Helpers for tests of jobs that checkpoint by their own means (the recipes in examples/).
 
 Both recipes append JSON lines to ``--log-file``: ``start`` (rank, pid, resumed_step), ``step``
 (rank 0), ``signal`` (received_unix_s), ``notice`` (seen_unix_s), ``saved`` (step), ``done`` (step).
@@ -16,6 +16,7 @@ import time
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 DCP_SCRIPT = EXAMPLES / "dcp_on_signal.py"
 HF_SCRIPT = EXAMPLES / "hf_trainer.py"
+LIGHTNING_SCRIPT = EXAMPLES / "lightning_trainer.py"
 #: Generous: two cores shared with other test runs; each launch imports torch in every process.
 WAIT_S = 180.0
 

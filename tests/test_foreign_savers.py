@@ -1,4 +1,4 @@
-"""Issue 13: jobs that checkpoint with their own framework (examples/dcp_on_signal.py, examples/hf_trainer.py).
+"""Issue 13: jobs that checkpoint with their own framework (examples/: plain DCP, HF Trainer, Lightning).
 
 First without spotrun (the recipes themselves: a signal to the workers, or the save request
 that `spotrun run` writes, makes every rank save the same step and exit 0; the same command
@@ -20,6 +20,7 @@ from spotrun.listeners import read_listeners
 from tests.foreign_jobs import (
     DCP_SCRIPT,
     HF_SCRIPT,
+    LIGHTNING_SCRIPT,
     WAIT_S,
     assert_resumed_and_finished,
     events,
@@ -32,6 +33,7 @@ from tests.trainrun import start_supervised
 
 DCP_STEPS = 40
 HF_STEPS = 30
+LIGHTNING_STEPS = 40
 PREEMPTED = 143
 #: Foreign-saver mode: the supervisor passes a notice on to the workers as a signal (issue 13, item 2).
 NEEDS_FOREIGN_MODE = pytest.mark.skip(reason="needs supervisor foreign-saver mode (lead)")
@@ -131,6 +133,25 @@ def test_hf_trainer_recipe_saves_on_sigterm_and_global_step_continues(tmp_path, 
                                 from_step=step, last_step=HF_STEPS, ranks=2)
 
 
+@pytest.mark.slow
+def test_lightning_recipe_saves_on_sigusr1_and_global_step_continues(tmp_path, processes):
+    """Lightning, 2 ranks: SIGUSR1 to the workers (Lightning keeps SIGTERM for itself) ->
+    step-<N>.ckpt, exit 0; the same command resumes at global_step N + 1 and finishes."""
+    command = torchrun(LIGHTNING_SCRIPT, "--ckpt-dir", tmp_path / "pl", "--max-steps", LIGHTNING_STEPS,
+                       "--log-file", tmp_path / "log.jsonl")
+    proc = start([*command, "--step-sleep-s", "0.02"], tmp_path / "first.out")
+    processes.append(proc)
+    for pid in wait_for_training(tmp_path / "log.jsonl", proc, ranks=2, step=3):
+        os.kill(pid, signal.SIGUSR1)
+    assert proc.wait(timeout=WAIT_S) == 0, (tmp_path / "first.out").read_text()[-3000:]
+    step = saved_step(events(tmp_path / "log.jsonl"), ranks=2)
+    assert 3 <= step < LIGHTNING_STEPS
+    assert os.listdir(tmp_path / "pl") == [f"step-{step}.ckpt"]
+
+    assert_resumed_and_finished(finish_run(command, tmp_path, "second", processes),
+                                from_step=step, last_step=LIGHTNING_STEPS, ranks=2)
+
+
 # --- under `spotrun run` (foreign-saver mode) --------------------------------------------------
 
 
@@ -208,3 +229,20 @@ def test_hf_trainer_under_spotrun_saves_exits_143_and_global_step_continues(tmp_
 
     assert_resumed_and_finished(finish_run(command, tmp_path, "second", processes, supervised=True),
                                 from_step=step, last_step=HF_STEPS, ranks=1)
+
+
+@NEEDS_FOREIGN_MODE
+@pytest.mark.slow
+def test_lightning_job_under_spotrun_with_notify_signal_sigusr1_saves_and_exits_143(tmp_path, processes):
+    """The Lightning recipe under `spotrun run --notify-signal SIGUSR1`: SIGUSR1 within 1 s,
+    step-<N>.ckpt, spotrun exits 143; the restart resumes at global_step N + 1 and finishes."""
+    options = ["--notify-signal", "SIGUSR1"]
+    command = torchrun(LIGHTNING_SCRIPT, "--ckpt-dir", tmp_path / "pl", "--max-steps", LIGHTNING_STEPS,
+                       "--log-file", tmp_path / "log.jsonl")
+    sent_unix_s, step = notice_to_supervisor(tmp_path, processes, [*command, "--step-sleep-s", "0.02"], options,
+                                             ranks=2)
+    assert_signalled_within_1_s(events(tmp_path / "log.jsonl"), sent_unix_s, "SIGUSR1", ranks=2)
+    assert (tmp_path / "pl" / f"step-{step}.ckpt").exists()
+
+    assert_resumed_and_finished(finish_run(command, tmp_path, "second", processes, supervised=True, options=options),
+                                from_step=step, last_step=LIGHTNING_STEPS, ranks=2)
