@@ -6,7 +6,7 @@ spotrun watches the notices and restarts the command; the Trainer keeps its own 
     spotrun run --grace-period-s 60 -- python examples/hf_trainer.py --output-dir ./hf --max-steps 1000
     spotrun run --grace-period-s 60 -- torchrun --nproc-per-node 2 examples/hf_trainer.py --output-dir ./hf
 
-The model is a tiny GPT-2 built from a config (about 110 K parameters, no download) trained on
+The model is a tiny GPT-2 built from a config (119 K parameters, no download) trained on
 random tokens (seeded), so the recipe runs anywhere; put your own model and data in its place.
 
 :class:`SaveOnNotice` is the part to copy. It hears the notice as a signal (``--notice signal``:
