@@ -5,6 +5,8 @@ Library entry points used inside a training script:
 * :class:`Checkpointer` - sharded, checksummed, pickle-free checkpoints; exact resume.
 * :class:`ResumableDataLoader`, :class:`ResumableDistributedSampler` - data order that
   resumes at the exact next batch.
+* :func:`preemption_notice`, :func:`on_preemption_notice` - the notice for scripts that save
+  by their own means (no torch import: cheap to call every step).
 """
 
 __version__ = "0.1.0"
@@ -23,11 +25,15 @@ from spotrun.errors import (  # noqa: E402
     StateSerializationError,
     StorageError,
 )
+from spotrun.preemption import PreemptionNotice, on_preemption_notice, preemption_notice  # noqa: E402
 
 __all__ = [
     "Checkpointer",
     "ResumableDataLoader",
     "ResumableDistributedSampler",
+    "PreemptionNotice",
+    "on_preemption_notice",
+    "preemption_notice",
     "CheckpointError",
     "CheckpointSaveError",
     "CommitUnsupportedError",

@@ -22,7 +22,7 @@ import time
 
 from fakeckpt import write_step
 
-from spotrun import control, env
+from spotrun import control, env, listeners
 
 
 def main() -> int:
@@ -42,6 +42,7 @@ def main() -> int:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, record_signal)
 
+    listeners.announce("checkpointer")  # it speaks spotrun's protocol: no signal on a notice
     worker_env = env.WorkerEnv.from_environ()
     control_dir = worker_env.control_dir
     (args.state_dir / "ready").write_text(str(os.getpid()))
