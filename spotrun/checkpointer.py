@@ -27,7 +27,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from spotrun import control, dist
+from spotrun import control, dist, listeners
 from spotrun.checkpoint.background import BackgroundSaver
 from spotrun.checkpoint.claim import claim_incarnation
 from spotrun.checkpoint.retention import Retainer, RetentionPolicy
@@ -151,6 +151,9 @@ class Checkpointer(RestoringMixin, PeriodicSavingMixin, StoppingMixin):
         self._state = pair_optimizers(dict(state))
         self._rank_state = {**(rank_state or {}), NUMERICS_STATE_NAME: NumericsState(), "rng": RNGState()}
         self._env = WorkerEnv.from_environ()
+        # Under `spotrun run`: say that this worker reads the save request, so the supervisor
+        # sends it no signal (spotrun.supervisor.foreign); first, before a long restore.
+        listeners.announce("checkpointer")
         self._storage = storage or open_storage(uri or self._env.checkpoint_uri or DEFAULT_CHECKPOINT_URI)
         self.interval_steps = interval_steps
         self.check_interval_steps = check_interval_steps

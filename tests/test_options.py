@@ -23,6 +23,8 @@ EXPECTED = {
     "restart_backoff_s": ("0", 0.0),
     "notice": ("[aws, signal]", "aws,signal"),
     "notice_signals": ("TERM,USR1", "TERM,USR1"),
+    "notify_signal": ("USR1", "USR1"),
+    "announce_timeout_s": ("30", 30.0),
     "notice_file": ("/run/spotrun/notice", "/run/spotrun/notice"),
     "aws_metadata_endpoint": ("http://127.0.0.1:1338", "http://127.0.0.1:1338"),
     "gcp_metadata_host": ("127.0.0.1:8080", "127.0.0.1:8080"),

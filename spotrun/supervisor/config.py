@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from spotrun.logs import LOG_FORMATS, LOG_LEVELS
 from spotrun.notices import SOURCE_NAMES, NoticeOptions, parse_notice_option
 from spotrun.storage import StorageLocation, parse_location
 from spotrun.storage.location import check_endpoint_url
-from spotrun.notices.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals
+from spotrun.notices.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals, parse_signal
 
 #: Upper bound of the wait before a crash restart, in seconds.
 MAX_RESTART_BACKOFF_S = 300.0
@@ -92,6 +93,10 @@ def _check_signals_in_file(value: str) -> None:
     parse_notice_signals(value)
 
 
+def _check_signal_in_file(value: str) -> None:
+    parse_signal(value)
+
+
 @dataclass(frozen=True)
 class SupervisorConfig:
     """The launch command and the options of ``spotrun run`` (see the module docstring).
@@ -130,6 +135,15 @@ class SupervisorConfig:
         "(default %(default)s: SLURM's --signal=USR1@N and submitit's USR2 included); every other signal that "
         "would end spotrun (ALRM, PIPE, QUIT, RTMIN+N, ...) is logged and ignored",
         metavar="LIST", list_in_file=True, check_in_file=_check_signals_in_file)
+    notify_signal: str | None = option(
+        None, "for a job that saves with its own framework: deliver every notice at once as this signal "
+        "(TERM, USR1, ...) to the worker processes (torchrun's children, never torchrun); default: SIGTERM, "
+        "and only to workers that never announced spotrun's protocol (a Checkpointer or "
+        "spotrun.preemption_notice())", metavar="SIGNAL", check_in_file=_check_signal_in_file)
+    announce_timeout_s: float = option(
+        10.0, "seconds a worker may run without announcing spotrun's protocol before a notice reaches it as "
+        "a signal (default %(default)s; a notice before that waits for the announcement or this age)",
+        metavar="S")
     notice_file: str | None = option(
         None, "drill: a notice when this file appears (its JSON may set deadline_unix_s)", metavar="PATH")
     aws_metadata_endpoint: str | None = option(
@@ -187,6 +201,10 @@ class SupervisorConfig:
         check_endpoint_url(self.s3_endpoint_url)  # the URI itself is checked by the preflight, as it opens it
         parse_notice_option(self.notice)
         parse_notice_signals(self.notice_signals)
+        if self.notify_signal is not None:
+            parse_signal(self.notify_signal)
+        if not self.announce_timeout_s >= 0:
+            raise ConfigError(f"announce timeout must be >= 0 s, got {self.announce_timeout_s}")
         RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
 
     @classmethod
@@ -220,6 +238,11 @@ class SupervisorConfig:
         """The retention variables for the launch command (only those given)."""
         given = {spotrun_env.KEEP_LAST: self.keep_last, spotrun_env.KEEP_EVERY: self.keep_every}
         return {name: str(value) for name, value in given.items() if value is not None}
+
+    @property
+    def notify_signal_number(self) -> int:
+        """The signal for workers that do not speak spotrun's protocol (SIGTERM by default)."""
+        return parse_signal(self.notify_signal) if self.notify_signal is not None else signal.SIGTERM
 
     @property
     def notice_signal_numbers(self) -> frozenset[int]:

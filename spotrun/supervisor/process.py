@@ -118,7 +118,13 @@ def is_alive(info: ProcInfo) -> bool:
     return now is not None and now.start_ticks == info.start_ticks and now.state != "Z"
 
 
-def _send(info: ProcInfo, signum: int) -> None:
+def proc_info(pid: int) -> ProcInfo | None:
+    """Process ``pid`` as ``/proc`` shows it now; None when it is gone."""
+    return _read_stat(pid)
+
+
+def send(info: ProcInfo, signum: int) -> None:
+    """Send ``signum`` to the very process ``info`` names, if it still runs."""
     if not is_alive(info):
         return
     try:
@@ -139,7 +145,7 @@ def signal_tree(root_pid: int, pgid: int | None, signum: int) -> list[ProcInfo]:
         except (ProcessLookupError, PermissionError):
             pass
     for info in targets:
-        _send(info, signum)
+        send(info, signum)
     return targets
 
 
@@ -195,7 +201,7 @@ def kill_tree(root_pid: int, pgid: int | None, known: Sequence[ProcInfo] = ()) -
         if not new:
             break
         for info in new:
-            _send(info, signal.SIGKILL)
+            send(info, signal.SIGKILL)
             killed[(info.pid, info.start_ticks)] = info
         pending = []
     if killed:

@@ -41,6 +41,8 @@ Exit codes:
          (also when a notice arrived but the command finished without saving).
     143  a notice arrived and the emergency checkpoint the workers reported is complete on
          storage: preempted and saved; restart the job to continue (retryable: >= 128).
+         For a job that saves with its own framework (:mod:`spotrun.supervisor.foreign`):
+         the command exited 0 after the notice; spotrun cannot verify that checkpoint.
     142  a notice arrived but no emergency checkpoint committed before the command exited
          or the deadline passed, or the supervisor found no time for one (see below); the
          job resumes from the newest complete checkpoint (retryable: >= 128, as Kubernetes
@@ -76,6 +78,7 @@ from spotrun.storage import Storage
 from spotrun.supervisor import outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.estimate import decide, estimate_emergency_save
+from spotrun.supervisor.foreign import NoticeDelivery
 from spotrun.supervisor.launch import LaunchPlan, describe_start, plan_launch
 from spotrun.supervisor.observers import Observers
 from spotrun.supervisor.torchrun_command import TorchrunLaunch, read_torchrun_command
@@ -159,6 +162,8 @@ class _Supervisor:
         self.resumed_manifest: Manifest | None = None  # of the checkpoint the running command resumed
         self.save_declined = False  # a save could not commit in time: the workers stop without one
         self.saved_step: int | None = None  # the emergency checkpoint's step, once it is complete
+        self.delivery: NoticeDelivery | None = None  # how the running command's workers hear of a notice
+        self.delivery_recheck_unix_s: float | None = None  # undecided: look at the workers again then
 
     # --- the launch / restart loop ---------------------------------------------
 
@@ -230,13 +235,21 @@ class _Supervisor:
             raise ConfigError(f"cannot start {shlex.join(command)}: {exc.strerror or exc}") from exc
         self.child_returncode = None
         self.control_dir = control_dir
+        self.delivery = NoticeDelivery(
+            control_dir, self.child.pid, torchrun=self.launch is not None,
+            notify_signal=self.config.notify_signal_number, forced=self.config.notify_signal is not None,
+            announce_timeout_s=self.config.announce_timeout_s)
+        self.delivery_recheck_unix_s = None
         log.info(
             "started pid %d (run id %s, incarnation %d): %s",
             self.child.pid, plan.run_id, plan.incarnation, shlex.join(command),
         )
         while self.child_returncode is None:
-            timeout_s = None if self.deadline_unix_s is None else self.deadline_unix_s - time.time()
-            self._wait(timeout_s)
+            wake_unix_s = min((t for t in (self.deadline_unix_s, self.delivery_recheck_unix_s) if t is not None),
+                              default=None)
+            self._wait(None if wake_unix_s is None else wake_unix_s - time.time())
+            if self.delivery_recheck_unix_s is not None and time.time() >= self.delivery_recheck_unix_s:
+                self._deliver_notice()
             if self.child_returncode is None and self._deadline_passed():
                 log.warning("deadline passed before the command exited: stopping it")
                 self._stop_child()
@@ -344,6 +357,14 @@ class _Supervisor:
                     save=save,
                 ),
             )
+            self._deliver_notice()
+
+    def _deliver_notice(self) -> None:
+        """Tell the running command's workers of the stop notice as they listen: the request
+        file only, or a signal as well (:mod:`spotrun.supervisor.foreign`)."""
+        self.delivery_recheck_unix_s = None
+        if self.delivery is not None and self.child_returncode is None:
+            self.delivery_recheck_unix_s = self.delivery.deliver()
 
     def _save_fits(self, deadline_unix_s: float) -> bool:
         """Decide whether to ask for an emergency save, from the measured saves; log why."""
@@ -390,6 +411,12 @@ class _Supervisor:
             outcome.check_resume_point(self.storage, declined=True)
             return EXIT_PREEMPTED_NOT_SAVED
         if report is None:
+            foreign = self.delivery is not None and self.delivery.choice is not None and self.delivery.choice.foreign
+            if code == 0 and foreign:
+                log.info("the command exited 0 after the notice: its workers saved with their own framework "
+                         "(spotrun cannot verify that checkpoint): exiting %d", EXIT_PREEMPTED_SAVED)
+                self._acknowledge()
+                return EXIT_PREEMPTED_SAVED
             if code == 0:
                 log.info("the command exited 0 without an emergency checkpoint: training finished")
                 return EXIT_FINISHED

@@ -1,0 +1,161 @@
+"""How a notice reaches the workers of one launch: spotrun's request file, or a signal.
+
+A job whose ranks run a :class:`~spotrun.Checkpointer` (or poll
+:func:`spotrun.preemption_notice`) announces itself in the control directory
+(:mod:`spotrun.listeners`); such a job reads the request file and gets no signal. A job that
+saves with its own framework never announces itself: it is told of a notice by a signal
+sent at once to the worker processes themselves (torchrun's children, never torchrun, which
+treats stop signals as fatal), ``--notify-signal`` (default SIGTERM). The deadline is in
+``$SPOTRUN_CONTROL_DIR/save-request.json`` for either kind.
+
+A job that has not announced itself yet may still be starting (importing torch, building
+its model). Its workers are taken to be foreign once the oldest of them has run
+``announce_timeout_s`` without an announcement; a notice before that waits for an
+announcement or for that age, whichever comes first. Taking a starting spotrun job for a
+foreign one costs nothing: before its Checkpointer exists it has trained nothing that a
+save could keep.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from spotrun.listeners import read_listeners
+from spotrun.notices.signals import signal_name
+from spotrun.supervisor import process
+
+log = logging.getLogger(__name__)
+
+
+class Delivery(enum.Enum):
+    """How the workers of a launch hear of a notice."""
+
+    REQUEST_FILE = "request file"  # a Checkpointer announced itself: spotrun's protocol
+    POLL = "polled"  # the job polls spotrun.preemption_notice(); it saves by itself
+    SIGNAL = "signal"  # no announcement: the workers get the notify signal
+    UNDECIDED = "undecided"  # no announcement yet, workers still young (or none started)
+
+
+@dataclass(frozen=True)
+class DeliveryChoice:
+    """The answer of :func:`choose_delivery`; ``recheck_in_s`` only when undecided."""
+
+    delivery: Delivery
+    recheck_in_s: float | None = None
+
+    @property
+    def foreign(self) -> bool:
+        """The job saves with its own framework: spotrun cannot verify its checkpoint."""
+        return self.delivery in (Delivery.POLL, Delivery.SIGNAL)
+
+
+def choose_delivery(kinds: Sequence[str], *, signal_forced: bool, oldest_worker_age_s: float | None,
+                    announce_timeout_s: float) -> DeliveryChoice:
+    """Pure decision: how to deliver a notice now.
+
+    Args:
+        kinds: the ``kind`` of every announcement in the control directory
+            (``"checkpointer"``, ``"poll"``).
+        signal_forced: the user set ``--notify-signal``: always signal.
+        oldest_worker_age_s: seconds the oldest worker process has run; None: none running.
+        announce_timeout_s: how long a worker may run before it counts as foreign.
+    """
+    if signal_forced:
+        return DeliveryChoice(Delivery.SIGNAL)
+    if "checkpointer" in kinds:
+        return DeliveryChoice(Delivery.REQUEST_FILE)
+    if "poll" in kinds:
+        return DeliveryChoice(Delivery.POLL)
+    if oldest_worker_age_s is not None and oldest_worker_age_s >= announce_timeout_s:
+        return DeliveryChoice(Delivery.SIGNAL)
+    age_s = oldest_worker_age_s if oldest_worker_age_s is not None else 0.0
+    return DeliveryChoice(Delivery.UNDECIDED, recheck_in_s=max(0.05, announce_timeout_s - age_s))
+
+
+def worker_processes(child_pid: int, *, torchrun: bool) -> list[process.ProcInfo]:
+    """The processes that run the training code: torchrun's children when the command is
+    torchrun (torchrun itself must not be signalled), otherwise the command itself."""
+    if not torchrun:
+        info = process.proc_info(child_pid)
+        return [info] if info is not None else []
+    return [info for info in process.descendants(child_pid) if info.ppid == child_pid]
+
+
+def oldest_age_s(infos: Sequence[process.ProcInfo]) -> float | None:
+    """Seconds the oldest of ``infos`` has been running; None for none."""
+    if not infos:
+        return None
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    with open("/proc/uptime", encoding="ascii") as f:
+        uptime_s = float(f.read().split()[0])
+    return max(0.0, uptime_s - min(info.start_ticks for info in infos) / ticks_per_s)
+
+
+class NoticeDelivery:
+    """The delivery state of one launch: decides once, signals the workers at most once.
+
+    Args:
+        control_dir: the launch's control directory (announcements are read there).
+        child_pid: the launch command's pid.
+        torchrun: whether the command is torchrun (signal its children, not it).
+        notify_signal: the signal for foreign jobs; ``forced``: always use it.
+        announce_timeout_s: see :func:`choose_delivery`.
+    """
+
+    def __init__(self, control_dir: str, child_pid: int, *, torchrun: bool, notify_signal: int,
+                 forced: bool, announce_timeout_s: float) -> None:
+        self._control_dir = control_dir
+        self._child_pid = child_pid
+        self._torchrun = torchrun
+        self.notify_signal = notify_signal
+        self._forced = forced
+        self._announce_timeout_s = announce_timeout_s
+        self.choice: DeliveryChoice | None = None  # the final choice once made
+        self.signalled: list[process.ProcInfo] = []
+
+    def current(self) -> DeliveryChoice:
+        """What to do now (reads the announcements and ``/proc``); final once decided."""
+        if self.choice is not None:
+            return self.choice
+        workers = worker_processes(self._child_pid, torchrun=self._torchrun)
+        kinds = [listener.kind for listener in read_listeners(self._control_dir)]
+        choice = choose_delivery(kinds, signal_forced=self._forced, oldest_worker_age_s=oldest_age_s(workers),
+                                 announce_timeout_s=self._announce_timeout_s)
+        if choice.delivery is not Delivery.UNDECIDED:
+            self.choice = choice
+        return choice
+
+    def signal_workers(self) -> list[process.ProcInfo]:
+        """Send the notify signal to the worker processes now (once); those signalled."""
+        if self.signalled:
+            return self.signalled
+        workers = worker_processes(self._child_pid, torchrun=self._torchrun)
+        for info in workers:
+            process.send(info, self.notify_signal)
+        self.signalled = workers
+        return workers
+
+    def deliver(self) -> float | None:
+        """Act on a stop notice now (the request file is already written): signal the workers
+        when they are foreign, once. Returns when to call again (seconds since the epoch) while
+        the workers are still young and silent; None once decided."""
+        if self.signalled:
+            return None
+        choice = self.current()
+        if choice.delivery is Delivery.UNDECIDED:
+            log.info("no worker has announced spotrun's protocol yet: deciding how to deliver the notice "
+                     "in %.1f s at the latest", choice.recheck_in_s)
+            return time.time() + choice.recheck_in_s
+        if choice.delivery is Delivery.SIGNAL:
+            workers = self.signal_workers()
+            log.warning("sent %s to %d worker process(es) (%s): they save with their own framework; the "
+                        "deadline is in $SPOTRUN_CONTROL_DIR/save-request.json", signal_name(self.notify_signal),
+                        len(workers), " ".join(str(info.pid) for info in workers) or "none found")
+        elif choice.delivery is Delivery.POLL:
+            log.info("the workers poll spotrun.preemption_notice(): no signal sent")
+        return None
