@@ -127,6 +127,10 @@ def test_2_usr1_to_supervisor_is_a_notice(reference, tmp_path, processes):
     assert proc.wait(timeout=600) == PREEMPTED, (tmp_path / "first.log").read_text()[-3000:]
     emergency = [row for row in ls_json(ck) if row["reason"] == "emergency"]
     assert len(emergency) == 1 and emergency[0]["status"] == "complete" and emergency[0]["step"] >= step
-    assert "preemption notice: SIGUSR1" in (tmp_path / "first.log").read_text()
+    output = (tmp_path / "first.log").read_text()
+    assert "preemption notice: SIGUSR1" in output
+    # The Checkpointer announced itself: the notice reached the ranks as the request file, no signal.
+    assert "the workers run a spotrun Checkpointer: no signal sent" in output
+    assert "save requested (supervisor: SIGUSR1)" in output and "save requested (SIG" not in output
 
     trainrun.restart_resumes_exactly(reference, tmp_path, processes, ck, log_file, command, emergency[0]["step"])

@@ -158,4 +158,6 @@ class NoticeDelivery:
                         len(workers), " ".join(str(info.pid) for info in workers) or "none found")
         elif choice.delivery is Delivery.POLL:
             log.info("the workers poll spotrun.preemption_notice(): no signal sent")
+        else:
+            log.info("the workers run a spotrun Checkpointer: no signal sent, they read the save request")
         return None
