@@ -150,12 +150,14 @@ def main(argv=None) -> int:
                 record("notice", reason=notice.reason, seconds_left=notice.seconds_left(), seen_unix_s=time.time())
             if notice is None or notice.save:
                 save()
+            dist.barrier()  # no rank tears gloo down while a peer still takes part in the last collective
             dist.destroy_process_group()
             return 0
         if args.save_every and state.step % args.save_every == 0:
             save()
 
     record("done", step=state.step)
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
@@ -186,4 +188,10 @@ def newest_complete(ckpt_dir: str) -> int | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Skip interpreter finalization: gloo's threads may still hold Python objects after
+    # destroy_process_group(), and freeing them at interpreter exit can hang or abort the
+    # process after the save (pytorch/pytorch#179291); everything is written and flushed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

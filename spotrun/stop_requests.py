@@ -107,9 +107,18 @@ class StopRequests:
         when the supervisor is gone, by the time this process will be killed."""
         watch = self._supervisor
         kill_unix_s = watch.end_unix_s if watch is not None else None
+        request = asked.request
+        if request is None and self._env.control_dir:
+            # This rank looked before its supervisor's request appeared, and another rank's
+            # request won the agreement: read it now (the stop path only), or this rank's save
+            # would not be bounded by the deadline the others keep.
+            try:
+                request = control.read_save_request(self._env.control_dir)
+            except ConfigError as exc:
+                log.warning("%s; saving without its deadline", exc)
         return save_decision.emergency_timeout_s(
             save_timeout_s, time.time(),
-            deadline_unix_s=asked.request.deadline_unix_s if asked.request is not None else None,
+            deadline_unix_s=request.deadline_unix_s if request is not None else None,
             kill_unix_s=kill_unix_s,
             safety_margin_s=0.0 if kill_unix_s is None else default_safety_margin_s(watch.grace_period_s))
 

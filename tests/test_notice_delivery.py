@@ -40,11 +40,12 @@ def test_choose_delivery_table(kinds, forced, age_s, expected):
 
 def _sleeper_tree() -> subprocess.Popen:
     """A launcher (like torchrun) with two worker children that log the signal they get."""
+    # One os.write per line: the two workers share the pipe, and a line must not be split.
     code = (
         "import subprocess, sys\n"
-        "worker = 'import signal, sys, time\\n"
-        "signal.signal(signal.SIGUSR1, lambda s, f: (print(\"got\", s, flush=True), sys.exit(0)))\\n"
-        "print(\"ready\", flush=True)\\n"
+        "worker = 'import os, signal, sys, time\\n"
+        "signal.signal(signal.SIGUSR1, lambda s, f: (os.write(1, b\"got %d\\\\n\" % s), sys.exit(0)))\\n"
+        "os.write(1, b\"ready\\\\n\")\\n"
         "time.sleep(60)\\n'\n"
         "children = [subprocess.Popen([sys.executable, '-c', worker]) for _ in range(2)]\n"
         "sys.exit(max(c.wait() for c in children))\n"

@@ -147,3 +147,17 @@ def test_a_damaged_request_file_is_taken_as_a_save_request_without_a_deadline(tm
     assert [s.step for s in catalog.list_steps(ckpt.storage)] == [1]
     assert control.read_commit_report(str(control_dir)).step == 1
     ckpt.close()
+
+
+def test_a_rank_that_looked_before_the_request_appeared_still_saves_by_its_deadline(tmp_path, monkeypatch):
+    """Another rank's request won the agreement, this rank's check saw no file yet: its save
+    is bounded by the deadline in the file all the same (field case C10 on rank 1)."""
+    control_dir = tmp_path / "control"
+    control_dir.mkdir()
+    monkeypatch.setenv("SPOTRUN_CONTROL_DIR", str(control_dir))
+    requests = StopRequests(WorkerEnv.from_environ(), handle_signals=False)
+    asked = requests.read()
+    assert asked.request is None
+    now_s = time.time()
+    control.write_save_request(str(control_dir), control.SaveRequest("SIGTERM", now_s, now_s + 25.0))
+    assert 20.0 < requests.emergency_timeout_s(asked, 300.0) <= 25.0
