@@ -4,7 +4,7 @@ No spotrun.Checkpointer: the script keeps its own checkpoints and its own resume
 spotrun (``spotrun run``) only watches the notices and restarts it::
 
     spotrun run --grace-period-s 60 -- \\
-        torchrun --nproc-per-node 2 examples/dcp_on_signal.py --ckpt-dir ./dcp --steps 1000
+        torchrun --nproc-per-node 2 examples/dcp_on_signal.py --ckpt-dir runs/dcp --steps 1000
 
 How it hears the notice (``--notice``):
 
@@ -150,15 +150,13 @@ def main(argv=None) -> int:
                 record("notice", reason=notice.reason, seconds_left=notice.seconds_left(), seen_unix_s=time.time())
             if notice is None or notice.save:
                 save()
-            dist.barrier()  # no rank tears gloo down while a peer still takes part in the last collective
-            dist.destroy_process_group()
-            return 0
+            dist.barrier()  # no rank leaves while a peer still takes part in the last collective
+            return 0  # no destroy_process_group(): see the end of this file
         if args.save_every and state.step % args.save_every == 0:
             save()
 
     record("done", step=state.step)
     dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
@@ -189,9 +187,10 @@ def newest_complete(ckpt_dir: str) -> int | None:
 
 if __name__ == "__main__":
     exit_code = main()
-    # Skip interpreter finalization: gloo's threads may still hold Python objects after
-    # destroy_process_group(), and freeing them at interpreter exit can hang or abort the
-    # process after the save (pytorch/pytorch#179291); everything is written and flushed.
+    # Skip gloo's teardown and interpreter finalization: destroy_process_group() and freeing
+    # gloo's threads at interpreter exit can hang or abort a process after its save when a
+    # peer has already gone (pytorch/pytorch#179291). Every rank passed the barrier after the
+    # last collective, and everything is written and flushed: nothing is left to tear down.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)

@@ -3,8 +3,8 @@
 spotrun watches the notices and restarts the command; the Trainer keeps its own checkpoints
 (``<output-dir>/checkpoint-<global_step>/``)::
 
-    spotrun run --grace-period-s 60 -- python examples/hf_trainer.py --output-dir ./hf --max-steps 1000
-    spotrun run --grace-period-s 60 -- torchrun --nproc-per-node 2 examples/hf_trainer.py --output-dir ./hf
+    spotrun run --grace-period-s 60 -- python examples/hf_trainer.py --output-dir runs/hf --max-steps 1000
+    spotrun run --grace-period-s 60 -- torchrun --nproc-per-node 2 examples/hf_trainer.py --output-dir runs/hf
 
 The model is a tiny GPT-2 built from a config (119 K parameters, no download) trained on
 random tokens (seeded), so the recipe runs anywhere; put your own model and data in its place.

@@ -4,7 +4,7 @@ spotrun watches the notices and restarts the command; Lightning keeps its own ch
 (``<ckpt-dir>/step-<global_step>.ckpt``)::
 
     spotrun run --grace-period-s 60 --notify-signal SIGUSR1 -- \\
-        torchrun --nproc-per-node 2 examples/lightning_trainer.py --ckpt-dir ./pl --max-steps 1000
+        torchrun --nproc-per-node 2 examples/lightning_trainer.py --ckpt-dir runs/pl --max-steps 1000
 
 Lightning takes SIGTERM for itself (from 2.x it stops before the next batch and exits 0,
 with no checkpoint), so this recipe listens for SIGUSR1 (``--save-signal``; Lightning uses

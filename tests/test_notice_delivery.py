@@ -3,6 +3,7 @@ spotrun's protocol, a signal to the worker processes for one that saves by itsel
 
 from __future__ import annotations
 
+import shlex
 import signal
 import subprocess
 import sys
@@ -11,58 +12,81 @@ import time
 import pytest
 
 from spotrun import listeners
-from spotrun.supervisor.foreign import Delivery, NoticeDelivery, choose_delivery, oldest_age_s, worker_processes
+from spotrun.supervisor.foreign import (
+    ANNOUNCE_WAIT_SHARE,
+    Delivery,
+    NoticeDelivery,
+    choose_delivery,
+    oldest_age_s,
+    worker_processes,
+)
 
 
 @pytest.mark.parametrize(
-    ("kinds", "forced", "age_s", "expected"),
+    ("kinds", "forced", "age_s", "decide_in_s", "expected"),
     [
-        (["checkpointer"], False, 100.0, Delivery.REQUEST_FILE),
-        (["checkpointer", "poll"], False, 100.0, Delivery.REQUEST_FILE),
-        (["poll"], False, 100.0, Delivery.POLL),
-        ([], False, 100.0, Delivery.SIGNAL),  # silent and old enough: foreign
-        ([], False, 10.0, Delivery.SIGNAL),  # exactly the timeout
-        ([], False, 3.0, Delivery.UNDECIDED),  # silent but may still be starting
-        ([], False, None, Delivery.UNDECIDED),  # torchrun has not started its workers yet
-        (["checkpointer"], True, 100.0, Delivery.SIGNAL),  # --notify-signal: always
-        ([], True, None, Delivery.SIGNAL),
+        (["checkpointer"], False, 100.0, None, Delivery.REQUEST_FILE),
+        (["checkpointer", "poll"], False, 100.0, None, Delivery.REQUEST_FILE),
+        (["poll"], False, 100.0, None, Delivery.POLL),
+        ([], False, 100.0, None, Delivery.SIGNAL),  # silent and old enough: foreign
+        ([], False, 10.0, None, Delivery.SIGNAL),  # exactly the timeout
+        ([], False, 3.0, None, Delivery.UNDECIDED),  # silent but may still be starting
+        ([], False, None, None, Delivery.UNDECIDED),  # torchrun has not started its workers yet
+        ([], False, 3.0, 2.0, Delivery.UNDECIDED),  # the notice may wait 2 s more: recheck then
+        ([], False, 3.0, 0.0, Delivery.SIGNAL),  # the notice cannot wait longer: foreign
+        ([], False, None, -1.0, Delivery.SIGNAL),
+        (["checkpointer"], True, 100.0, None, Delivery.REQUEST_FILE),  # --notify-signal never kills a Checkpointer
+        (["poll"], True, 100.0, None, Delivery.SIGNAL),  # --notify-signal: every other job
+        ([], True, None, None, Delivery.SIGNAL),  # at once, however young
     ],
 )
-def test_choose_delivery_table(kinds, forced, age_s, expected):
-    choice = choose_delivery(kinds, signal_forced=forced, oldest_worker_age_s=age_s, announce_timeout_s=10.0)
+def test_choose_delivery_table(kinds, forced, age_s, decide_in_s, expected):
+    choice = choose_delivery(kinds, signal_forced=forced, oldest_worker_age_s=age_s, announce_timeout_s=10.0,
+                             decide_in_s=decide_in_s)
     assert choice.delivery is expected
     assert choice.foreign == (expected in (Delivery.POLL, Delivery.SIGNAL))
     if expected is Delivery.UNDECIDED:
-        assert choice.recheck_in_s == pytest.approx(10.0 - (age_s or 0.0))
+        assert choice.recheck_in_s == pytest.approx(min(10.0 - (age_s or 0.0), decide_in_s or float("inf")))
     else:
         assert choice.recheck_in_s is None
 
 
-def _sleeper_tree() -> subprocess.Popen:
-    """A launcher (like torchrun) with two worker children that log the signal they get."""
-    # One os.write per line: the two workers share the pipe, and a line must not be split.
-    code = (
-        "import subprocess, sys\n"
-        "worker = 'import os, signal, sys, time\\n"
-        "signal.signal(signal.SIGUSR1, lambda s, f: (os.write(1, b\"got %d\\\\n\" % s), sys.exit(0)))\\n"
-        "os.write(1, b\"ready\\\\n\")\\n"
-        "time.sleep(60)\\n'\n"
-        "children = [subprocess.Popen([sys.executable, '-c', worker]) for _ in range(2)]\n"
-        "sys.exit(max(c.wait() for c in children))\n"
-    )
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+#: A launcher like torchrun (a script named ``torchrun``, as the console script runs) with two
+#: worker children that log the signal they get. One os.write per line: the workers share the
+#: pipe, and a line must not be split.
+FAKE_TORCHRUN = (
+    "import subprocess, sys\n"
+    "worker = 'import os, signal, sys, time\\n"
+    "signal.signal(signal.SIGUSR1, lambda s, f: (os.write(1, b\"got %d\\\\n\" % s), sys.exit(0)))\\n"
+    "os.write(1, b\"ready\\\\n\")\\n"
+    "time.sleep(60)\\n'\n"
+    "children = [subprocess.Popen([sys.executable, '-c', worker]) for _ in range(2)]\n"
+    "sys.exit(max(c.wait() for c in children))\n"
+)
+
+
+def _launcher(tmp_path, wrapper: list[str] | None = None) -> subprocess.Popen:
+    """The fake torchrun, started directly or through ``wrapper`` (a shell command prefix)."""
+    script = tmp_path / "bin" / "torchrun"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(FAKE_TORCHRUN)
+    command = [sys.executable, str(script)]
+    if wrapper is not None:
+        command = [*wrapper[:-1], f"{wrapper[-1]} {shlex.join(command)}"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout.readline() == "ready\n" and launcher.stdout.readline() == "ready\n"
+    return launcher
 
 
 def test_a_silent_job_gets_the_notify_signal_on_its_workers_not_its_launcher(tmp_path):
-    launcher = _sleeper_tree()
+    launcher = _launcher(tmp_path)
     try:
-        assert launcher.stdout.readline() == "ready\n" and launcher.stdout.readline() == "ready\n"
-        workers = worker_processes(launcher.pid, torchrun=True)
+        workers = worker_processes(launcher.pid)
         assert len(workers) == 2 and all(info.ppid == launcher.pid for info in workers)
         assert oldest_age_s(workers) >= 0.0
-        delivery = NoticeDelivery(str(tmp_path), launcher.pid, torchrun=True, notify_signal=signal.SIGUSR1,
+        delivery = NoticeDelivery(str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1,
                                   forced=False, announce_timeout_s=0.0)
-        assert delivery.deliver() is None and delivery.choice.delivery is Delivery.SIGNAL
+        assert delivery.deliver(time.time() + 20) is None and delivery.choice.delivery is Delivery.SIGNAL
         assert launcher.wait(timeout=30) == 0  # the launcher was not signalled: its workers exited 0
         assert sorted(launcher.stdout.read().split()) == ["10", "10", "got", "got"]
     finally:
@@ -70,15 +94,44 @@ def test_a_silent_job_gets_the_notify_signal_on_its_workers_not_its_launcher(tmp
         launcher.wait()
 
 
-def test_a_job_that_announced_itself_gets_no_signal(tmp_path, monkeypatch):
-    launcher = _sleeper_tree()
+@pytest.mark.parametrize("wrapper", [["sh", "-c", "exec"], ["sh", "-c", "true;"]], ids=["exec", "child"])
+def test_torchrun_behind_a_shell_wrapper_is_found_and_not_signalled(tmp_path, wrapper):
+    """``sh -c "exec torchrun ..."`` becomes torchrun; ``sh -c "...; torchrun ..."`` runs it as a
+    child: either way the signal goes to torchrun's children, never to torchrun or the shell."""
+    launcher = _launcher(tmp_path, wrapper)
     try:
-        assert launcher.stdout.readline() == "ready\n" and launcher.stdout.readline() == "ready\n"
+        workers = worker_processes(launcher.pid)
+        assert len(workers) == 2 and all(info.pid != launcher.pid for info in workers)
+        delivery = NoticeDelivery(str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1,
+                                  forced=True, announce_timeout_s=10.0)
+        assert delivery.deliver(time.time() + 20) is None and len(delivery.signalled) == 2
+        assert launcher.wait(timeout=30) == 0  # torchrun (and the shell) were not signalled
+        assert sorted(launcher.stdout.read().split()) == ["10", "10", "got", "got"]
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+def test_a_plain_command_is_signalled_itself(tmp_path):
+    command = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert command.stdout.readline() == "ready\n"
+        assert [info.pid for info in worker_processes(command.pid)] == [command.pid]
+    finally:
+        command.kill()
+        command.wait()
+
+
+def test_a_job_that_announced_itself_gets_no_signal(tmp_path, monkeypatch):
+    launcher = _launcher(tmp_path)
+    try:
         monkeypatch.setenv("SPOTRUN_CONTROL_DIR", str(tmp_path))
         listeners.announce("checkpointer")
-        delivery = NoticeDelivery(str(tmp_path), launcher.pid, torchrun=True, notify_signal=signal.SIGUSR1,
-                                  forced=False, announce_timeout_s=0.0)
-        assert delivery.deliver() is None and delivery.choice.delivery is Delivery.REQUEST_FILE
+        for forced in (False, True):  # --notify-signal does not change it: the signal would kill it
+            delivery = NoticeDelivery(str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1,
+                                      forced=forced, announce_timeout_s=0.0)
+            assert delivery.deliver(time.time() + 20) is None and delivery.choice.delivery is Delivery.REQUEST_FILE
         time.sleep(0.5)
         assert launcher.poll() is None and delivery.signalled == []
     finally:
@@ -87,17 +140,37 @@ def test_a_job_that_announced_itself_gets_no_signal(tmp_path, monkeypatch):
 
 
 def test_a_young_silent_job_is_undecided_until_it_announces(tmp_path, monkeypatch):
-    launcher = _sleeper_tree()
+    launcher = _launcher(tmp_path)
     try:
-        assert launcher.stdout.readline() == "ready\n" and launcher.stdout.readline() == "ready\n"
-        delivery = NoticeDelivery(str(tmp_path), launcher.pid, torchrun=True, notify_signal=signal.SIGUSR1,
+        delivery = NoticeDelivery(str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1,
                                   forced=False, announce_timeout_s=3600.0)
-        recheck_unix_s = delivery.deliver()
+        recheck_unix_s = delivery.deliver(time.time() + 1e5)
         assert recheck_unix_s is not None and recheck_unix_s > time.time() + 3000
         monkeypatch.setenv("SPOTRUN_CONTROL_DIR", str(tmp_path))
         listeners.announce("checkpointer")  # it was still starting
-        assert delivery.deliver() is None and delivery.choice.delivery is Delivery.REQUEST_FILE
+        assert delivery.deliver(time.time() + 1e5) is None and delivery.choice.delivery is Delivery.REQUEST_FILE
         assert launcher.poll() is None
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+def test_a_notice_waits_for_an_announcement_at_most_a_share_of_the_time_left(tmp_path):
+    """A notice early in a launch (workers young, silent) must not use up the job's time to
+    save: the wait for an announcement ends after ANNOUNCE_WAIT_SHARE of the time left, then
+    the workers get the signal, however young."""
+    launcher = _launcher(tmp_path)
+    try:
+        delivery = NoticeDelivery(str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1,
+                                  forced=False, announce_timeout_s=3600.0)
+        notice_unix_s = time.time()
+        recheck_unix_s = delivery.deliver(notice_unix_s + 8.0)
+        assert recheck_unix_s == pytest.approx(notice_unix_s + ANNOUNCE_WAIT_SHARE * 8.0, abs=0.5)
+        assert delivery.choice is None and delivery.signalled == []
+        time.sleep(max(0.0, recheck_unix_s - time.time()))
+        assert delivery.deliver(notice_unix_s + 8.0) is None and delivery.choice.delivery is Delivery.SIGNAL
+        assert launcher.wait(timeout=30) == 0
+        assert sorted(launcher.stdout.read().split()) == ["10", "10", "got", "got"]
     finally:
         launcher.kill()
         launcher.wait()

@@ -107,3 +107,24 @@ def test_notice_options_come_from_the_flat_fields():
     options = config.notice_options
     assert (options.aws_endpoint, options.gcp_host, options.azure_endpoint, options.azure_vm_name,
             options.notice_file) == ("http://127.0.0.1:1338", "127.0.0.1:8080", None, "vm-1", "/n")
+
+
+@pytest.mark.parametrize(("changes", "expected"), [
+    ({"notify_signal": "KILL"}, "--notify-signal: SIGKILL cannot tell a job to save"),
+    ({"notify_signal": "STOP"}, "--notify-signal: SIGSTOP cannot tell a job to save"),
+    ({"notify_signal": "CHLD"}, "--notify-signal: SIGCHLD cannot tell a job to save"),
+    ({"notify_signal": "SEGV"}, "--notify-signal: SIGSEGV reports a fault"),
+    ({"notify_signal": "FOO"}, "--notify-signal: 'FOO' is not a signal name"),
+    ({"announce_timeout_s": float("inf")}, "announce timeout must be a finite number >= 0 s"),
+    ({"announce_timeout_s": -1.0}, "announce timeout must be a finite number >= 0 s"),
+])
+def test_a_notify_signal_no_script_could_save_on_is_refused(changes, expected):
+    """A signal that cannot be caught (KILL, STOP) or that does nothing by default (CHLD)
+    would kill or miss every worker: refused before anything starts, as on the command line."""
+    with pytest.raises(ConfigError, match=expected):
+        SupervisorConfig(command=["torchrun", "train.py"], **changes)
+
+
+def test_a_notify_signal_a_script_can_catch_is_accepted():
+    for name in ("TERM", "SIGUSR1", "usr2", "HUP", "INT", "RTMIN+2"):
+        assert SupervisorConfig(command=["python", "train.py"], notify_signal=name).notify_signal_number > 0

@@ -128,23 +128,35 @@ def parse_notice_signals(text: str | Iterable[str]) -> frozenset[int]:
         return frozenset()
     if not tokens:
         raise ConfigError("--notice-signals is empty: give signal names (TERM,INT,...) or none")
+    return frozenset(_terminating_signal(token, "--notice-signals", "cannot be a notice signal", " (or none)")
+                     for token in tokens)
+
+
+def parse_notify_signal(token: str) -> int:
+    """The ``--notify-signal`` value: one signal that a training script can catch to save.
+
+    Raises:
+        ConfigError: an unknown name, or a signal no script could save on (SIGKILL and
+            SIGSTOP cannot be caught, a fault signal means a crash, SIGCHLD, SIGCONT,
+            SIGWINCH and the like are ignored by default); the message lists the choices.
+    """
+    return _terminating_signal(token, "--notify-signal", "cannot tell a job to save")
+
+
+def _terminating_signal(token: str, option: str, refused: str, more_choices: str = "") -> int:
     allowed = terminating_signals()
-    numbers = set()
-    for token in tokens:
-        try:
-            number = parse_signal(token)
-        except ConfigError as exc:
-            raise ConfigError(f"--notice-signals: {exc}") from None
-        if number not in allowed:
-            why = ("reports a fault in spotrun itself and keeps its default action" if number in FAULT_SIGNALS
-                   else "cannot be a notice signal")
-            raise ConfigError(
-                f"--notice-signals: {signal_name(number)} {why}; choose from "
-                f"{', '.join(signal_name(s)[3:] for s in sorted(allowed) if s < getattr(signal, 'SIGRTMIN', 999))}"
-                f"{', RTMIN+N' if hasattr(signal, 'SIGRTMIN') else ''} (or none)"
-            )
-        numbers.add(number)
-    return frozenset(numbers)
+    try:
+        number = parse_signal(token)
+    except ConfigError as exc:
+        raise ConfigError(f"{option}: {exc}") from None
+    if number not in allowed:
+        why = ("reports a fault and keeps its default action" if number in FAULT_SIGNALS else refused)
+        raise ConfigError(
+            f"{option}: {signal_name(number)} {why}; choose from "
+            f"{', '.join(signal_name(s)[3:] for s in sorted(allowed) if s < getattr(signal, 'SIGRTMIN', 999))}"
+            f"{', RTMIN+N' if hasattr(signal, 'SIGRTMIN') else ''}{more_choices}"
+        )
+    return number
 
 
 def describe(numbers: Iterable[int]) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import signal
 import typing
 from collections.abc import Callable, Iterable
@@ -26,7 +27,7 @@ from spotrun.logs import LOG_FORMATS, LOG_LEVELS
 from spotrun.notices import SOURCE_NAMES, NoticeOptions, parse_notice_option
 from spotrun.storage import StorageLocation, parse_location
 from spotrun.storage.location import check_endpoint_url
-from spotrun.notices.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals, parse_signal
+from spotrun.notices.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals, parse_notify_signal
 
 #: Upper bound of the wait before a crash restart, in seconds.
 MAX_RESTART_BACKOFF_S = 300.0
@@ -94,7 +95,7 @@ def _check_signals_in_file(value: str) -> None:
 
 
 def _check_signal_in_file(value: str) -> None:
-    parse_signal(value)
+    parse_notify_signal(value)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ class SupervisorConfig:
         None, "retention: also keep every step divisible by M (with --keep-last; passed as SPOTRUN_KEEP_EVERY)",
         metavar="M")
     log_level: str | None = option(
-        None, "log verbosity on stderr (default: info for run, warning for ls)", choices=LOG_LEVELS,
+        None, "log verbosity on stderr (default: info for run and drill, warning for the other commands)", choices=LOG_LEVELS,
         every_command=True)
     log_format: str | None = option(
         None, "log lines on stderr: text, or json (one object per line: time, level, logger, message, ...); "
@@ -202,9 +203,9 @@ class SupervisorConfig:
         parse_notice_option(self.notice)
         parse_notice_signals(self.notice_signals)
         if self.notify_signal is not None:
-            parse_signal(self.notify_signal)
-        if not self.announce_timeout_s >= 0:
-            raise ConfigError(f"announce timeout must be >= 0 s, got {self.announce_timeout_s}")
+            parse_notify_signal(self.notify_signal)
+        if not 0 <= self.announce_timeout_s < math.inf:
+            raise ConfigError(f"announce timeout must be a finite number >= 0 s, got {self.announce_timeout_s}")
         RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
 
     @classmethod
@@ -242,7 +243,7 @@ class SupervisorConfig:
     @property
     def notify_signal_number(self) -> int:
         """The signal for workers that do not speak spotrun's protocol (SIGTERM by default)."""
-        return parse_signal(self.notify_signal) if self.notify_signal is not None else signal.SIGTERM
+        return parse_notify_signal(self.notify_signal) if self.notify_signal is not None else signal.SIGTERM
 
     @property
     def notice_signal_numbers(self) -> frozenset[int]:

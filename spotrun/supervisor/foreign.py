@@ -11,9 +11,18 @@ treats stop signals as fatal), ``--notify-signal`` (default SIGTERM). The deadli
 A job that has not announced itself yet may still be starting (importing torch, building
 its model). Its workers are taken to be foreign once the oldest of them has run
 ``announce_timeout_s`` without an announcement; a notice before that waits for an
-announcement or for that age, whichever comes first. Taking a starting spotrun job for a
-foreign one costs nothing: before its Checkpointer exists it has trained nothing that a
-save could keep.
+announcement or for that age, whichever comes first, and never longer than a quarter of
+the time left before the deadline (:data:`ANNOUNCE_WAIT_SHARE`: the rest is the job's, to
+save). Taking a starting spotrun job for a foreign one costs nothing: before its
+Checkpointer exists it has trained nothing that a save could keep.
+
+A job whose workers announced a Checkpointer never gets the signal, ``--notify-signal``
+or not: it hears of the notice through the request file, and a signal it does not handle
+would kill it before it saves.
+
+The worker processes are found in ``/proc`` when the signal goes out: the children of every
+torchrun in the command's process tree (also behind a wrapper such as ``bash -c``), else
+the command itself.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from dataclasses import dataclass
 from spotrun.listeners import read_listeners
 from spotrun.notices.signals import signal_name
 from spotrun.supervisor import process
+from spotrun.supervisor.torchrun_command import is_torchrun
 
 log = logging.getLogger(__name__)
 
@@ -54,36 +64,57 @@ class DeliveryChoice:
         return self.delivery in (Delivery.POLL, Delivery.SIGNAL)
 
 
+#: Of the time left before the deadline when a notice comes, the most spent waiting for the
+#: workers of a launch to announce themselves.
+ANNOUNCE_WAIT_SHARE = 0.25
+
+
 def choose_delivery(kinds: Sequence[str], *, signal_forced: bool, oldest_worker_age_s: float | None,
-                    announce_timeout_s: float) -> DeliveryChoice:
+                    announce_timeout_s: float, decide_in_s: float | None = None) -> DeliveryChoice:
     """Pure decision: how to deliver a notice now.
 
     Args:
         kinds: the ``kind`` of every announcement in the control directory
             (``"checkpointer"``, ``"poll"``).
-        signal_forced: the user set ``--notify-signal``: always signal.
+        signal_forced: the user set ``--notify-signal``: signal unless a Checkpointer announced.
         oldest_worker_age_s: seconds the oldest worker process has run; None: none running.
         announce_timeout_s: how long a worker may run before it counts as foreign.
+        decide_in_s: seconds the notice may still wait for an announcement (None: no limit);
+            below 0.05 s a silent job counts as foreign whatever its workers' age.
     """
-    if signal_forced:
-        return DeliveryChoice(Delivery.SIGNAL)
     if "checkpointer" in kinds:
         return DeliveryChoice(Delivery.REQUEST_FILE)
+    if signal_forced:
+        return DeliveryChoice(Delivery.SIGNAL)
     if "poll" in kinds:
         return DeliveryChoice(Delivery.POLL)
     if oldest_worker_age_s is not None and oldest_worker_age_s >= announce_timeout_s:
         return DeliveryChoice(Delivery.SIGNAL)
+    if decide_in_s is not None and decide_in_s < _MIN_RECHECK_S:  # (a timer may wake a little early)
+        return DeliveryChoice(Delivery.SIGNAL)
     age_s = oldest_worker_age_s if oldest_worker_age_s is not None else 0.0
-    return DeliveryChoice(Delivery.UNDECIDED, recheck_in_s=max(0.05, announce_timeout_s - age_s))
+    recheck_in_s = announce_timeout_s - age_s if decide_in_s is None else min(announce_timeout_s - age_s,
+                                                                                 decide_in_s)
+    return DeliveryChoice(Delivery.UNDECIDED, recheck_in_s=max(_MIN_RECHECK_S, recheck_in_s))
 
 
-def worker_processes(child_pid: int, *, torchrun: bool) -> list[process.ProcInfo]:
-    """The processes that run the training code: torchrun's children when the command is
-    torchrun (torchrun itself must not be signalled), otherwise the command itself."""
-    if not torchrun:
-        info = process.proc_info(child_pid)
-        return [info] if info is not None else []
-    return [info for info in process.descendants(child_pid) if info.ppid == child_pid]
+#: The shortest wait before an undecided delivery is looked at again.
+_MIN_RECHECK_S = 0.05
+
+
+def worker_processes(child_pid: int) -> list[process.ProcInfo]:
+    """The processes that run the training code: the children of every torchrun in the
+    command's process tree (torchrun itself must not be signalled: it takes a stop signal as
+    fatal), otherwise the command itself. Read from ``/proc`` now, so a torchrun behind a
+    wrapper (``bash -c``, ``sh -c "exec torchrun ..."``) is found too."""
+    command = process.proc_info(child_pid)
+    if command is None:
+        return []
+    tree = [command, *process.descendants(child_pid)]
+    launchers = {info.pid for info in tree if is_torchrun(process.cmdline(info.pid))}
+    if not launchers:
+        return [command]
+    return [info for info in tree if info.ppid in launchers]
 
 
 def oldest_age_s(infos: Sequence[process.ProcInfo]) -> float | None:
@@ -102,19 +133,19 @@ class NoticeDelivery:
     Args:
         control_dir: the launch's control directory (announcements are read there).
         child_pid: the launch command's pid.
-        torchrun: whether the command is torchrun (signal its children, not it).
-        notify_signal: the signal for foreign jobs; ``forced``: always use it.
+        notify_signal: the signal for foreign jobs; ``forced``: the user chose it
+            (``--notify-signal``): signal every job but one whose Checkpointer announced itself.
         announce_timeout_s: see :func:`choose_delivery`.
     """
 
-    def __init__(self, control_dir: str, child_pid: int, *, torchrun: bool, notify_signal: int,
-                 forced: bool, announce_timeout_s: float) -> None:
+    def __init__(self, control_dir: str, child_pid: int, *, notify_signal: int, forced: bool,
+                 announce_timeout_s: float) -> None:
         self._control_dir = control_dir
         self._child_pid = child_pid
-        self._torchrun = torchrun
         self.notify_signal = notify_signal
         self._forced = forced
         self._announce_timeout_s = announce_timeout_s
+        self._decide_by_unix_s: float | None = None  # set by the first notice
         self.choice: DeliveryChoice | None = None  # the final choice once made
         self.signalled: list[process.ProcInfo] = []
 
@@ -122,42 +153,66 @@ class NoticeDelivery:
         """What to do now (reads the announcements and ``/proc``); final once decided."""
         if self.choice is not None:
             return self.choice
-        workers = worker_processes(self._child_pid, torchrun=self._torchrun)
+        workers = worker_processes(self._child_pid)
         kinds = [listener.kind for listener in read_listeners(self._control_dir)]
-        choice = choose_delivery(kinds, signal_forced=self._forced, oldest_worker_age_s=oldest_age_s(workers),
-                                 announce_timeout_s=self._announce_timeout_s)
+        choice = choose_delivery(
+            kinds, signal_forced=self._forced, oldest_worker_age_s=oldest_age_s(workers),
+            announce_timeout_s=self._announce_timeout_s,
+            decide_in_s=None if self._decide_by_unix_s is None else self._decide_by_unix_s - time.time())
         if choice.delivery is not Delivery.UNDECIDED:
             self.choice = choice
         return choice
 
     def signal_workers(self) -> list[process.ProcInfo]:
-        """Send the notify signal to the worker processes now (once); those signalled."""
+        """Send the notify signal to the worker processes now (once); those signalled (none
+        while torchrun has not started them yet)."""
         if self.signalled:
             return self.signalled
-        workers = worker_processes(self._child_pid, torchrun=self._torchrun)
+        workers = worker_processes(self._child_pid)
         for info in workers:
             process.send(info, self.notify_signal)
         self.signalled = workers
         return workers
 
-    def deliver(self) -> float | None:
+    def deliver(self, deadline_unix_s: float | None) -> float | None:
         """Act on a stop notice now (the request file is already written): signal the workers
-        when they are foreign, once. Returns when to call again (seconds since the epoch) while
-        the workers are still young and silent; None once decided."""
+        when they are foreign, once.
+
+        Args:
+            deadline_unix_s: the save deadline of the notice (seconds since the epoch); the
+                first call fixes how long the notice may wait for an announcement from it.
+
+        Returns:
+            When to call again (seconds since the epoch) while the workers are still young
+            and silent, or foreign but not started yet; None once delivered.
+        """
         if self.signalled:
             return None
+        now_unix_s = time.time()
+        if self._decide_by_unix_s is None and deadline_unix_s is not None:
+            self._decide_by_unix_s = now_unix_s + ANNOUNCE_WAIT_SHARE * max(0.0, deadline_unix_s - now_unix_s)
         choice = self.current()
         if choice.delivery is Delivery.UNDECIDED:
             log.info("no worker has announced spotrun's protocol yet: deciding how to deliver the notice "
                      "in %.1f s at the latest", choice.recheck_in_s)
-            return time.time() + choice.recheck_in_s
+            return now_unix_s + choice.recheck_in_s
         if choice.delivery is Delivery.SIGNAL:
             workers = self.signal_workers()
+            if not workers:
+                log.debug("no worker process to signal yet: looking again in %.1f s", _NO_WORKERS_RECHECK_S)
+                return now_unix_s + _NO_WORKERS_RECHECK_S
             log.warning("sent %s to %d worker process(es) (%s): they save with their own framework; the "
                         "deadline is in $SPOTRUN_CONTROL_DIR/save-request.json", signal_name(self.notify_signal),
-                        len(workers), " ".join(str(info.pid) for info in workers) or "none found")
+                        len(workers), " ".join(str(info.pid) for info in workers))
         elif choice.delivery is Delivery.POLL:
             log.info("the workers poll spotrun.preemption_notice(): no signal sent")
         else:
-            log.info("the workers run a spotrun Checkpointer: no signal sent, they read the save request")
+            log.info("the workers run a spotrun Checkpointer: no signal sent, they read the save request%s",
+                     f" (--notify-signal {signal_name(self.notify_signal)} is not used for them)"
+                     if self._forced else "")
         return None
+
+
+#: How often a notice that must go out as a signal looks for the worker processes while
+#: torchrun has not started them.
+_NO_WORKERS_RECHECK_S = 0.2

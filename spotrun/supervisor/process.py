@@ -123,6 +123,17 @@ def proc_info(pid: int) -> ProcInfo | None:
     return _read_stat(pid)
 
 
+def cmdline(pid: int) -> list[str]:
+    """The arguments process ``pid`` runs with (``/proc/<pid>/cmdline``); empty when it is
+    gone, a kernel thread or not ours to read."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return [word.decode(errors="replace") for word in raw.split(b"\0")[:-1]]
+
+
 def send(info: ProcInfo, signum: int) -> None:
     """Send ``signum`` to the very process ``info`` names, if it still runs."""
     if not is_alive(info):

@@ -72,13 +72,13 @@ from spotrun.checkpoint import catalog
 from spotrun.errors import ConfigError, SpotrunError
 from spotrun.manifest import Manifest
 from spotrun.notices import Inbox, Notice, NoticeWatch, is_stop, parse_notice_option, start_sources
-from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal
+from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal, signal_name
 from spotrun.notices.signals import describe as describe_signals
 from spotrun.storage import Storage
 from spotrun.supervisor import outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.estimate import decide, estimate_emergency_save
-from spotrun.supervisor.foreign import NoticeDelivery
+from spotrun.supervisor.foreign import Delivery, NoticeDelivery
 from spotrun.supervisor.launch import LaunchPlan, describe_start, plan_launch
 from spotrun.supervisor.observers import Observers
 from spotrun.supervisor.torchrun_command import TorchrunLaunch, read_torchrun_command
@@ -127,6 +127,12 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
         log.info("notice signals: %s (other signals that would end spotrun are logged and ignored); "
                  "grace period %.1f s, safety margin %.1f s",
                  describe_signals(notice_options.notice_signals), config.grace_period_s, config.safety_margin_s)
+        if config.notify_signal is not None:
+            log.info("--notify-signal %s: every notice goes at once as that signal to the worker processes, "
+                     "unless they run a spotrun Checkpointer", signal_name(config.notify_signal_number))
+        else:
+            log.info("workers that have not announced spotrun's protocol after %.1f s get a notice as SIGTERM",
+                     config.announce_timeout_s)
         start_sources(parse_notice_option(config.notice), notice_options, watch)
         storage = location.open()
         control_root = tempfile.mkdtemp(prefix="spotrun-control-")
@@ -236,9 +242,8 @@ class _Supervisor:
         self.child_returncode = None
         self.control_dir = control_dir
         self.delivery = NoticeDelivery(
-            control_dir, self.child.pid, torchrun=self.launch is not None,
-            notify_signal=self.config.notify_signal_number, forced=self.config.notify_signal is not None,
-            announce_timeout_s=self.config.announce_timeout_s)
+            control_dir, self.child.pid, notify_signal=self.config.notify_signal_number,
+            forced=self.config.notify_signal is not None, announce_timeout_s=self.config.announce_timeout_s)
         self.delivery_recheck_unix_s = None
         log.info(
             "started pid %d (run id %s, incarnation %d): %s",
@@ -364,7 +369,7 @@ class _Supervisor:
         file only, or a signal as well (:mod:`spotrun.supervisor.foreign`)."""
         self.delivery_recheck_unix_s = None
         if self.delivery is not None and self.child_returncode is None:
-            self.delivery_recheck_unix_s = self.delivery.deliver()
+            self.delivery_recheck_unix_s = self.delivery.deliver(self.deadline_unix_s)
 
     def _save_fits(self, deadline_unix_s: float) -> bool:
         """Decide whether to ask for an emergency save, from the measured saves; log why."""
@@ -407,16 +412,16 @@ class _Supervisor:
         except SpotrunError as exc:
             log.error("%s", exc)
             report = None
+        choice = self.delivery.choice if self.delivery is not None else None
+        if report is None and choice is not None and choice.delivery is Delivery.SIGNAL:
+            # The workers heard of the notice as a signal, not of spotrun's save decision.
+            return self._foreign_exit_code(code)
         if report is None and (self.save_declined or stopped_without_save):
             outcome.check_resume_point(self.storage, declined=True)
             return EXIT_PREEMPTED_NOT_SAVED
         if report is None:
-            foreign = self.delivery is not None and self.delivery.choice is not None and self.delivery.choice.foreign
-            if code == 0 and foreign:
-                log.info("the command exited 0 after the notice: its workers saved with their own framework "
-                         "(spotrun cannot verify that checkpoint): exiting %d", EXIT_PREEMPTED_SAVED)
-                self._acknowledge()
-                return EXIT_PREEMPTED_SAVED
+            if choice is not None and choice.foreign:
+                return self._foreign_exit_code(code)
             if code == 0:
                 log.info("the command exited 0 without an emergency checkpoint: training finished")
                 return EXIT_FINISHED
@@ -434,6 +439,18 @@ class _Supervisor:
         self.saved_step = report.step
         self._acknowledge()
         return EXIT_PREEMPTED_SAVED
+
+    def _foreign_exit_code(self, code: int) -> int:
+        """The exit code after a notice for workers that save with their own framework."""
+        if code == 0:
+            log.info("the command exited 0 after the notice: its workers saved with their own framework "
+                     "(spotrun cannot verify that checkpoint): exiting %d", EXIT_PREEMPTED_SAVED)
+            self._acknowledge()
+            return EXIT_PREEMPTED_SAVED
+        log.warning("the command exited %d after the notice: its workers save with their own framework, "
+                    "so spotrun cannot tell whether they saved; the restart resumes by the job's own logic: "
+                    "exiting %d", code, EXIT_PREEMPTED_NOT_SAVED)
+        return EXIT_PREEMPTED_NOT_SAVED
 
     def _acknowledge(self) -> None:
         """Acknowledge every notice that wants it (Azure StartRequests), only after the commit."""

@@ -152,6 +152,16 @@ def read_torchrun_command(command: Sequence[str]) -> TorchrunLaunch | None:
     )
 
 
+def is_torchrun(argv: Sequence[str]) -> bool:
+    """Whether a running process's ``argv`` (``/proc/<pid>/cmdline``) is torchrun: the forms
+    :func:`read_torchrun_command` recognises, and the console script as the kernel runs it
+    (``python /venv/bin/torchrun ...``)."""
+    if _torchrun_args(argv) is not None:
+        return True
+    return (len(argv) >= 2 and os.path.basename(argv[0]).startswith("python")
+            and os.path.basename(argv[1]) == "torchrun")
+
+
 def _torchrun_args(command: Sequence[str]) -> list[str] | None:
     """The words after ``torchrun`` / ``python -m torch.distributed.run``; ``None`` for another command."""
     if not command:
