@@ -7,7 +7,12 @@ about a range torchrun will not treat as elastic, and to scale an emergency-save
 from a checkpoint saved by more ranks. torchrun's own parser reads the options
 (``torch.distributed.run.get_args_parser``: the same spellings, ``--nnodes=1:2`` and
 ``--nproc_per_node`` included, and the same ``PET_*`` environment defaults torchrun applies), so
-nothing here can read them differently from torchrun.
+nothing here can read them differently from torchrun. Importing it imports torch (over 2 s and
+hundreds of MiB in the supervisor, before the command starts), so a command line made only of
+torchrun's own option names written in full (:data:`_OPTION_TAKES_VALUE`) with no ``PET_*``
+variable set is read without it; anything else (an abbreviation, an unknown option, an
+environment default) goes to torchrun's parser. ``tests/test_torchrun_command.py`` checks the
+table against the installed torch's parser and both readings against each other.
 
 Recognised: ``torchrun ...`` and ``python -m torch.distributed.run ...`` (any ``python*``
 interpreter, with interpreter options before ``-m``). Anything else (a wrapper script,
@@ -122,18 +127,18 @@ def read_torchrun_command(command: Sequence[str]) -> TorchrunLaunch | None:
     args = _torchrun_args(command)
     if args is None:
         return None
-    try:
-        options = _parse(args)
-    except _ParseError as exc:
-        log.warning("cannot read the torchrun options of the launch command (%s): the number of ranks "
-                    "is known to the workers only", str(exc).strip())
-        return None
+    options = _parse_common(args)
+    if options is None:
+        try:
+            options = _parse(args)
+        except _ParseError as exc:
+            log.warning("cannot read the torchrun options of the launch command (%s): the number of ranks "
+                        "is known to the workers only", str(exc).strip())
+            return None
     nnodes = str(options.nnodes)
     try:
-        from torch.distributed.run import parse_min_max_nnodes
-
-        min_nodes, max_nodes = parse_min_max_nnodes(nnodes)
-    except (ValueError, RuntimeError) as exc:
+        min_nodes, max_nodes = _min_max_nodes(nnodes)
+    except ValueError as exc:
         raise ConfigError(f"torchrun --nnodes {nnodes}: not a number of nodes or a range MIN:MAX ({exc})") from exc
     if not 0 < min_nodes <= max_nodes:
         raise ConfigError(f"torchrun --nnodes {nnodes}: the range needs 0 < MIN <= MAX")
@@ -187,6 +192,66 @@ def _torchrun_args(command: Sequence[str]) -> list[str] | None:
 
 class _ParseError(Exception):
     pass
+
+
+#: torchrun's options (torch 2.13's ``get_args_parser``) and whether each takes a value; the
+#: destination is the long name with dashes as underscores.
+_OPTION_TAKES_VALUE: dict[str, bool] = {
+    **{f"--{name}": True for name in (
+        "nnodes", "nproc-per-node", "rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf", "max-restarts",
+        "monitor-interval", "start-method", "event-log-handler", "role", "log-dir", "redirects", "tee",
+        "local-ranks-filter", "duplicate-stdout-filters", "duplicate-stderr-filters", "node-rank",
+        "master-addr", "master-port", "local-addr", "logs-specs", "numa-binding", "signals-to-handle",
+        "shutdown-timeout")},
+    **{f"--{name}": False for name in ("standalone", "module", "no-python", "run-path", "virtual-local-rank")},
+}
+_SHORT_OPTIONS = {"-m": "--module", "-r": "--redirects", "-t": "--tee"}
+_DEFAULTS = {"nnodes": "1:1", "nproc_per_node": "1", "rdzv_backend": "static", "rdzv_conf": "", "standalone": False}
+
+
+def _parse_common(args: list[str]) -> argparse.Namespace | None:
+    """The fields :func:`read_torchrun_command` uses, read without importing torch; ``None``
+    for anything this reading does not cover (then torchrun's own parser decides)."""
+    if any(name.startswith("PET_") for name in os.environ):
+        return None
+    values: dict[str, object] = dict(_DEFAULTS)
+    i = 0
+    while i < len(args):
+        word = args[i]
+        if not word.startswith("-") or word == "-":
+            return argparse.Namespace(**values)  # the training script: torchrun's options end here
+        name, eq, value = word.partition("=")
+        if not name.startswith("--"):
+            if eq or name not in _SHORT_OPTIONS:
+                return None
+            name = _SHORT_OPTIONS[name]
+        spelled = "--" + name[2:].replace("_", "-")
+        takes_value = _OPTION_TAKES_VALUE.get(spelled)
+        if takes_value is None or (eq and not takes_value):
+            return None
+        if takes_value and not eq:
+            if i + 1 >= len(args):
+                return None
+            i += 1
+            value = args[i]
+        dest = spelled[2:].replace("-", "_")
+        values[dest] = value if takes_value else True
+        i += 1
+    return None  # no training script: torchrun's parser says what is wrong
+
+
+def _min_max_nodes(nnodes: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2), ``"1:4"`` -> (1, 4), as torchrun reads ``--nnodes``.
+
+    Raises:
+        ValueError: not an integer or two integers separated by one colon.
+    """
+    parts = nnodes.split(":")
+    if len(parts) == 1:
+        return int(parts[0]), int(parts[0])
+    if len(parts) == 2:
+        return int(parts[0]), int(parts[1])
+    raise ValueError(f"nnodes={nnodes!r} is not N or MIN:MAX")
 
 
 def _parse(args: list[str]) -> argparse.Namespace:
