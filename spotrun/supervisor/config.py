@@ -173,8 +173,8 @@ class SupervisorConfig:
         None, "retention: also keep every step divisible by M (with --keep-last; passed as SPOTRUN_KEEP_EVERY)",
         metavar="M")
     log_level: str | None = option(
-        None, "log verbosity on stderr (default: info for run and drill, warning for the other commands)", choices=LOG_LEVELS,
-        every_command=True)
+        None, "log verbosity on stderr (default: info for run and drill, warning for the other commands)",
+        choices=LOG_LEVELS, every_command=True)
     log_format: str | None = option(
         None, "log lines on stderr: text, or json (one object per line: time, level, logger, message, ...); "
         "default $SPOTRUN_LOG_FORMAT, else text. run passes it to the launch command as $SPOTRUN_LOG_FORMAT",

@@ -1,40 +1,18 @@
-"""The node supervisor behind ``spotrun run -- LAUNCH_COMMAND...``.
+"""The node supervisor behind ``spotrun run -- LAUNCH_COMMAND...``, one per node.
 
-One supervisor runs per node. It first checks that the checkpoint storage can be written,
-read, listed and deleted (:mod:`spotrun.supervisor.preflight`; a failure is spotrun's own
-error, exit code 2, before anything is launched). It then finds the newest complete
-checkpoint, starts the launch command (usually ``torchrun ...``) in its own process group
-with the resume point in the environment (:mod:`spotrun.supervisor.launch`), and waits.
-A preemption notice (a notice signal to the supervisor - SIGTERM, SIGINT, SIGHUP, SIGUSR1,
-SIGUSR2 by default, see :mod:`spotrun.notices.signals` - or a cloud notice, all through
-:class:`~spotrun.notices.inbox.Inbox`) never reaches torchrun as a signal, because
-torchrun treats those as fatal. Instead the supervisor writes a save request into the
-node-local control directory (:mod:`spotrun.control`) with the deadline
-``notice time + grace period - safety margin``, and waits for the command to exit. If the
-deadline passes first it stops the whole process tree (SIGTERM, then SIGKILL after the
-stop timeout but at the latest halfway through the safety margin, so that every process is
-gone by the end of the grace period; workers in other sessions included) and leaves no
-process behind. Other signals that would end the supervisor are logged and ignored.
-
-If the supervisor itself dies (SIGKILL, a crash), the job stops too: the kernel sends the
-launch command SIGTERM (``PR_SET_PDEATHSIG``, :func:`spotrun.supervisor.process.die_with_parent`),
-and every worker watches the supervisor (:mod:`spotrun.supervisor_watch`), takes an
-emergency checkpoint at its next step boundary and ends itself a grace period after the
-supervisor died at the latest.
-
-Before each launch it logs the resumed step, how many ranks saved it, and how many the command
-starts (read from a torchrun command line, :mod:`spotrun.supervisor.torchrun_command`; for an
-elastic ``--nnodes MIN:MAX`` the range). An emergency checkpoint after which the same launch's
-workers trained on (torchrun started them again on a node change) does not end the launch
-(:func:`spotrun.supervisor.outcome.commit_report`).
-
-Before asking for the save it estimates how long it would take
-(:mod:`spotrun.supervisor.estimate`: the save in progress, the next step boundary, and the
-bytes of the last save at the slowest measured throughput). When that does not fit in the
-time left, it asks the workers to stop at their next step boundary *without* saving
-instead (a save in progress finishes first, since the workers only look at the request
-between steps), then confirms which complete checkpoint the job will resume from. The log
-says which choice it made and the figures behind it.
+It checks the storage (:mod:`~spotrun.supervisor.preflight`; exit 2 before anything starts),
+finds the newest complete checkpoint and starts the command in its own process group with the
+resume point in its environment (:mod:`~spotrun.supervisor.launch`). A notice (a notice
+signal to the supervisor or a cloud notice, through :class:`~spotrun.notices.inbox.Inbox`)
+never reaches torchrun as a signal (it treats those as fatal): the supervisor writes a save
+request with the deadline ``notice + grace period - safety margin`` into the control
+directory (:mod:`spotrun.control`), signals only workers that save by themselves
+(:mod:`~spotrun.supervisor.foreign`), and waits. At the deadline it stops the whole process
+tree (SIGTERM, then SIGKILL, every process gone by the end of the grace period). When the
+estimated save (:mod:`~spotrun.supervisor.estimate`) does not fit in the time left, it asks
+the workers to stop without saving instead and says which checkpoint the job resumes from.
+If the supervisor dies, the command gets SIGTERM (``PR_SET_PDEATHSIG``) and every worker,
+watching it (:mod:`spotrun.supervisor_watch`), saves and ends itself.
 
 Exit codes:
     0    the command exited 0 and no emergency checkpoint was taken: training finished
