@@ -102,6 +102,16 @@ def choose_delivery(kinds: Sequence[str], *, signal_forced: bool, oldest_worker_
 _MIN_RECHECK_S = 0.05
 
 
+def describe_delivery(notify_signal: int | None, announce_timeout_s: float) -> str:
+    """The start-up log line saying how notices will reach the workers (``notify_signal``:
+    the ``--notify-signal`` number, or None when not given)."""
+    if notify_signal is not None:
+        return (f"--notify-signal {signal_name(notify_signal)}: every notice goes at once as that signal to the "
+                "worker processes, unless they run a spotrun Checkpointer")
+    return (f"workers that have not announced spotrun's protocol after {announce_timeout_s:.1f} s get a notice "
+            "as SIGTERM")
+
+
 def worker_processes(child_pid: int) -> list[process.ProcInfo]:
     """The processes that run the training code: the children of every torchrun in the
     command's process tree (torchrun itself must not be signalled: it takes a stop signal as

@@ -50,13 +50,13 @@ from spotrun.checkpoint import catalog
 from spotrun.errors import ConfigError, SpotrunError
 from spotrun.manifest import Manifest
 from spotrun.notices import Inbox, Notice, NoticeWatch, is_stop, parse_notice_option, start_sources
-from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal, signal_name
+from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal
 from spotrun.notices.signals import describe as describe_signals
 from spotrun.storage import Storage
 from spotrun.supervisor import outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.estimate import decide, estimate_emergency_save
-from spotrun.supervisor.foreign import Delivery, NoticeDelivery
+from spotrun.supervisor.foreign import Delivery, NoticeDelivery, describe_delivery
 from spotrun.supervisor.launch import LaunchPlan, describe_start, plan_launch
 from spotrun.supervisor.observers import Observers
 from spotrun.supervisor.torchrun_command import TorchrunLaunch, read_torchrun_command
@@ -105,12 +105,8 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
         log.info("notice signals: %s (other signals that would end spotrun are logged and ignored); "
                  "grace period %.1f s, safety margin %.1f s",
                  describe_signals(notice_options.notice_signals), config.grace_period_s, config.safety_margin_s)
-        if config.notify_signal is not None:
-            log.info("--notify-signal %s: every notice goes at once as that signal to the worker processes, "
-                     "unless they run a spotrun Checkpointer", signal_name(config.notify_signal_number))
-        else:
-            log.info("workers that have not announced spotrun's protocol after %.1f s get a notice as SIGTERM",
-                     config.announce_timeout_s)
+        log.info("%s", describe_delivery(config.notify_signal_number if config.notify_signal is not None else None,
+                                         config.announce_timeout_s))
         start_sources(parse_notice_option(config.notice), notice_options, watch)
         storage = location.open()
         control_root = tempfile.mkdtemp(prefix="spotrun-control-")
