@@ -23,7 +23,6 @@ The records of each writer are listed in :mod:`spotrun.training_events` (rank 0)
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from spotrun import process_local
 from spotrun.errors import ConfigError, ObjectNotFoundError
 from spotrun.storage.base import Storage
 
@@ -205,8 +205,7 @@ class EventLog:
         self._closing = False
         self._thread: threading.Thread | None = None
         self._failing = False
-        self._owner_pid = os.getpid()
-        atexit.register(_close_at_exit, weakref.ref(self))  # a job that never called close()
+        process_local.at_exit(_close_at_exit, weakref.ref(self))  # a job that never called close()
 
     def append(self, event: str, **fields: Any) -> None:
         """Add the record ``event`` with ``fields`` (JSON values; ``time_unix_s`` defaults
@@ -301,7 +300,7 @@ def _close_at_exit(ref: weakref.ref) -> None:
     """At interpreter exit, write what a log that was never closed still holds - unless its
     store is failing (the exit does not wait for it then)."""
     event_log = ref()
-    if event_log is not None and event_log._owner_pid == os.getpid() and not event_log._failing:
+    if event_log is not None and not event_log._failing:
         try:
             event_log.close()
         except Exception:  # noqa: BLE001 - never fail the exit

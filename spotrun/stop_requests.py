@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from spotrun import control, save_decision, supervisor_watch
+from spotrun import control, process_local, save_decision, supervisor_watch
 from spotrun.env import WorkerEnv, default_safety_margin_s
 from spotrun.errors import ConfigError
 
@@ -128,10 +128,14 @@ class StopRequests:
             return
         for signum in _HANDLED_SIGNALS:
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+        # A forked child (a loader or pool worker) gets back the handlers it would have had
+        # without spotrun: Pool.terminate()'s SIGTERM must end a pool worker (spotrun.process_local).
+        process_local.in_forked_children(StopRequests.restore_signal_handlers, self,
+                                         held_signals=frozenset(_HANDLED_SIGNALS))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._owner_pid:
-            return  # a forked DataLoader worker: keep serving batches, the parent decides
+            return  # a child forked without the at-fork hooks (by C code): the parent decides
         name = signal.Signals(signum).name
         if signum == signal.SIGINT and self.signal_name == "SIGINT":
             raise KeyboardInterrupt

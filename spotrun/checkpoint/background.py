@@ -14,7 +14,6 @@ is the :class:`~spotrun.checkpointer.Checkpointer`'s decision.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import signal
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch.distributed as torch_dist
 
-from spotrun import dist
+from spotrun import dist, process_local
 from spotrun.checkpoint import in_flight
 from spotrun.checkpoint.save import PreparedSave, SaveContext, SavedStep, SaveProgress, commit_save, prepare_save
 from spotrun.checkpoint.shard import ShardLimits
@@ -107,7 +106,8 @@ class BackgroundSaver:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._current: InFlightSave | None = None
-        _at_interpreter_exit(_finish_at_exit, weakref.ref(self))  # a job that never called close()
+        # A job that never called close(); never in a forked child (spotrun.process_local).
+        process_local.at_exit(_finish_at_exit, weakref.ref(self), before_thread_pools=True)
 
     @property
     def in_flight(self) -> InFlightSave | None:
@@ -305,20 +305,6 @@ def settle(saver: BackgroundSaver, *, step: int, left_s: float, full_save_s: flo
     if dist.rank() == 0 and decision["why"]:
         in_flight_log.warning("%s", decision["why"])
     return choice, saver.take()
-
-
-def _at_interpreter_exit(callback: Callable[..., None], *args: Any) -> None:
-    """Run ``callback(*args)`` when the interpreter starts to shut down, before thread pools
-    refuse new work (``concurrent.futures`` stops accepting jobs in the same phase: hooks
-    registered after its own run first); plain ``atexit`` where that hook is missing."""
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is not None:
-            register(callback, *args)
-            return
-    except RuntimeError:  # shutdown already under way
-        return
-    atexit.register(callback, *args)
 
 
 def _finish_at_exit(saver_ref: weakref.ref) -> None:
