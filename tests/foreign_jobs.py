@@ -26,6 +26,15 @@ def torchrun(script: pathlib.Path, *args: object) -> list[str]:
             str(script), *map(str, args)]
 
 
+def accelerate_launch(script: pathlib.Path, *args: object) -> list[str]:
+    """``accelerate launch --multi_gpu`` with 2 processes on CPU (field case C19): accelerate
+    runs torch's elastic agent in its own process, no torchrun on any command line. Every
+    option given, so it reads no config file; port 0: a free one."""
+    return [str(pathlib.Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu",
+            "--num_processes", "2", "--num_machines", "1", "--main_process_port", "0",
+            "--mixed_precision", "no", "--dynamo_backend", "no", str(script), *map(str, args)]
+
+
 def start(command: list[str], output: pathlib.Path, env: dict | None = None) -> subprocess.Popen:
     """Start ``command`` in its own session, stdout and stderr appended to ``output``."""
     with open(output, "ab") as out:

@@ -21,6 +21,7 @@ from tests.foreign_jobs import (
     HF_SCRIPT,
     LIGHTNING_SCRIPT,
     WAIT_S,
+    accelerate_launch,
     assert_resumed_and_finished,
     events,
     saved_step,
@@ -136,6 +137,26 @@ def test_dcp_job_under_spotrun_gets_the_signal_within_1_s_saves_and_exits_143(tm
     sent_unix_s, step = notice_to_supervisor(tmp_path, processes, [*command, "--step-sleep-s", SUPERVISED_STEP_SLEEP_S], options,
                                              ranks=2)
     assert_signalled_within_1_s(events(tmp_path / "log.jsonl"), sent_unix_s, signame, ranks=2)
+    assert (tmp_path / "dcp" / f"step-{step:09d}" / "COMPLETE").exists()
+
+    assert_resumed_and_finished(finish_run(command, tmp_path, "second", processes, supervised=True, options=options),
+                                from_step=step, last_step=DCP_STEPS, ranks=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame, options", [("SIGTERM", []), ("SIGUSR1", ["--notify-signal", "SIGUSR1"])],
+                         ids=["unannounced-job-gets-SIGTERM", "notify-signal-SIGUSR1"])
+def test_dcp_job_under_accelerate_launch_gets_the_signal_on_its_workers_saves_and_exits_143(
+        tmp_path, processes, signame, options):
+    """C19: `accelerate launch --multi_gpu` runs torch's elastic agent in its own process (no
+    torchrun anywhere): the workers, not accelerate, get the signal within 1 s, save their DCP
+    checkpoint and exit 0, so accelerate exits 0 and spotrun 143; the rerun resumes and finishes."""
+    command = accelerate_launch(DCP_SCRIPT, "--ckpt-dir", tmp_path / "dcp", "--steps", DCP_STEPS,
+                                "--log-file", tmp_path / "log.jsonl", "--save-signal", signame)
+    sent_unix_s, step = notice_to_supervisor(tmp_path, processes, [*command, "--step-sleep-s", SUPERVISED_STEP_SLEEP_S],
+                                             options, ranks=2)
+    assert_signalled_within_1_s(events(tmp_path / "log.jsonl"), sent_unix_s, signame, ranks=2)
+    assert f"sent {signame} to 2 worker process(es)" in (tmp_path / "first.out").read_text()
     assert (tmp_path / "dcp" / f"step-{step:09d}" / "COMPLETE").exists()
 
     assert_resumed_and_finished(finish_run(command, tmp_path, "second", processes, supervised=True, options=options),

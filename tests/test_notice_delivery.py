@@ -3,6 +3,8 @@ spotrun's protocol, a signal to the worker processes for one that saves by itsel
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
 import signal
 import subprocess
@@ -12,11 +14,13 @@ import time
 import pytest
 
 from spotrun import listeners
+from spotrun.supervisor import process
 from spotrun.supervisor.foreign import (
     ANNOUNCE_WAIT_SHARE,
     Delivery,
     NoticeDelivery,
     choose_delivery,
+    elastic_workers,
     oldest_age_s,
     worker_processes,
 )
@@ -97,7 +101,8 @@ def test_a_silent_job_gets_the_notify_signal_on_its_workers_not_its_launcher(tmp
 @pytest.mark.parametrize("wrapper", [["sh", "-c", "exec"], ["sh", "-c", "true;"]], ids=["exec", "child"])
 def test_torchrun_behind_a_shell_wrapper_is_found_and_not_signalled(tmp_path, wrapper):
     """``sh -c "exec torchrun ..."`` becomes torchrun; ``sh -c "...; torchrun ..."`` runs it as a
-    child: either way the signal goes to torchrun's children, never to torchrun or the shell."""
+    child: either way the signal goes to torchrun's children, never to torchrun or the shell.
+    (These children carry no elastic agent's environment: torchrun is known by its command line.)"""
     launcher = _launcher(tmp_path, wrapper)
     try:
         workers = worker_processes(launcher.pid)
@@ -121,6 +126,95 @@ def test_a_plain_command_is_signalled_itself(tmp_path):
     finally:
         command.kill()
         command.wait()
+
+
+#: A launcher built on torch's elastic agent but not named torchrun (as ``accelerate launch``
+#: runs the agent in its own process): it starts two ranks with the variables the agent sets
+#: for its workers. Each rank forks a loader (a DataLoader worker: same environment) before it
+#: says it is ready; a rank told by SIGUSR1 ends its loader and exits 0, a loader told by it
+#: says so and exits 1. One os.write per line: they all share the pipe.
+FAKE_ELASTIC_LAUNCHER = """\
+import os, subprocess, sys
+worker = os.path.join(os.path.dirname(__file__), "rank.py")
+ranks = [subprocess.Popen([sys.executable, worker], env={
+    **os.environ, "TORCHELASTIC_RUN_ID": "inner", "TORCHELASTIC_RESTART_COUNT": "0", "LOCAL_RANK": str(rank),
+    "RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}) for rank in range(2)]
+sys.exit(max(rank.wait() for rank in ranks))
+"""
+FAKE_RANK = """\
+import os, signal, sys, time
+loader = os.fork()
+if loader == 0:
+    signal.signal(signal.SIGUSR1, lambda s, f: (os.write(1, b"loader-got %d\\n" % s), os._exit(1)))
+    os.write(1, b"ready loader %d\\n" % os.getpid())
+    time.sleep(60)
+    os._exit(0)
+def on_signal(signum, frame):
+    os.write(1, b"rank-got %d\\n" % signum)
+    os.kill(loader, signal.SIGKILL)
+    os.waitpid(loader, 0)
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, on_signal)
+os.write(1, b"ready rank %d\\n" % os.getpid())
+time.sleep(60)
+"""
+#: Another agent's worker environment: spotrun itself run inside an elastic worker.
+OUTER_WORKER_ENV = {"TORCHELASTIC_RUN_ID": "outer", "TORCHELASTIC_RESTART_COUNT": "0", "LOCAL_RANK": "0",
+                    "RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
+
+
+@pytest.mark.parametrize(
+    ("wrapper", "supervisor_env", "launcher_env"),
+    [
+        ([], {}, {}),
+        (["sh", "-c", "true;"], {}, {}),  # behind a shell that stays its parent
+        ([], {}, {"LOCAL_RANK": "0"}),  # a batch script exported LOCAL_RANK for the launcher
+        (["sh", "-c", "true;"], OUTER_WORKER_ENV, {}),  # the whole tree inside another agent's worker
+    ],
+    ids=["launcher", "behind-sh", "launcher-with-LOCAL_RANK", "inside-an-outer-elastic-worker"],
+)
+def test_the_ranks_of_any_elastic_launcher_are_signalled_not_it_nor_their_loaders(
+        tmp_path, monkeypatch, wrapper, supervisor_env, launcher_env):
+    """C19: the workers are found by the environment torch's elastic agent gives them, not by
+    the launcher's name: each rank gets the notify signal; the launcher, a wrapper and the
+    loaders each rank forked (same environment as their rank) do not."""
+    for name, value in supervisor_env.items():  # the supervisor (this process) runs with it
+        monkeypatch.setenv(name, value)
+    (tmp_path / "launch.py").write_text(FAKE_ELASTIC_LAUNCHER)
+    (tmp_path / "rank.py").write_text(FAKE_RANK)
+    command = [sys.executable, str(tmp_path / "launch.py")]
+    if wrapper:
+        command = [*wrapper[:-1], f"{wrapper[-1]} {shlex.join(command)}"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                env={**os.environ, **launcher_env})
+    try:
+        ready = [launcher.stdout.readline().split() for _ in range(4)]
+        ranks = sorted(int(pid) for _, role, pid in ready if role == "rank")
+        loaders = sorted(int(pid) for _, role, pid in ready if role == "loader")
+        assert len(ranks) == 2 and len(loaders) == 2, ready
+        assert sorted(info.pid for info in worker_processes(launcher.pid)) == ranks
+        delivery = NoticeDelivery(str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1,
+                                  forced=True, announce_timeout_s=10.0)
+        assert delivery.deliver(time.time() + 20) is None
+        assert sorted(info.pid for info in delivery.signalled) == ranks
+        assert launcher.wait(timeout=30) == 0  # neither the launcher nor a wrapper was signalled
+        assert sorted(launcher.stdout.read().split()) == ["10", "10", "rank-got", "rank-got"]  # no loader-got
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (the group is gone when the test passed)
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+
+
+def test_a_process_that_is_gone_is_no_worker_and_no_error():
+    """A process that exits while the tree is read has no environment to read: it is skipped."""
+    gone = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                            env={**os.environ, **OUTER_WORKER_ENV})
+    info = process.proc_info(gone.pid)
+    assert info is not None and process.environ(gone.pid)["TORCHELASTIC_RUN_ID"] == "outer"
+    assert [worker.pid for worker in elastic_workers([info])] == [gone.pid]
+    gone.communicate(b"", timeout=30)
+    assert process.environ(gone.pid) is None
+    assert elastic_workers([info]) == []
 
 
 def test_a_job_that_announced_itself_gets_no_signal(tmp_path, monkeypatch):

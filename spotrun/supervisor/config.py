@@ -138,7 +138,8 @@ class SupervisorConfig:
         metavar="LIST", list_in_file=True, check_in_file=_check_signals_in_file)
     notify_signal: str | None = option(
         None, "for a job that saves with its own framework: deliver every notice at once as this signal "
-        "(TERM, USR1, ...) to the worker processes (torchrun's children, never torchrun); default: SIGTERM, "
+        "(TERM, USR1, ...) to the worker processes (the ranks of torch's elastic agent, never the launcher); "
+        "default: SIGTERM, "
         "and only to workers that never announced spotrun's protocol (a Checkpointer or "
         "spotrun.preemption_notice())", metavar="SIGNAL", check_in_file=_check_signal_in_file)
     announce_timeout_s: float = option(

@@ -4,7 +4,7 @@ A job whose ranks run a :class:`~spotrun.Checkpointer` (or poll
 :func:`spotrun.preemption_notice`) announces itself in the control directory
 (:mod:`spotrun.listeners`); such a job reads the request file and gets no signal. A job that
 saves with its own framework never announces itself: it is told of a notice by a signal
-sent at once to the worker processes themselves (torchrun's children, never torchrun, which
+sent at once to the worker processes themselves (never their launcher: torch's elastic agent
 treats stop signals as fatal), ``--notify-signal`` (default SIGTERM). The deadline is in
 ``$SPOTRUN_CONTROL_DIR/save-request.json`` for either kind.
 
@@ -20,9 +20,10 @@ A job whose workers announced a Checkpointer never gets the signal, ``--notify-s
 or not: it hears of the notice through the request file, and a signal it does not handle
 would kill it before it saves.
 
-The worker processes are found in ``/proc`` when the signal goes out: the children of every
-torchrun in the command's process tree (also behind a wrapper such as ``bash -c``), else
-the command itself.
+The worker processes are found in ``/proc`` when the signal goes out, by what they run rather
+than by the launcher's name (:func:`worker_processes`): the ranks that torch's elastic agent
+started, whatever launcher runs it (torchrun, ``python -m torch.distributed.run``,
+``accelerate launch --multi_gpu``, ...), also behind a wrapper such as ``bash -c``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import enum
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from spotrun.listeners import read_listeners
@@ -112,15 +113,57 @@ def describe_delivery(notify_signal: int | None, announce_timeout_s: float) -> s
             "as SIGTERM")
 
 
+#: What torch's elastic agent (``LocalElasticAgent``, run by torchrun, ``python -m
+#: torch.distributed.run``, ``accelerate launch --multi_gpu`` and other launchers) puts in the
+#: environment of each worker it starts, and not in its own.
+ELASTIC_WORKER_VARIABLES = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+#: Which agent started a worker. A rank's own children (DataLoader workers, any subprocess)
+#: inherit these values unchanged; the workers of another agent (one that a rank started, or
+#: the job's own when spotrun itself runs inside an elastic worker) differ in them.
+ELASTIC_AGENT_VARIABLES = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
+
+
+def elastic_agent_of(env: Mapping[str, str] | None) -> tuple[str | None, ...] | None:
+    """The agent that started a process with environment ``env``, as the values of
+    :data:`ELASTIC_AGENT_VARIABLES`; None for a process no elastic agent started (or whose
+    environment could not be read)."""
+    if env is None or not all(name in env for name in ELASTIC_WORKER_VARIABLES):
+        return None
+    return tuple(env.get(name) for name in ELASTIC_AGENT_VARIABLES)
+
+
+def elastic_workers(tree: Sequence[process.ProcInfo]) -> list[process.ProcInfo]:
+    """The processes of ``tree`` that an elastic agent started: each carries an agent's worker
+    environment that its parent does not carry. Their descendants carry the same one and are
+    left out (a DataLoader worker that got the notify signal would die). A process whose
+    environment cannot be read (gone, another user's) counts as no worker."""
+    agents: dict[int, tuple[str | None, ...] | None] = {}
+
+    def agent(pid: int) -> tuple[str | None, ...] | None:
+        if pid not in agents:
+            # The supervisor starts the command with its os.environ, which /proc does not show.
+            agents[pid] = elastic_agent_of(os.environ if pid == os.getpid() else process.environ(pid))
+        return agents[pid]
+
+    return [info for info in tree if agent(info.pid) is not None and agent(info.pid) != agent(info.ppid)]
+
+
 def worker_processes(child_pid: int) -> list[process.ProcInfo]:
-    """The processes that run the training code: the children of every torchrun in the
-    command's process tree (torchrun itself must not be signalled: it takes a stop signal as
-    fatal), otherwise the command itself. Read from ``/proc`` now, so a torchrun behind a
-    wrapper (``bash -c``, ``sh -c "exec torchrun ..."``) is found too."""
+    """The processes that run the training code, read from ``/proc`` now.
+
+    In order: the workers of every elastic agent in the command's process tree
+    (:func:`elastic_workers`); else the children of every torchrun found by its command line
+    (none while it starts them: the agent must not be signalled, it takes a stop signal as
+    fatal); else the command itself (a job of one process, or a launcher spotrun cannot tell
+    from one before it has started its workers).
+    """
     command = process.proc_info(child_pid)
     if command is None:
         return []
     tree = [command, *process.descendants(child_pid)]
+    workers = elastic_workers(tree)
+    if workers:
+        return workers
     launchers = {info.pid for info in tree if is_torchrun(process.cmdline(info.pid))}
     if not launchers:
         return [command]
@@ -211,9 +254,11 @@ class NoticeDelivery:
             if not workers:
                 log.debug("no worker process to signal yet: looking again in %.1f s", _NO_WORKERS_RECHECK_S)
                 return now_unix_s + _NO_WORKERS_RECHECK_S
-            log.warning("sent %s to %d worker process(es) (%s): they save with their own framework; the "
-                        "deadline is in $SPOTRUN_CONTROL_DIR/save-request.json", signal_name(self.notify_signal),
-                        len(workers), " ".join(str(info.pid) for info in workers))
+            to_whom = (f"the command itself ({self._child_pid}): no elastic agent's worker in its process tree"
+                       if [info.pid for info in workers] == [self._child_pid] else
+                       f"{len(workers)} worker process(es) ({' '.join(str(info.pid) for info in workers)})")
+            log.warning("sent %s to %s; they save with their own framework, the deadline is in "
+                        "$SPOTRUN_CONTROL_DIR/save-request.json", signal_name(self.notify_signal), to_whom)
         elif choice.delivery is Delivery.POLL:
             log.info("the workers poll spotrun.preemption_notice(): no signal sent")
         else:

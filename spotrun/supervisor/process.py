@@ -134,6 +134,21 @@ def cmdline(pid: int) -> list[str]:
     return [word.decode(errors="replace") for word in raw.split(b"\0")[:-1]]
 
 
+def environ(pid: int) -> dict[str, str] | None:
+    """The environment process ``pid`` was started with (``/proc/<pid>/environ``: what it got
+    from its parent at ``exec``, not later changes to its own ``os.environ``); None when it is
+    gone, a zombie or not ours to read."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    if not raw:  # a zombie's (or a kernel thread's) environment reads empty
+        return None
+    pairs = (entry.split(b"=", 1) for entry in raw.split(b"\0") if b"=" in entry)
+    return {key.decode(errors="replace"): value.decode(errors="replace") for key, value in pairs}
+
+
 def send(info: ProcInfo, signum: int) -> None:
     """Send ``signum`` to the very process ``info`` names, if it still runs."""
     if not is_alive(info):
