@@ -48,13 +48,19 @@ def reports_fence(method: F) -> F:
 
 
 def report_fenced(storage: Storage, control_dir: str, incarnation: int | None, exc: FencedError) -> None:
-    """Write the fence report of this launch (never raises: the ``FencedError`` is what counts).
+    """Write the fence report of this launch, unless there is one (never raises: the
+    ``FencedError`` is what counts).
 
     The report is written at once with what is known, then again naming the newest incarnation
     on the root and where it runs (one listing and one read, bounded by
     :data:`LOOKUP_TIMEOUT_S`): a supervisor that stops the workers during that lookup (a
     notice's deadline) still finds the first.
     """
+    try:
+        if control.read_fence_report(control_dir) is not None:
+            return  # reported earlier in this launch (the claim of a worker restarted within it refused)
+    except SpotrunError:
+        pass  # unreadable: written again below
     fenced_unix_s = time.time()
 
     def write(claim: fencing.Claim | None) -> None:

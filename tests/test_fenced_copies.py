@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from spotrun import control
 from spotrun.checkpoint import catalog, fencing
 from spotrun.storage import LocalStorage
 from spotrun.supervisor import EXIT_FENCED, process
@@ -57,6 +58,16 @@ def wait_until(condition, what: str, *alive) -> None:
             assert proc.poll() is None, f"exited {proc.returncode} before {what}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def control_dir_of(supervisor) -> Path:
+    """The control directory of the supervisor's running launch, from its command's environment."""
+    for info in process.descendants(supervisor.pid):
+        for item in Path(f"/proc/{info.pid}/environ").read_bytes().split(b"\0"):
+            name, _, value = item.partition(b"=")
+            if name == b"SPOTRUN_CONTROL_DIR":
+                return Path(value.decode())
+    raise AssertionError("no process of the job has SPOTRUN_CONTROL_DIR")
 
 
 def incarnation_records(root: Path) -> list[str]:
@@ -112,13 +123,15 @@ def test_a_copy_fenced_while_it_saves_for_a_notice_exits_86_not_142(tmp_path, pr
     storage = LocalStorage(str(ck))
     resumed = catalog.newest_complete(storage)
     newer = fencing.claim(storage, resumed_step=resumed.step if resumed else None, run_id="the newer copy")
-    older.send_signal(signal.SIGTERM)  # the notice; the supervisor writes the save request
-    wait_until(lambda: "preemption notice" in (tmp_path / "older.log").read_text(), "the notice was handled", older)
-    signal_job(older, signal.SIGCONT)
+    request = control_dir_of(older) / control.SAVE_REQUEST_FILE
+    older.send_signal(signal.SIGTERM)  # the notice: the supervisor writes the save request
+    wait_until(request.exists, "the save request", older)
+    signal_job(older, signal.SIGCONT)  # the workers see it at their next step and save: fenced
 
     older_code = older.wait(timeout=WAIT_S)
     older_log = (tmp_path / "older.log").read_text()
     assert older_code == EXIT_FENCED, older_log[-3000:]
+    assert "save requested (supervisor: SIGTERM): emergency checkpoint of step" in older_log
     assert f"fenced: incarnation {newer.incarnation} (host {socket.gethostname()}, pid {os.getpid()})" in older_log
     assert "restart 1 of 2" not in older_log
     assert incarnation_records(ck) == ["incarnation-000000000.json", "incarnation-000000001.json"]

@@ -244,6 +244,7 @@ def test_c20_a_fenced_worker_tells_its_supervisor_and_its_launch_claims_no_incar
     with pytest.raises(FencedError, match="launch was fenced by incarnation 1"):
         restarted.restore()
     assert fencing.read_fences(LocalStorage(str(root))).newest == 1  # nothing claimed
+    assert control.read_fence_report(str(control_dir)) == report  # the first report stays
 
     monkeypatch.delenv(spotrun.env.CONTROL_DIR)
     third, _ = make(LocalStorage(str(root), fsync=False))

@@ -68,6 +68,8 @@ log = logging.getLogger(__name__)
 EXIT_FINISHED = 0
 EXIT_PREEMPTED_SAVED = 143
 EXIT_PREEMPTED_NOT_SAVED = 142
+#: Below 128 (Kubeflow's ExitCode policy: permanent), and none of 1, 2, 126, 127, sysexits'
+#: 64-78 or 128 + signal: rarely a training script's own code.
 EXIT_FENCED = 86
 #: How long to wait for a SIGKILLed command to be reaped before giving up on it, in seconds.
 _REAP_AFTER_KILL_S = 30.0
