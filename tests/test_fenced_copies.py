@@ -3,8 +3,8 @@ retry while the first copy still runs), each under `spotrun run --max-restarts 2
 
 The newer copy fences the older one. The older copy's supervisor must stop with exit 86 and a
 line naming the newer incarnation, and never restart (a restart would claim yet another
-incarnation and fence the newer copy in turn: before the fix they took turns, 5 incarnations
-claimed). The newer copy finishes. Real `spotrun run`, torchrun (one rank each: two copies on
+incarnation and fence the newer copy in turn: before the fix the two took turns; the field
+report counted 5 incarnations claimed). The newer copy finishes. Real `spotrun run`, torchrun (one rank each: two copies on
 two shared cores) and the example trainer; the older copy's processes are paused (SIGSTOP)
 while the newer one claims its incarnation, so the older one is fenced at a known point
 instead of racing to its last step.
