@@ -33,12 +33,13 @@ from spotrun.checkpoint.claim import claim_incarnation
 from spotrun.checkpoint.retention import Retainer, RetentionPolicy
 from spotrun.checkpoint.encode import encode_state
 from spotrun.checkpoint.save import SaveContext, save_step
+from spotrun.fence_report import report_fenced, reports_fence
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES, ShardLimits
 from spotrun.gc_pause import gc_paused
 from spotrun.env import DEFAULT_CHECKPOINT_URI, DEFAULT_SAVE_TIMEOUT_S, WorkerEnv
 from spotrun.save_decision import Action, StepContext, decide
 from spotrun.save_meter import SaveMeter
-from spotrun.errors import ConfigError
+from spotrun.errors import ConfigError, FencedError
 from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState
 from spotrun.state.optimizer import pair_optimizers
 from spotrun.state.rng import RNGState
@@ -165,6 +166,7 @@ class Checkpointer(RestoringMixin, PeriodicSavingMixin, StoppingMixin):
         self._last_saved_step: int | None = None
         self._incarnation: int | None = None  # claimed by restore() or the first save
         self._failed_periodic_saves = 0
+        self._fence_reported = False
         self._owner_pid = os.getpid()
         self._checkpoint_requests = (control.CheckpointRequestWatcher(self._env.control_dir)
                                      if self._env.control_dir else None)
@@ -216,6 +218,7 @@ class Checkpointer(RestoringMixin, PeriodicSavingMixin, StoppingMixin):
 
     # --- saving ---------------------------------------------------------------
 
+    @reports_fence
     def end_of_step(self, step: int) -> bool:
         """Call once per training step, after the optimizer step, on every rank; True: stop
         the loop now (and exit 0; :attr:`preempted` is set).
@@ -266,6 +269,7 @@ class Checkpointer(RestoringMixin, PeriodicSavingMixin, StoppingMixin):
                 self._checkpoint_requests.handled()
         return decision.stops
 
+    @reports_fence
     @gc_paused()
     def save(self, step: int, reason: str = "manual", *, timeout_s: float | None = None) -> None:
         """Save and commit ``step`` now, on every rank (a collective), from the live tensors.
@@ -322,11 +326,21 @@ class Checkpointer(RestoringMixin, PeriodicSavingMixin, StoppingMixin):
             encode_state(replicated, rank_local, dist.rank())  # raises before anything is claimed
             self._incarnation = claim_incarnation(
                 self._storage, resumed_step=None, at_least=self._env.incarnation, run_id=self._run_id,
-                after_newest=True, saving_step=step)
+                after_newest=True, saving_step=step, worker_env=self._env)
             self._events.started(self._incarnation, None, 0)
         return SaveContext(reason=reason, run_id=self._run_id, incarnation=self._incarnation,
                            step_time_s=self._meter.step_time_s)
 
+    def _report_fenced(self, exc: FencedError) -> None:
+        """Under ``spotrun run``: tell the supervisor (once, from local rank 0) that a newer
+        start fenced this launch, so that it stops instead of restarting it
+        (:mod:`spotrun.fence_report`)."""
+        if self._fence_reported or not self._env.control_dir or dist.local_rank() != 0:
+            return
+        self._fence_reported = True
+        report_fenced(self._storage, self._env.control_dir, self._incarnation, exc)
+
+    @reports_fence
     def wait_for_save(self) -> None:
         """Block until the background save in flight (if any) ended on this rank (call it
         on every rank at the same point, as :meth:`save`).
@@ -338,6 +352,7 @@ class Checkpointer(RestoringMixin, PeriodicSavingMixin, StoppingMixin):
         """
         self._report_background(self._background.take(), count_failure=False)
 
+    @reports_fence
     def close(self) -> None:
         """Wait for the background save in flight (its failure is reported as in
         :meth:`end_of_step`), stop the background thread and free its process group and

@@ -16,6 +16,12 @@ Files (all written atomically by rename):
     ``stopped-without-save.json`` workers -> supervisor: {"step", "stopped_unix_s"}, written by local
                                rank 0 of each node when the workers stopped without saving because
                                a supervisor (maybe another node's) found no time for a save.
+    ``fenced.json``            workers -> supervisor: {"incarnation", "newer_incarnation", "newer_host",
+                               "newer_pid", "newer_supervisor_pid", "message", "fenced_unix_s"}, written
+                               by local rank 0 of each node when a save or claim of this launch
+                               raised ``FencedError`` (a newer start of the job owns the root): the
+                               supervisor stops instead of restarting, whatever the exit code, and a
+                               claim within this launch (torchrun restarting its workers) is refused.
     ``checkpoint-request.json`` supervisor -> workers: {"seq", "reason", "requested_unix_s"}:
                                take an ordinary checkpoint soon and keep training (e.g. an AWS
                                rebalance recommendation); each new ``seq`` asks once.
@@ -43,6 +49,7 @@ EMERGENCY_COMMIT_FILE = "emergency-commit.json"
 CHECKPOINT_REQUEST_FILE = "checkpoint-request.json"
 SAVES_FILE = "saves.json"
 STOP_REPORT_FILE = "stopped-without-save.json"
+FENCE_REPORT_FILE = "fenced.json"
 #: How many committed saves ``saves.json`` remembers.
 RECENT_SAVES = 5
 
@@ -154,6 +161,56 @@ def read_stop_report(control_dir: str) -> int | None:
     if doc is None or type(doc.get("step")) is not int:
         return None
     return doc["step"]
+
+
+@dataclass(frozen=True)
+class FenceReport:
+    """Workers' report that a newer start of the job fenced them (they may no longer commit).
+
+    Attributes:
+        incarnation: the incarnation these workers claimed (``None``: none yet).
+        newer_incarnation: the newest incarnation on the root when they were fenced (``None``:
+            the root could not be listed then).
+        newer_host, newer_pid, newer_supervisor_pid: where that one runs, as its record says.
+        message: the ``FencedError``'s text.
+        fenced_unix_s: when it was raised (seconds since the epoch).
+    """
+
+    incarnation: int | None
+    newer_incarnation: int | None
+    newer_host: str | None
+    newer_pid: int | None
+    newer_supervisor_pid: int | None
+    message: str
+    fenced_unix_s: float
+
+
+def write_fence_report(control_dir: str, report: FenceReport) -> None:
+    """Worker side: report that this launch's workers were fenced."""
+    _write_json_atomically(os.path.join(control_dir, FENCE_REPORT_FILE), asdict(report))
+
+
+def read_fence_report(control_dir: str) -> FenceReport | None:
+    """The workers' fence report, or ``None`` if none was written.
+
+    Raises:
+        ConfigError: the file exists but is not JSON (a JSON object of other fields reads as a
+            report with those fields unknown: being fenced is what counts).
+    """
+    doc = _read_json(os.path.join(control_dir, FENCE_REPORT_FILE))
+    if doc is None:
+        return None
+
+    def known(name: str, kind: type):
+        value = doc.get(name)
+        return value if type(value) is kind else None
+
+    return FenceReport(
+        incarnation=known("incarnation", int), newer_incarnation=known("newer_incarnation", int),
+        newer_host=known("newer_host", str), newer_pid=known("newer_pid", int),
+        newer_supervisor_pid=known("newer_supervisor_pid", int), message=str(doc.get("message", "")),
+        fenced_unix_s=float(doc["fenced_unix_s"]) if type(doc.get("fenced_unix_s")) in (int, float) else 0.0,
+    )
 
 
 def write_checkpoint_request(control_dir: str, reason: str) -> int:

@@ -64,7 +64,7 @@ class Incarnation:
     """One start of the job, accounted (seconds; steps are optimizer steps).
 
     ``number`` is rank 0's incarnation, ``None`` for a launch that never started training.
-    ``ended``: ``finished``, ``preempted_saved``, ``preempted_not_saved``, ``failed``,
+    ``ended``: ``finished``, ``preempted_saved``, ``preempted_not_saved``, ``fenced``, ``failed``,
     ``restarted`` (the command failed and the supervisor launched it again), ``error``,
     ``stopped_saved`` / ``stopped_not_saved`` (told to stop, no supervisor exit recorded),
     ``exited`` (``close()`` without a stop), or ``no_exit_recorded`` (killed without notice,

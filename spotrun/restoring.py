@@ -14,6 +14,7 @@ from spotrun import dist
 from spotrun.checkpoint.apply import apply_loaded, check_serialisable, restore_destinations
 from spotrun.checkpoint.claim import claim_incarnation
 from spotrun.checkpoint.restore import load_newest
+from spotrun.fence_report import reports_fence
 from spotrun.gc_pause import gc_paused
 from spotrun.manifest import Manifest
 from spotrun.rank_layout import restored_onto
@@ -24,6 +25,7 @@ log = logging.getLogger("spotrun.checkpointer")
 class RestoringMixin:
     """The Checkpointer's :meth:`restore`."""
 
+    @reports_fence
     @gc_paused()
     def restore(self) -> int:
         """Load the newest loadable complete checkpoint into every object; return its step.
@@ -55,7 +57,7 @@ class RestoringMixin:
         check_serialisable(self._state, self._rank_state)  # refused before this start leaves any trace on the root
         self._incarnation = claim_incarnation(
             self._storage, resumed_step=step if manifest else None, run_id=self._run_id,
-            at_least=max(self._env.incarnation, manifest.incarnation + 1 if manifest else 0))
+            at_least=max(self._env.incarnation, manifest.incarnation + 1 if manifest else 0), worker_env=self._env)
         self._events.started(self._incarnation, step if manifest else None, self.restore_bytes_read)
         if dist.rank() == 0:
             log.info("%s (incarnation %d)", f"restored step {step} from {self._storage.uri}" if manifest

@@ -23,6 +23,7 @@ import yaml
 from kubernetes_validate.utils import latest_version
 
 from spotrun.config_file import load_run_config
+from spotrun.supervisor import EXIT_FENCED
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -266,6 +267,7 @@ def _jobset_decision(jobset: dict, exit_code: int | None = None, condition: str 
     (142, None, "RestartJobSet"),  # preempted without a new checkpoint: counted
     (1, None, "RestartJobSet"),  # the trainer's own failure: counted
     (2, None, "FailJobSet"),  # spotrun's own error: retrying cannot help
+    (EXIT_FENCED, None, "FailJobSet"),  # C20: a newer copy owns the root; a restart would fence it
 ])
 def test_jobset_failure_policy_follows_spotrun_exit_codes(exit_code, condition, expected):
     jobset = _kinds("jobset.yaml")["JobSet"]
@@ -276,6 +278,21 @@ def test_jobset_failure_policy_follows_spotrun_exit_codes(exit_code, condition, 
     assert policy["restartStrategy"] == "BlockingRecreate"
     job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert job["template"]["spec"]["restartPolicy"] == "Never" and job["podReplacementPolicy"] == "Failed"
+
+
+@pytest.mark.parametrize(("exit_code", "expected"), [
+    (143, "Ignore"),  # preempted and saved: retried without limit
+    (142, "Count"),  # preempted without a new checkpoint: retried, counted
+    (EXIT_FENCED, "FailJob"),  # C20: a newer copy owns the root; a retry would fence it in turn
+    (1, "Count"),  # the trainer's own failure (the default)
+])
+def test_job_pod_failure_policy_follows_spotrun_exit_codes(exit_code, expected):
+    job = _kinds("job.yaml")["Job"]["spec"]
+    actions = [rule["action"] for rule in job["podFailurePolicy"]["rules"]
+               if "onExitCodes" in rule and (exit_code in rule["onExitCodes"]["values"]) ==
+               (rule["onExitCodes"]["operator"] == "In")]
+    assert (actions or ["Count"])[0] == expected
+    assert job["template"]["spec"]["restartPolicy"] == "Never" and job["backoffLimit"] > 0
 
 
 def test_pytorchjob_retries_spotrun_preemption_codes(tmp_path):

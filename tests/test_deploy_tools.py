@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from spotrun.config_file import load_run_config
+from spotrun.supervisor import EXIT_FENCED
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -145,9 +146,10 @@ def test_systemd_unit_sends_the_stop_signal_to_spotrun_only_and_waits_out_the_gr
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         grace_period_s = load_run_config(path, environ=EXAMPLE_ENV)["grace_period_s"]
         assert timeout_s > grace_period_s, f"TimeoutStopSec={timeout_s:g} <= grace_period_s of {path.name}"
-    # 143 (preempted and saved) is a clean stop; 2, 142 and 143 are never restarted by systemd.
+    # 143 (preempted and saved) is a clean stop; 2, 86 (fenced: C20), 142 and 143 are never
+    # restarted by systemd.
     assert "143" in one("SuccessExitStatus").split()
-    assert {"2", "142", "143"} <= set(one("RestartPreventExitStatus").split())
+    assert {"2", str(EXIT_FENCED), "142", "143"} <= set(one("RestartPreventExitStatus").split())
     assert one("Restart") == "on-failure"
     # Stopped before the network at shutdown, so the emergency checkpoint still reaches S3.
     assert "network-online.target" in settings[("Unit", "After")][0].split()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +19,8 @@ import pytest
 import torch
 
 import spotrun
+import spotrun.env
+from spotrun import control
 from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.layout import parse_manifest_name, step_dir
 from spotrun.errors import FencedError
@@ -208,3 +212,42 @@ def test_1_a_fresh_start_fences_later_commits_of_every_older_incarnation(tmp_pat
     fencing.claim(storage, resumed_step=None, run_id="r")  # incarnation 0
     fencing.claim(storage, resumed_step=None, run_id="r")  # incarnation 1: a fresh start
     assert fencing.read_fences(storage).fenced_by(0, 1) == 1
+
+
+def test_c20_a_fenced_worker_tells_its_supervisor_and_its_launch_claims_no_incarnation_again(tmp_path, monkeypatch):
+    """C20 (worker side): under `spotrun run` (a control directory), a save that a newer start
+    fenced writes `fenced.json` naming that start (number, host, process) before the
+    FencedError reaches the script; a restart of the workers within that launch (torchrun's own
+    --max-restarts) raises FencedError at restore() instead of claiming an incarnation that
+    would fence the newer copy in turn. Without a control directory nothing is written."""
+    control_dir = tmp_path / "control"
+    control_dir.mkdir()
+    root = tmp_path / "root"
+    monkeypatch.setenv(spotrun.env.CONTROL_DIR, str(control_dir))
+    old, old_w = make(LocalStorage(str(root), fsync=False))
+    assert old.restore() == 0 and old.incarnation == 0
+    monkeypatch.delenv(spotrun.env.CONTROL_DIR)
+    new, _ = make(LocalStorage(str(root), fsync=False))
+    assert new.restore() == 0 and new.incarnation == 1
+    assert control.read_fence_report(str(control_dir)) is None
+
+    train_to(old_w, 5, 0.0)
+    with pytest.raises(FencedError, match="incarnation 1 .* started"):
+        old.save(5)
+    report = control.read_fence_report(str(control_dir))
+    assert (report.incarnation, report.newer_incarnation, report.newer_host, report.newer_pid) == (
+        0, 1, socket.gethostname(), os.getpid())
+    assert "incarnation 1 of this job started" in report.message
+
+    monkeypatch.setenv(spotrun.env.CONTROL_DIR, str(control_dir))
+    restarted, _ = make(LocalStorage(str(root), fsync=False))
+    with pytest.raises(FencedError, match="launch was fenced by incarnation 1"):
+        restarted.restore()
+    assert fencing.read_fences(LocalStorage(str(root))).newest == 1  # nothing claimed
+    assert control.read_fence_report(str(control_dir)) == report  # the first report stays
+
+    monkeypatch.delenv(spotrun.env.CONTROL_DIR)
+    third, _ = make(LocalStorage(str(root), fsync=False))
+    assert third.restore() == 0 and third.incarnation == 2
+    with pytest.raises(FencedError, match="incarnation 2 .* started"):  # plain torchrun: the error as before
+        new.save(5)

@@ -206,6 +206,30 @@ def test_workers_stopped_without_a_save_by_another_node_exit_142(spotrun_run, tm
     assert "the newest complete checkpoint is step 7" in run.log()
 
 
+@pytest.mark.parametrize(("worker_options", "notice"), [
+    (["--fenced-at", "3", "--fenced-exit-code", "1"], False),  # the FencedError ended the script
+    (["--fenced-at", "3", "--fenced-exit-code", "0"], False),  # a script that caught it: not "finished"
+    (["--fenced-at", "3", "--fenced-exit-code", "137"], False),  # killed after reporting: not a crash
+    (["--fenced-on-request", "--fenced-exit-code", "1"], True),  # the emergency save was fenced: not 142
+    (["--fenced-on-request", "--fenced-exit-code", "0"], True),  # nor 0 after a notice
+], ids=["exit-1", "exit-0", "exit-137", "notice-exit-1", "notice-exit-0"])
+def test_fenced_workers_are_never_restarted_and_exit_86_naming_the_newer_incarnation(
+        spotrun_run, tmp_path, state, worker_options, notice):
+    """C20: whatever the command's exit code, and during a notice too, a launch whose workers
+    report a fence (a newer start of the job owns the root) ends spotrun with exit 86 and a
+    line naming the newer incarnation, though restarts are left."""
+    run = spotrun_run(["--checkpoint-uri", str(tmp_path / "ckpt"), *FAST, "--max-restarts", "2",
+                       "--restart-backoff-s", "0"], [sys.executable, FAKE / "saver.py", state, *worker_options])
+    if notice:
+        run.wait_until(lambda: (state / "ready").exists(), "the worker started")
+        run.proc.send_signal(signal.SIGTERM)
+    assert run.wait() == 86, run.log()
+    assert len((state / "launches").read_text().splitlines()) == 1, run.log()
+    assert ("was fenced: incarnation 7 (host other-host, pid 1234, spotrun run pid 99) of this job started "
+            "on the same checkpoint root") in run.log()
+    assert "exiting 86" in run.log() and "restart 1 of 2" not in run.log()
+
+
 def test_signals_blocked_by_the_parent_are_unblocked(tmp_path, state):
     """A parent that blocked SIGCHLD and SIGTERM (the mask is inherited): the supervisor still
     sees its command exit, and still takes SIGTERM as a notice."""

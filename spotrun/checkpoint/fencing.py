@@ -15,13 +15,16 @@ resumed from. Writers also check before they commit, so a zombie stops with
 outcome the same when the two race.
 
 Each record repeats the resumed steps of every earlier incarnation (``resumed``), so a
-reader lists ``incarnations/`` and reads only the newest record.
+reader lists ``incarnations/`` and reads only the newest record. It also names where that
+start ran (host, the claiming process, its ``spotrun run``), so that a fenced copy of the
+job can say which start fenced it (:func:`newest_claim`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -129,6 +132,7 @@ class IncarnationRecord:
         run_id: the job's identifier.
         started_unix_s: when the claim was made (seconds since the epoch, UTC).
         resumed: the whole table (every earlier incarnation's resumed step, and this one's).
+        supervisor_pid: the process id of the ``spotrun run`` of the claiming node, if any.
     """
 
     incarnation: int
@@ -136,6 +140,7 @@ class IncarnationRecord:
     run_id: str
     started_unix_s: float
     resumed: dict[int, int | None]
+    supervisor_pid: int | None = None
 
     def to_json(self) -> bytes:
         doc = {
@@ -146,12 +151,15 @@ class IncarnationRecord:
             "run_id": self.run_id,
             "started_unix_s": self.started_unix_s,
             "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "supervisor_pid": self.supervisor_pid,
             "resumed": {str(k): v for k, v in sorted(self.resumed.items())},
         }
         return json.dumps(doc, indent=1, sort_keys=True).encode("utf-8")
 
 
-def claim(storage: Storage, *, resumed_step: int | None, run_id: str, at_least: int = 0) -> IncarnationRecord:
+def claim(storage: Storage, *, resumed_step: int | None, run_id: str, at_least: int = 0,
+          supervisor_pid: int | None = None) -> IncarnationRecord:
     """Claim the next incarnation number on ``storage`` (never one claimed before).
 
     Args:
@@ -159,6 +167,7 @@ def claim(storage: Storage, *, resumed_step: int | None, run_id: str, at_least: 
         run_id: the job's identifier, recorded.
         at_least: the smallest acceptable number (the supervisor's ``$SPOTRUN_INCARNATION``,
             or one more than the incarnation of the manifest resumed from).
+        supervisor_pid: recorded (``$SPOTRUN_SUPERVISOR_PID`` under ``spotrun run``).
 
     Raises:
         StorageError: the store failed, or kept losing the race for a number.
@@ -168,7 +177,7 @@ def claim(storage: Storage, *, resumed_step: int | None, run_id: str, at_least: 
         newest = fences.newest
         number = max(at_least, 0 if newest is None else newest + 1)
         table = {**fences.resumed, number: resumed_step}
-        record = IncarnationRecord(number, resumed_step, run_id, time.time(), table)
+        record = IncarnationRecord(number, resumed_step, run_id, time.time(), table, supervisor_pid)
         try:
             storage.put_if_absent(incarnation_key(number), record.to_json())
         except ObjectExistsError:
@@ -198,3 +207,53 @@ def check_not_fenced(storage: Storage, incarnation: int, fences: Fences | None =
             f"({incarnation}); an older incarnation may no longer write or commit (is an orphaned "
             "copy of the job still running?) - nothing was committed"
         )
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Who claimed an incarnation, as its record says (``None``: not recorded, or unreadable).
+
+    Attributes:
+        incarnation: the number.
+        host: the claiming host.
+        pid: the claiming process (rank 0 of that start).
+        supervisor_pid: that node's ``spotrun run``; ``None`` without one (or an older record).
+    """
+
+    incarnation: int
+    host: str | None = None
+    pid: int | None = None
+    supervisor_pid: int | None = None
+
+    def describe(self) -> str:
+        """``incarnation 3 (host h, pid 12, spotrun run pid 10)``, with what is known."""
+        where = [f"host {self.host}"] if self.host else []
+        where += [f"pid {self.pid}"] if self.pid is not None else []
+        where += [f"spotrun run pid {self.supervisor_pid}"] if self.supervisor_pid is not None else []
+        return f"incarnation {self.incarnation}" + (f" ({', '.join(where)})" if where else "")
+
+
+def newest_claim(storage: Storage) -> Claim | None:
+    """The newest incarnation claimed on the root and where it runs; ``None`` when none is.
+
+    A record that cannot be read gives a :class:`Claim` with the number only.
+
+    Raises:
+        StorageError: listing failed.
+    """
+    keys = _record_infos(storage.list(f"{INCARNATIONS_DIR}/"))
+    if not keys:
+        return None
+    number = max(keys)
+    try:
+        doc = json.loads(storage.get(keys[number]).decode("utf-8"))
+    except (StorageError, ValueError, UnicodeDecodeError) as exc:
+        log.warning("incarnation record %s/%s is unreadable (%s)", storage.uri, keys[number], exc)
+        return Claim(number)
+    doc = doc if isinstance(doc, dict) else {}
+
+    def known(name: str, kind: type):
+        value = doc.get(name)
+        return value if type(value) is kind else None
+
+    return Claim(number, known("hostname", str), known("pid", int), known("supervisor_pid", int))

@@ -11,6 +11,7 @@ The notices it acts on (signals, cloud metadata servers) come from :mod:`spotrun
 
 from spotrun.supervisor.config import SupervisorConfig
 from spotrun.supervisor.run import (
+    EXIT_FENCED,
     EXIT_FINISHED,
     EXIT_PREEMPTED_NOT_SAVED,
     EXIT_PREEMPTED_SAVED,
@@ -18,6 +19,7 @@ from spotrun.supervisor.run import (
 )
 
 __all__ = [
+    "EXIT_FENCED",
     "EXIT_FINISHED",
     "EXIT_PREEMPTED_NOT_SAVED",
     "EXIT_PREEMPTED_SAVED",

@@ -40,8 +40,8 @@ name                                             type      meaning
 ``last_command_exit_code``                       gauge     exit code of the command's last launch
 ``exit_code``                                    gauge     spotrun's exit code
 ``exit_reason{reason}``                          gauge     1 for the reason spotrun exited (finished,
-                                                           preempted_saved, preempted_not_saved, failed,
-                                                           error)
+                                                           preempted_saved, preempted_not_saved, fenced,
+                                                           failed, error)
 ===============================================  ========  ======================================================
 
 A gauge appears once its value is known (no ``exit_code`` while spotrun runs, no

@@ -14,7 +14,7 @@ observer is logged once per event name and the supervision goes on). Events and 
 ``command_exit``   ``code``, ``incarnation``
 ``restart``        ``attempt``, ``code`` (the failed command's), ``delay_s``
 ``exit``           ``code`` (spotrun's), ``reason`` (finished, preempted_saved, preempted_not_saved,
-                   failed, error), ``step`` (the emergency checkpoint's, when one committed)
+                   fenced, failed, error), ``step`` (the emergency checkpoint's, when one committed)
 =================  ================================================================================
 
 Every event also gets ``time_unix_s`` (seconds since the epoch, UTC).

@@ -11,7 +11,7 @@ import logging
 import os
 
 from spotrun import control
-from spotrun.checkpoint import catalog
+from spotrun.checkpoint import catalog, fencing
 from spotrun.env import STOP_AT_STEP
 from spotrun.errors import SpotrunError
 from spotrun.storage import Storage
@@ -109,6 +109,24 @@ def workers_stopped_without_save(control_dir: str) -> bool:
         log.warning("the workers stopped after step %d without saving (no time for an emergency checkpoint)",
                     step)
     return step is not None
+
+
+def fenced(control_dir: str) -> str | None:
+    """What the workers' fence report says (:mod:`spotrun.fence_report`), as the supervisor's
+    log line; ``None`` when they were not fenced. An unreadable report still means fenced."""
+    try:
+        report = control.read_fence_report(control_dir)
+    except SpotrunError as exc:
+        return f"this launch was fenced by a newer start of the job ({exc})"
+    if report is None:
+        return None
+    newer = fencing.Claim(report.newer_incarnation, report.newer_host, report.newer_pid,
+                          report.newer_supervisor_pid).describe() if report.newer_incarnation is not None \
+        else "a newer incarnation"
+    mine = "" if report.incarnation is None else f" (incarnation {report.incarnation})"
+    return (f"this copy of the job{mine} was fenced: {newer} of this job started on the same checkpoint root "
+            "and owns it now (the same job started twice?); not restarting this one, so that the newer one "
+            "finishes")
 
 
 def step_status(storage: Storage, step: int) -> tuple[str, str | None]:

@@ -26,6 +26,8 @@ Exit codes:
          job resumes from the newest complete checkpoint (retryable: >= 128, as Kubernetes
          ``restartPolicy: ExitCode`` expects).
     2    spotrun's own error (bad option or URI, unreadable storage, command not found).
+    86   the workers were fenced: a newer start of the same job owns the checkpoint root (the
+         command started twice); never restarted, whatever the command's exit code or a notice.
     N    otherwise the command's own exit code once ``--max-restarts`` are used up; a
          command killed by signal S gives ``128 + S``.
 
@@ -66,6 +68,9 @@ log = logging.getLogger(__name__)
 EXIT_FINISHED = 0
 EXIT_PREEMPTED_SAVED = 143
 EXIT_PREEMPTED_NOT_SAVED = 142
+#: Below 128 (Kubeflow's ExitCode policy: permanent), and none of 1, 2, 126, 127, sysexits'
+#: 64-78 or 128 + signal: rarely a training script's own code.
+EXIT_FENCED = 86
 #: How long to wait for a SIGKILLed command to be reaped before giving up on it, in seconds.
 _REAP_AFTER_KILL_S = 30.0
 
@@ -158,7 +163,7 @@ class _Supervisor:
                                 error=f"{type(exc).__name__}: {exc}")
             raise
         reason = {EXIT_FINISHED: "finished", EXIT_PREEMPTED_SAVED: "preempted_saved",
-                  EXIT_PREEMPTED_NOT_SAVED: "preempted_not_saved"}.get(code, "failed")
+                  EXIT_PREEMPTED_NOT_SAVED: "preempted_not_saved", EXIT_FENCED: "fenced"}.get(code, "failed")
         self.observers.emit("exit", code=code, reason=reason, step=self.saved_step)
         return code
 
@@ -187,6 +192,10 @@ class _Supervisor:
                 control_dir=control_dir)
             code = self._run_once(plan, control_dir)
             self.observers.emit("command_exit", code=code, incarnation=plan.incarnation)
+            fenced = outcome.fenced(control_dir)  # before a notice's outcome: a 142 would be retried
+            if fenced is not None:
+                log.error("%s: exiting %d", fenced, EXIT_FENCED)
+                return EXIT_FENCED
             stopped_without_save = outcome.workers_stopped_without_save(control_dir)
             if self.notice is not None or stopped_without_save or outcome.workers_saved_on_their_own(control_dir):
                 return self._preempted_exit_code(code, control_dir, stopped_without_save=stopped_without_save)
