@@ -27,6 +27,7 @@ from spotrun.checkpoint.layout import DELETION_MARKER_NAME, parse_manifest_name,
 from spotrun.checkpoint.retention import delete_step
 from spotrun.checkpoint.verify import steps_to_verify, verify_step
 from spotrun.cli import main
+from spotrun.commands import _shared as shared
 from spotrun.commands import verify as verify_command
 from spotrun.errors import StepDeletedError
 from spotrun.export_hf import export_hf
@@ -206,6 +207,25 @@ def test_export_of_a_named_step_deleted_while_exporting_fails_with_one_clear_err
     with pytest.raises(StepDeletedError, match=r"step 1 under .* was deleted while exporting it \(the job's "
                                                r"retention, --keep-last, or spotrun gc removed it\)"):
         export_hf(hooked, LocalStorage(str(out), fsync=False), step=1)
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_spotrun_export_of_a_named_step_deleted_mid_way_says_so_in_one_line_and_exits_2(
+        tmp_path, monkeypatch, capsys):
+    """C21: the command line of the case above: one ``spotrun: error:`` line, no traceback."""
+    root, out = tmp_path / "ck", tmp_path / "out"
+    save_steps(root, [1, 2])
+    hooked = DeletesAtFirstRead(root, 1, retention_deletes(root, 1))
+    real = shared.location_of
+    monkeypatch.setattr(shared, "location_of",
+                        lambda uri, args: _Opened(hooked) if uri == str(root) else real(uri, args))
+    code = main(["export", str(root), str(out), "--step", "1"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err.splitlines() == [
+        f"spotrun: error: step 1 under {hooked.uri} was deleted while exporting it (the job's retention, "
+        f"--keep-last, or spotrun gc removed it); nothing of it was left in {out}: export again, or a step "
+        "the job keeps (--keep-every)"]
     assert not out.exists() or list(out.iterdir()) == []
 
 
