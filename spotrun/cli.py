@@ -32,21 +32,30 @@ subcommand; default ``$SPOTRUN_LOG_FORMAT``, else text) one JSON object per line
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import signal
-import os
-import sys
 import time
-from collections.abc import Sequence
 
-from spotrun.commands import register_all
-from spotrun.commands._shared import add_storage_options, launch_command, location_of
-from spotrun.env import DEFAULT_CHECKPOINT_URI
-from spotrun.errors import SpotrunError
-from spotrun.logs import configure_logging, log_format_from_env
-from spotrun.supervisor.config import add_options
+#: When spotrun's command line began, in seconds since the epoch: this module is the first the
+#: console script (and ``python -m spotrun``) imports after the small ``spotrun`` package. The
+#: event log's clock starts here (``spotrun report``'s wall time and start-up), not at the
+#: process's start time in ``/proc``: a shell that execs spotrun (``bash -c "pip install ...
+#: && exec spotrun run ..."``, a container's ``sh -c`` entrypoint) hands on its pid and with it
+#: its start time, install included. Python's own start-up before this (tens of ms) is not counted.
+STARTED_UNIX_S = time.time()
+
+import argparse  # noqa: E402 (after the clock above)
+import json  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+
+from spotrun.commands import register_all  # noqa: E402
+from spotrun.commands._shared import add_storage_options, launch_command, location_of  # noqa: E402
+from spotrun.env import DEFAULT_CHECKPOINT_URI  # noqa: E402
+from spotrun.errors import SpotrunError  # noqa: E402
+from spotrun.logs import configure_logging, log_format_from_env  # noqa: E402
+from spotrun.supervisor.config import add_options  # noqa: E402
 
 EXIT_USAGE = 2
 
@@ -109,7 +118,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from spotrun.supervisor.metrics_export import metrics_observers
     from spotrun.supervisor.observers import Observers
 
-    observers = Observers([EventLogObserver.for_config(config),
+    observers = Observers([EventLogObserver.for_config(config, started_unix_s=STARTED_UNIX_S),
                            *metrics_observers(config.metrics_port, config.metrics_address, config.metrics_textfile)])
     return supervise(config, observers)
 

@@ -32,6 +32,11 @@ class ObjectExistsError(StorageError, FileExistsError):
     """A conditional put found the object already there (another writer committed first)."""
 
 
+class StepDeletedError(ObjectNotFoundError):
+    """A step was deleted (the job's retention, ``spotrun gc``) while a read-only tool read it
+    (``spotrun verify --step``, ``spotrun export``): gone, not damaged."""
+
+
 class ObjectTooShortError(StorageError):
     """A read asked for bytes past the end of the object (it is shorter than expected)."""
 

@@ -20,6 +20,13 @@ in every dtype safetensors stores (float64/32/16, bfloat16, integers, bool, floa
 Order of writes: an old index is deleted first (with ``overwrite``), then the data files, then
 the new index last, then stale data files of an older export: a reader that finds the index
 finds every file it names complete. The source checkpoint is only read.
+
+A step deleted while it is exported (the retention of a live job, ``spotrun gc``) is told
+from a damaged one by listing it again after a read failed
+(:func:`~spotrun.checkpoint.catalog.deleted_since_listed`); the files written for it are
+deleted. With a step named, that is an error (:class:`~spotrun.errors.StepDeletedError`);
+without, the newest complete step is exported instead, from the start (a user who asks
+for the newest checkpoint's weights gets them), at most :data:`NEWEST_STEP_ATTEMPTS` times.
 """
 
 from __future__ import annotations
@@ -32,7 +39,14 @@ from spotrun.checkpoint import catalog
 from spotrun.checkpoint.chunk_reader import ChunkReader
 from spotrun.checkpoint.restore import read_whole_tensors
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, ShardSource
-from spotrun.errors import ExportError, NoCheckpointError, ObjectNotFoundError
+from spotrun.errors import (
+    CorruptShardError,
+    ExportError,
+    NoCheckpointError,
+    ObjectNotFoundError,
+    ObjectTooShortError,
+    StepDeletedError,
+)
 from spotrun.export_plan import INDEX_NAME, WEIGHT_FILE_RE, ExportPlan, ExportShard, plan_export
 from spotrun.manifest import Manifest
 from spotrun.progress import progress_bar
@@ -43,6 +57,9 @@ log = logging.getLogger(__name__)
 #: Format 4: tensors of one output file are read in batches of about this many bytes, so the
 #: progress bar moves and small tensors are read in parallel.
 READ_BATCH_BYTES = 64 * 2**20
+#: Without a step named: how many times the newest complete step is exported when the one being
+#: exported was deleted meanwhile (a live job with ``--keep-last``; each time from the start).
+NEWEST_STEP_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -105,6 +122,9 @@ def export_hf(source: Storage, out: Storage, *, step: int | None = None, state_n
         CorruptShardError: a checkpoint file fails verification (files already written stay;
             no index names them; with ``overwrite``, the earlier export's index is gone too:
             logged as an error).
+        StepDeletedError: the step was deleted while it was read (the job's retention, gc);
+            without ``step``, the newest complete step was deleted under each of
+            :data:`NEWEST_STEP_ATTEMPTS` attempts. The files this export wrote are deleted.
         StorageError: a read or write failed.
     """
     info = find_step(source, step)
@@ -118,15 +138,29 @@ def export_hf(source: Storage, out: Storage, *, step: int | None = None, state_n
                           "them, or choose another output")
     if INDEX_NAME in existing:
         out.delete(INDEX_NAME)  # first: no index may name a half-replaced set of files
-    reader = ChunkReader(source, manifest) if manifest.format_version >= 4 else None
-    file_sizes: dict[str, int] = {}
     try:
-        with progress_bar(2 * plan.total_size_bytes, f"export step {plan.step}: read + write") as bar:
-            for shard in plan.shards:
-                file_sizes[shard.filename] = _write_shard(source, out, manifest, plan, shard, reader, bar)
-            index = plan.index_json()  # last: it names only files that are whole
-            out.put(INDEX_NAME, index)
-            file_sizes[INDEX_NAME] = len(index)
+        for attempt in range(NEWEST_STEP_ATTEMPTS if step is None else 1):
+            if attempt:  # the newest complete step was deleted under us: export the newest now
+                log.warning("step %d was deleted while exporting it (the job's retention); exporting the newest "
+                            "complete step instead", plan.step)
+                info = find_step(source, None)
+                manifest = info.manifest
+                assert manifest is not None
+                plan = plan_export(manifest, state_name, max_shard_size_bytes, tied)
+            file_sizes: dict[str, int] = {}
+            try:
+                _write_files(source, out, manifest, plan, file_sizes)
+                break
+            except (ObjectNotFoundError, CorruptShardError, ObjectTooShortError):
+                if not catalog.deleted_since_listed(source, info):
+                    raise
+                for name in file_sizes:  # this attempt's files, of a step that is gone
+                    out.delete(name)
+        else:
+            raise StepDeletedError(
+                errno.ENOENT, f"step {plan.step} under {source.uri} was deleted while exporting it (the job's "
+                "retention, --keep-last, or spotrun gc removed it); nothing of it was left in "
+                f"{out.uri}: export again, or a step the job keeps (--keep-every)")
     except BaseException:
         if existing:
             log.error("the earlier export in %s is no longer usable: its index was removed before this export "
@@ -136,6 +170,18 @@ def export_hf(source: Storage, out: Storage, *, step: int | None = None, state_n
     for name in removed:
         out.delete(name)
     return ExportResult(plan=plan, out_uri=out.uri, file_sizes=file_sizes, removed=removed)
+
+
+def _write_files(source: Storage, out: Storage, manifest: Manifest, plan: ExportPlan,
+                 file_sizes: dict[str, int]) -> None:
+    """Write the planned files, the index last; ``file_sizes`` gets each file written."""
+    reader = ChunkReader(source, manifest) if manifest.format_version >= 4 else None
+    with progress_bar(2 * plan.total_size_bytes, f"export step {plan.step}: read + write") as bar:
+        for shard in plan.shards:
+            file_sizes[shard.filename] = _write_shard(source, out, manifest, plan, shard, reader, bar)
+        index = plan.index_json()  # last: it names only files that are whole
+        out.put(INDEX_NAME, index)
+        file_sizes[INDEX_NAME] = len(index)
 
 
 def _write_shard(source: Storage, out: Storage, manifest: Manifest, plan: ExportPlan, shard: ExportShard,

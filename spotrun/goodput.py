@@ -159,7 +159,9 @@ def launches(supervisor_objects: Iterable[tuple[str, int, Sequence[dict[str, Any
             start = _first(records, "start")
             begin = launch_s
             if start is not None:
-                begin = min(begin, start.get("process_started_unix_s") or start["time_unix_s"], start["time_unix_s"])
+                # spotrun's own start (earlier logs: the process's, which counted a shell's work before an exec)
+                started = start.get("spotrun_started_unix_s") or start.get("process_started_unix_s")
+                begin = min(begin, started or start["time_unix_s"], start["time_unix_s"])
             begins.append(begin)
         for k, (_, incarnation, records) in enumerate(objects):
             end = begins[k + 1] if k + 1 < len(objects) else _last_time(records)

@@ -6,7 +6,8 @@ A step is
 * ``incomplete`` - files exist but no manifest (a save that never committed, e.g. a kill
   in the middle of a write);
 * ``corrupt``    - a manifest exists but does not parse, or a listed file is missing or has
-  the wrong size;
+  the wrong size (a step whose deletion has begun is ``incomplete``, being deleted, instead:
+  retention or gc removing it, not damage; :func:`deleted_since_listed`);
 * ``fenced``     - its only manifests were committed by an older incarnation after a newer
   one had started from an earlier step (a zombie's work; see
   :mod:`spotrun.checkpoint.fencing`).
@@ -150,6 +151,23 @@ def committed(storage: Storage, step: int) -> StepInfo:
     return info
 
 
+def deleted_since_listed(storage: Storage, info: StepInfo) -> bool:
+    """Whether ``info``'s step was deleted, or its deletion began, after it was listed: its
+    manifest is gone, or its deletion marker is its newest object (a deletion writes the marker
+    first, then deletes the manifests: :func:`~spotrun.checkpoint.retention.delete_step`).
+
+    A reader whose read of a listed file failed (``spotrun verify``, ``export``) asks this to
+    tell a step that retention or gc removed meanwhile (gone) from a damaged one (its manifest
+    still there, no deletion under way, and a file missing). One listing of the step.
+    """
+    prefix = f"{step_dir(info.step)}/"
+    objects = {o.key: o for o in storage.list(prefix)}
+    if info.manifest_key is not None and info.manifest_key not in objects:
+        return True
+    marker = objects.get(prefix + DELETION_MARKER_NAME)
+    return marker is not None and marker.mtime_s >= max(o.mtime_s for o in objects.values())
+
+
 def _read(storage: Storage, key: str) -> Manifest | str | None:
     """The parsed manifest, a problem description, or ``None`` when it vanished."""
     try:
@@ -202,7 +220,14 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
                 + ("scratch" if fences.resumed[newer] is None else f"step {fences.resumed[newer]}")
             )
             continue
-        return _check_manifest(storage, step, key, incarnation, sizes, result)
+        info = _check_manifest(storage, step, key, incarnation, sizes, result)
+        if info.status == CORRUPT and info.manifest is not None and (
+                being_deleted or deleted_since_listed(storage, info)):
+            # a file missing because retention or gc is deleting the step (the listing saw the
+            # manifest before its deletion, the files after): gone, not damaged
+            return result(INCOMPLETE, f"being deleted: {info.problem} and the step's deletion has begun "
+                                      f"({DELETION_MARKER_NAME} or its manifest's removal)")
+        return info
     if fenced:
         return result(FENCED, "; ".join(fenced) + ": never resumed from")
     if any(k[len(prefix):].startswith(REJECTED_PREFIX) for k in sizes):

@@ -31,7 +31,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from spotrun.checkpoint.catalog import COMPLETE, CORRUPT, FENCED, INCOMPLETE, StepInfo, inspect_step, list_steps
+from spotrun.checkpoint.catalog import (
+    COMPLETE,
+    CORRUPT,
+    FENCED,
+    INCOMPLETE,
+    StepInfo,
+    deleted_since_listed,
+    inspect_step,
+    list_steps,
+)
 from spotrun.checkpoint.layout import file_key, parse_manifest_name, step_dir
 from spotrun.checkpoint.rank_index import IndexedFile, RankIndex
 from spotrun.checkpoint.shard import sha256_hex
@@ -40,6 +49,11 @@ from spotrun.checkpoint.verify_tensors import Finding, ShardHeader, check_chunks
 from spotrun.errors import CorruptShardError, NoCheckpointError, ObjectNotFoundError, ObjectTooShortError
 from spotrun.manifest import FileRecord, Manifest
 from spotrun.storage.base import Storage
+
+#: The status of a step deleted while it was verified (retention of a live job, ``spotrun gc``):
+#: gone, not damaged; no problem.
+DELETED = "deleted"
+DELETED_NOTE = "deleted while verifying (retention of the live job, or spotrun gc): gone, not damaged"
 
 #: Most bytes of one read (a multiple of the file's checksum chunk, or one chunk when larger).
 READ_UNIT_BYTES = CHECKSUM_CHUNK_BYTES
@@ -64,12 +78,13 @@ class StepReport:
 
     Attributes:
         step: the step number.
-        status: the catalog's status (``complete``, ``corrupt``, ``incomplete``, ``fenced``).
+        status: the catalog's status (``complete``, ``corrupt``, ``incomplete``, ``fenced``), or
+            :data:`DELETED` for a step deleted while it was read.
         verified: whether its files were read (a step with a manifest that parses).
         problems: everything wrong, in the manifest's file order; empty when all is well.
         files, size_bytes, tensors: what the manifest lists (0 when it was not read).
         algorithms: the digest algorithms its files record (``["blake3-chunks", "sha256"]``).
-        note: why a step was not verified (an incomplete or fenced step), else ``None``.
+        note: why a step was not verified (an incomplete, fenced or deleted step), else ``None``.
     """
 
     step: int
@@ -81,6 +96,11 @@ class StepReport:
     tensors: int = 0
     algorithms: list[str] = field(default_factory=list)
     note: str | None = None
+
+    @property
+    def deleted(self) -> bool:
+        """The step was deleted while it was read (gone, not damaged)."""
+        return self.status == DELETED
 
     @property
     def ok(self) -> bool:
@@ -133,6 +153,11 @@ def verify_step(storage: Storage, info: StepInfo, *, explicit: bool = False,
             (it is not a checkpoint), else only noted.
         on_bytes: called with the number of bytes after each read (progress), from any thread.
 
+    Returns:
+        The report; status :data:`DELETED`, no problem, when something was wrong and the step
+        turned out to have been deleted since it was listed (see
+        :func:`~spotrun.checkpoint.catalog.deleted_since_listed`).
+
     Raises:
         StorageError: a read failed for another reason than a missing or short file.
     """
@@ -146,7 +171,12 @@ def verify_step(storage: Storage, info: StepInfo, *, explicit: bool = False,
         name = info.manifest_key.rpartition("/")[2] if info.manifest_key else None
         reason = (info.problem or "corrupt").replace(f"{storage.uri}/{info.manifest_key} ", "", 1)
         return StepReport(info.step, info.status, verified=False, problems=[Problem(info.step, name, reason)])
-    return _StepCheck(storage, info, on_bytes or (lambda n: None)).run()
+    report = _StepCheck(storage, info, on_bytes or (lambda n: None)).run()
+    if report.problems and deleted_since_listed(storage, info):
+        # a file missing because the step is being deleted under us: gone, not damaged; a step
+        # whose manifest is still there, with no deletion begun, keeps its problems
+        return StepReport(info.step, DELETED, verified=False, note=DELETED_NOTE)
+    return report
 
 
 class _StepCheck:

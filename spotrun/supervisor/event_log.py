@@ -6,8 +6,11 @@ planned; ``id``: random per supervisor process).
 Each object holds the events of its launch as records (the observer's fields, ``event`` the
 event's name): ``launch``, then ``notice``, ``decision``, ``command_exit``, ``restart``, and
 ``exit`` for the last launch. The first launch's object starts with the supervisor's
-``start``, to which ``process_started_unix_s`` is added (when the process began, from
-``/proc``; the report counts the supervisor's own start-up from then). Events before the first
+``start``, to which ``spotrun_started_unix_s`` is added (when spotrun's command line began,
+:data:`spotrun.cli.STARTED_UNIX_S`; the report counts the supervisor's own start-up from then).
+Not the process's start time in ``/proc``: a shell that execs spotrun hands on its pid and its
+start time, so ``bash -c "pip install ... && exec spotrun run ..."`` would count the install
+(logs of earlier versions hold that, as ``process_started_unix_s``). Events before the first
 launch wait for it; a supervisor that exits without launching anything leaves no object.
 Writing happens on the event log's threads: an event never waits for storage.
 """
@@ -15,7 +18,6 @@ Writing happens on the event log's threads: an event never waits for storage.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 import uuid
@@ -29,20 +31,6 @@ from spotrun.supervisor.config import SupervisorConfig
 log = logging.getLogger(__name__)
 
 
-def process_started_unix_s() -> float | None:
-    """When this process began, in seconds since the epoch (about 10 ms resolution), from
-    ``/proc``; ``None`` where that cannot be read (not Linux)."""
-    try:
-        with open("/proc/self/stat", encoding="ascii") as f:
-            fields = f.read().rpartition(")")[2].split()
-        with open("/proc/uptime", encoding="ascii") as f:
-            uptime_s = float(f.read().split()[0])
-        started_after_boot_s = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5)
-    except (OSError, ValueError, IndexError):
-        return None
-    return time.time() - (uptime_s - started_after_boot_s)
-
-
 class EventLogObserver:
     """Writes the supervisor's events into the event log under the checkpoint root.
 
@@ -50,10 +38,14 @@ class EventLogObserver:
         open_root: opens the checkpoint root (called once, at the first launch: after the
             supervisor's preflight check of the storage).
         host: the host name in the objects' keys; default this host's.
+        started_unix_s: when spotrun began (seconds since the epoch), recorded in the
+            ``start`` record; ``None``: the ``start`` record's own time is the beginning.
     """
 
-    def __init__(self, open_root: Callable[[], Storage], *, host: str | None = None) -> None:
+    def __init__(self, open_root: Callable[[], Storage], *, host: str | None = None,
+                 started_unix_s: float | None = None) -> None:
         self._open_root = open_root
+        self._started_unix_s = started_unix_s
         self._storage: Storage | None = None
         self._host = host or socket.gethostname()
         self._writer_id = uuid.uuid4().hex[:8]
@@ -62,14 +54,14 @@ class EventLogObserver:
         self._logs: list[EventLog] = []
 
     @classmethod
-    def for_config(cls, config: SupervisorConfig) -> EventLogObserver:
+    def for_config(cls, config: SupervisorConfig, *, started_unix_s: float | None = None) -> EventLogObserver:
         """The observer for ``spotrun run`` with ``config`` (its checkpoint root)."""
-        return cls(lambda: config.location.open())
+        return cls(lambda: config.location.open(), started_unix_s=started_unix_s)
 
     def event(self, name: str, fields: dict[str, Any]) -> None:
         """Record event ``name`` (see :mod:`spotrun.supervisor.observers`)."""
-        if name == "start":
-            fields = {**fields, "process_started_unix_s": process_started_unix_s()}
+        if name == "start" and self._started_unix_s is not None:
+            fields = {**fields, "spotrun_started_unix_s": round(self._started_unix_s, 6)}
         if name == "launch":
             if self._storage is None:
                 self._storage = self._open_root()
