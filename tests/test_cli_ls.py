@@ -188,9 +188,10 @@ def test_layout_of_a_real_two_rank_save(tmp_path):
     """A real Checkpointer on 2 ranks (torchrun, gloo) saves replicated state: `2 ranks`, no mesh."""
     ck, out = tmp_path / "ck", tmp_path / "out"
     out.mkdir()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    str(BG_JOB), str(ck), str(out), "--steps", "2", "--interval", "0"],
-                   check=True, capture_output=True, timeout=300)
+    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(BG_JOB), str(ck), str(out), "--steps", "2", "--interval", "0"],
+                         capture_output=True, text=True, errors="replace", timeout=300)
+    assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     [row] = json.loads(spotrun_ls(str(ck), "--json").stdout)
     assert (row["step"], row["status"], row["reason"]) == (2, "complete", "final")
     assert (row["world_size"], row["meshes"], row["layout"]) == (2, [], "2 ranks")

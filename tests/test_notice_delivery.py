@@ -207,8 +207,10 @@ def test_the_ranks_of_any_elastic_launcher_are_signalled_not_it_nor_their_loader
 
 def test_a_process_that_is_gone_is_no_worker_and_no_error():
     """A process that exits while the tree is read has no environment to read: it is skipped."""
-    gone = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
-                            env={**os.environ, **OUTER_WORKER_ENV})
+    gone = subprocess.Popen([sys.executable, "-c", "print('up', flush=True); import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, **OUTER_WORKER_ENV})
+    # Until its exec has finished (Popen may return before: vfork), /proc shows no environment.
+    assert gone.stdout.readline() == b"up\n"
     info = process.proc_info(gone.pid)
     assert info is not None and process.environ(gone.pid)["TORCHELASTIC_RUN_ID"] == "outer"
     assert [worker.pid for worker in elastic_workers([info])] == [gone.pid]
