@@ -53,7 +53,7 @@ from spotrun.notices import Inbox, Notice, NoticeWatch, is_stop, parse_notice_op
 from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal
 from spotrun.notices.signals import describe as describe_signals
 from spotrun.storage import Storage
-from spotrun.supervisor import outcome, preflight, process
+from spotrun.supervisor import finished, outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.estimate import decide, estimate_emergency_save
 from spotrun.supervisor.foreign import Delivery, NoticeDelivery, describe_delivery
@@ -117,6 +117,9 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
         stack.callback(observers.close)
         observers.emit("start", host=socket.gethostname(), pid=os.getpid(), command=list(config.command),
                        grace_period_s=config.grace_period_s, checkpoint_uri=config.checkpoint_uri)
+        if not config.rerun_finished and finished.finished_step(storage, config.command) is not None:
+            observers.emit("exit", code=EXIT_FINISHED, reason="finished", step=None)
+            return EXIT_FINISHED
         return _Supervisor(config, storage, inbox, control_root, launch, observers).run()
 
 
@@ -159,6 +162,8 @@ class _Supervisor:
             raise
         reason = {EXIT_FINISHED: "finished", EXIT_PREEMPTED_SAVED: "preempted_saved",
                   EXIT_PREEMPTED_NOT_SAVED: "preempted_not_saved"}.get(code, "failed")
+        if code == EXIT_FINISHED:
+            finished.record_finished(self.storage, self.config.command)
         self.observers.emit("exit", code=code, reason=reason, step=self.saved_step)
         return code
 
