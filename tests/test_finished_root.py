@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 import sys
@@ -45,9 +46,30 @@ def test_the_same_command_on_a_finished_root_exits_0_without_launching(tmp_path)
     assert "step 3" in line and "--rerun-finished" in line and "not starting it again" in line, line
     assert "started pid" not in again.stderr
 
+    def message(output: str) -> str:
+        return output.splitlines()[-1].split(" INFO ", 1)[1]
+
+    assert message(again.stderr) == message(first.stderr)  # the same last line: where, and what next
+
     forced = run(root, launches, 3, "--rerun-finished", named_file=notes)
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert launch_count(launches) == 2
+
+
+def test_the_last_line_of_a_finished_run_names_the_checkpoint_and_commands_that_work(tmp_path):
+    root, launches = tmp_path / "ck", tmp_path / "launches.txt"
+    finished = run(root, launches, 3)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    last = finished.stderr.splitlines()[-1]
+    assert f"training finished: the checkpoint is step 3 under {root}" in last, last
+    commands = re.findall(r"`([^`]+)`", last)
+    assert [c.split()[:2] for c in commands] == [["spotrun", "ls"], ["spotrun", "export"]], last
+    out = tmp_path / "hf"
+    for command in commands:  # as printed, with OUT filled in
+        words = [str(out) if word == "OUT" else word for word in shlex.split(command)]
+        done = subprocess.run([sys.executable, "-m", *words], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, (command, done.stdout, done.stderr[-2000:])
+    assert (out / "model.safetensors.index.json").exists()
 
 
 def test_a_job_with_more_to_do_is_launched(tmp_path):

@@ -92,6 +92,16 @@ def record_finished(storage: Storage, command: Sequence[str]) -> StepInfo | None
     return newest
 
 
+def finished_line(uri: str, newest: StepInfo | None, endpoint_url: str | None = None) -> str:
+    """The last line of a finished run: where its checkpoint is and what to do with it next."""
+    if newest is None:
+        return f"training finished; no complete spotrun checkpoint found under {uri}"
+    root = shlex.quote(uri) + (f" --s3-endpoint-url {shlex.quote(endpoint_url)}" if endpoint_url else "")
+    return (f"training finished: the checkpoint is step {newest.step} under {uri}; `spotrun ls {root}` lists its "
+            f"steps, `spotrun export {root} --format hf OUT` writes step {newest.step}'s model as Hugging Face "
+            "safetensors into OUT")
+
+
 def finished_step(storage: Storage, command: Sequence[str]) -> StepInfo | None:
     """The newest complete step, when ``command`` finished after it was saved and nothing
     changed since (see the module docstring); ``None``: launch. Never raises: a record that
