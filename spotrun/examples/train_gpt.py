@@ -208,6 +208,11 @@ def schedule_steps(state: dict) -> int | None:
     return None
 
 
+def _kind(state: dict) -> str:
+    """Which torch scheduler saved ``state``, by the keys that tell them apart (others vary by version)."""
+    return next((key for key in ("total_steps", "_schedulers", "T_max") if key in state), "no length")
+
+
 class FixedLengthSchedule:
     """The LR scheduler as checkpointed state (its ``state_dict`` unchanged): a checkpoint whose
     schedule is of another kind, or ends at another step than this run's ``--steps``, is refused
@@ -223,7 +228,7 @@ class FixedLengthSchedule:
     def load_state_dict(self, state: dict) -> None:
         mine = self.sched.state_dict()
         saved_end = schedule_steps(state)
-        if set(state) != set(mine) or (saved_end is None) != (schedule_steps(mine) is None):
+        if _kind(state) != _kind(mine) or (saved_end is None) != (schedule_steps(mine) is None):
             raise spotrun.StateMismatchError(f"the checkpoint's LR schedule is not a --schedule {self.schedule} "
                                              "schedule")
         if saved_end is not None and saved_end != self.steps:
