@@ -23,7 +23,8 @@ Environment variables
 
     A number may come from the environment too: a numeric key accepts a string that
     contains ``${...}`` if the expanded text is a number (``grace_period_s:
-    ${GRACE_S:-25}``). A plain quoted string such as ``"25"`` is still a type error.
+    ${GRACE_S:-25}``). A plain quoted string such as ``"25"`` is still a type error. A flag
+    (``rerun_finished``) is ``true`` or ``false``, or a ``${...}`` that expands to one of them.
 
 An empty file (or one with only comments) is an empty configuration.
 """
@@ -141,6 +142,12 @@ def _convert(where: str, specs: dict[str, OptionSpec], key: object, value: objec
         expanded = True
     if spec.kind is str:
         return _checked_string(where, spec, value)
+    if spec.kind is bool:
+        if expanded and isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            value = value.strip().lower() == "true"  # "${RERUN:-false}"
+        if not isinstance(value, bool):
+            raise _type_error(where, spec, value)
+        return value
     if expanded:  # a number from the environment: "${GRACE_S:-25}"
         value = _parse_number(value, spec.kind)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -182,7 +189,7 @@ def _parse_number(text: object, kind: type) -> object:
 
 
 def _type_error(where: str, spec: OptionSpec, value: object) -> ConfigError:
-    expected = {str: "a string", int: "an integer", float: "a number"}[spec.kind]
+    expected = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}[spec.kind]
     return ConfigError(f"{where}: {spec.name} must be {expected}, got {_type_name(value)} {value!r}")
 
 

@@ -8,6 +8,7 @@ reason, where there is none.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -47,14 +48,29 @@ def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=60, **kwargs)
 
 
-def test_dockerfile_passes_hadolint(record_property):
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.trainer"])
+def test_dockerfile_passes_hadolint(name, record_property):
     hadolint = _program("hadolint")
     tool = "hadolint " + _version([hadolint, "--version"], r"(\d+\.\d+\.\d+)")
     record_property("tool", tool)
     # --no-color: plain findings; the default threshold fails on every level, info included.
-    result = _run([hadolint, "--no-color", str(DEPLOY / "container" / "Dockerfile")])
+    result = _run([hadolint, "--no-color", str(DEPLOY / "container" / name)])
     assert result.returncode == 0 and not result.stdout.strip(), f"{tool}:\n{result.stdout}{result.stderr}"
-    print(f"deploy/container/Dockerfile: no findings from {tool}")
+    print(f"deploy/container/{name}: no findings from {tool}")
+
+
+def test_the_trainer_dockerfile_runs_your_script_under_spotruns_entrypoint():
+    """issue 20: Dockerfile.trainer builds on the image Dockerfile makes (the tag its build line
+    gives), keeps spotrun's ENTRYPOINT and user, and only sets the launch command."""
+    base = (DEPLOY / "container" / "Dockerfile").read_text(encoding="utf-8")
+    text = (DEPLOY / "container" / "Dockerfile.trainer").read_text(encoding="utf-8")
+    [default_image] = re.findall(r"^ARG SPOTRUN_IMAGE=(\S+)$", text, re.M)
+    assert f"docker build -f deploy/container/Dockerfile -t {default_image} ." in text
+    assert re.findall(r"^FROM (.+)$", text, re.M) == ["${SPOTRUN_IMAGE}"]
+    assert not re.search(r"^ENTRYPOINT", text, re.M)  # spotrun run --config ... -- from the base image
+    assert re.findall(r"^USER (.+)$", text, re.M)[-1] == re.findall(r"^USER (.+)$", base, re.M)[-1]
+    [cmd] = re.findall(r"^CMD (.+)$", text, re.M)
+    assert json.loads(cmd)[0] == "torchrun"
 
 
 def _skypilot_scripts() -> dict[str, str]:

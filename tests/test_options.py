@@ -21,6 +21,7 @@ EXPECTED = {
     "stop_timeout_s": ("10", 10.0),
     "max_restarts": ("3", 3),
     "restart_backoff_s": ("0", 0.0),
+    "rerun_finished": ("true", True),
     "notice": ("[aws, signal]", "aws,signal"),
     "notice_signals": ("TERM,USR1", "TERM,USR1"),
     "notify_signal": ("USR1", "USR1"),

@@ -81,9 +81,9 @@ def test_preempted_training_on_s3_resumes_exactly(reference, s3_bucket, tmp_path
     env_without_endpoint = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
     log_file = tmp_path / "train.jsonl"
 
-    def launch(name: str, *extra: str):
+    def launch(name: str, *extra: str, options: tuple[str, ...] = ()):
         return start_supervised(
-            uri, torchrun_command(STEPS, SAVE_INTERVAL, log_file, *extra), extra_options=endpoint,
+            uri, torchrun_command(STEPS, SAVE_INTERVAL, log_file, *extra), extra_options=[*endpoint, *options],
             drop_env=("AWS_ENDPOINT_URL",), log_path=tmp_path / f"{name}.log",
         )
 
@@ -118,7 +118,7 @@ def test_preempted_training_on_s3_resumes_exactly(reference, s3_bucket, tmp_path
     flip_last_byte(client, s3_bucket.name, f"{prefix}/{shard_key(open_storage(uri), STEPS, 1)}")
     fallback_step = steps_before[-2]
     ran_before = len(read_log(log_file))
-    proc = launch("third")
+    proc = launch("third", options=("--rerun-finished",))  # the same command finished: the skip reads no checksums
     assert proc.wait(timeout=WAIT_S) == 0
     log_text = (tmp_path / "third.log").read_text()
     assert f"checkpoint step {STEPS} failed verification" in log_text

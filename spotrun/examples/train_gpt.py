@@ -195,6 +195,50 @@ def build_scheduler(opt: torch.optim.Optimizer, schedule: str, steps: int, warmu
     raise ConfigError(f"unknown schedule {schedule!r}")
 
 
+def schedule_steps(state: dict) -> int | None:
+    """The step a saved LR schedule ends at (its ``--steps``); ``None``: it has no end (constant)."""
+    if "total_steps" in state:  # OneCycleLR
+        return state["total_steps"]
+    if "T_max" in state:  # CosineAnnealingLR alone
+        return state["T_max"]
+    schedulers, milestones = state.get("_schedulers"), state.get("_milestones")
+    if schedulers and milestones:  # SequentialLR: a warm-up, then the decay from the last milestone
+        last = schedule_steps(schedulers[-1])
+        return None if last is None else milestones[-1] + last
+    return None
+
+
+def _kind(state: dict) -> str:
+    """Which torch scheduler saved ``state``, by the keys that tell them apart (others vary by version)."""
+    return next((key for key in ("total_steps", "_schedulers", "T_max") if key in state), "no length")
+
+
+class FixedLengthSchedule:
+    """The LR scheduler as checkpointed state (its ``state_dict`` unchanged): a checkpoint whose
+    schedule is of another kind, or ends at another step than this run's ``--steps``, is refused
+    with :class:`~spotrun.StateMismatchError` before any state is loaded (torch's OneCycleLR
+    would fail at the first step past its end, a cosine would silently rise again)."""
+
+    def __init__(self, sched: lr_scheduler.LRScheduler, schedule: str, steps: int) -> None:
+        self.sched, self.schedule, self.steps = sched, schedule, steps
+
+    def state_dict(self) -> dict:
+        return self.sched.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.sched.state_dict()
+        saved_end = schedule_steps(state)
+        if _kind(state) != _kind(mine) or (saved_end is None) != (schedule_steps(mine) is None):
+            raise spotrun.StateMismatchError(f"the checkpoint's LR schedule is not a --schedule {self.schedule} "
+                                             "schedule")
+        if saved_end is not None and saved_end != self.steps:
+            raise spotrun.StateMismatchError(
+                f"the checkpoint's --schedule {self.schedule} LR schedule ends at step {saved_end} (the --steps "
+                f"it was started with), not at --steps {self.steps}: a fixed-length schedule cannot be extended "
+                f"or shortened (--steps {saved_end} resumes it)")
+        self.sched.load_state_dict(state)
+
+
 def train_step(model: nn.Module, parallel: Parallel, opt: torch.optim.Optimizer, sched: lr_scheduler.LRScheduler,
                x: torch.Tensor, y: torch.Tensor, keys: SampleKeys | None) -> tuple[torch.Tensor, float]:
     """One optimizer step on the local batch ``x``, ``y`` (each (B, T)) with ``model`` (the module
@@ -271,7 +315,8 @@ def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None
              len(dataset), args.block_size, layout.describe(), rt.device, args.batch_size, per_rank_batch)
 
     ckpt = None if args.no_checkpoints else spotrun.Checkpointer(
-        state={"model": model, "optimizer": opt, "scheduler": sched, "data": loader},
+        state={"model": model, "optimizer": opt, "scheduler": FixedLengthSchedule(sched, args.schedule, args.steps),
+               "data": loader},
         uri=args.checkpoint_uri, interval_steps=args.save_interval, background_saves=not args.sync_saves,
     )
     try:

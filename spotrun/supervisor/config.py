@@ -3,7 +3,7 @@
 A field made with :func:`option` is an option: its name is the YAML key of ``--config`` files
 (:mod:`spotrun.config_file`) and, with ``-`` for ``_``, the command-line flag
 (``grace_period_s`` -> ``--grace-period-s``); its type (``float``, ``int``, ``str``, or one of
-them ``| None``) is the flag's and the key's; its default is both; its ``help`` is the
+them ``| None``; or ``bool``: a flag) is the flag's and the key's; its default is both; its ``help`` is the
 ``--help`` text (``%(default)s`` names the default). Adding an option is one field here, plus
 its use.
 """
@@ -39,7 +39,7 @@ class OptionSpec:
 
     Attributes:
         name: the field's name: the YAML key and the ``argparse`` destination.
-        kind: ``str``, ``int`` or ``float``.
+        kind: ``str``, ``int``, ``float`` or ``bool`` (a flag without a value; ``true``/``false`` in a file).
         default: the default value.
         help: the ``--help`` text.
         metavar: the value's name in ``--help``.
@@ -68,6 +68,9 @@ class OptionSpec:
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
         """Add this option to ``parser``."""
+        if self.kind is bool:
+            parser.add_argument(self.flag, action="store_true", default=self.default, help=self.help)
+            return
         parser.add_argument(self.flag, type=None if self.kind is str else self.kind, default=self.default,
                             choices=self.choices, metavar=self.metavar, help=self.help)
 
@@ -126,6 +129,9 @@ class SupervisorConfig:
     max_restarts: int = option(0, "restarts after a crash without a notice (default %(default)s)", metavar="N")
     restart_backoff_s: float = option(
         10.0, "wait before the first restart, doubled each time, at most 300 s (default %(default)s)", metavar="S")
+    rerun_finished: bool = option(
+        False, "start the command even if this command line already finished on this root and its newest "
+        "complete checkpoint is unchanged since (by default spotrun then exits 0 without starting it)")
     notice: str = option(
         "auto", "preemption notice sources besides the notice signals (always on): auto (default: probe only a "
         "cloud that the DMI facts under /sys/class/dmi/id name or whose endpoint is set; nothing off a cloud), "

@@ -55,7 +55,7 @@ from spotrun.notices import Inbox, Notice, NoticeWatch, is_stop, parse_notice_op
 from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal
 from spotrun.notices.signals import describe as describe_signals
 from spotrun.storage import Storage
-from spotrun.supervisor import outcome, preflight, process
+from spotrun.supervisor import finished, outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.estimate import decide, estimate_emergency_save
 from spotrun.supervisor.foreign import Delivery, NoticeDelivery, describe_delivery
@@ -122,6 +122,11 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
         stack.callback(observers.close)
         observers.emit("start", host=socket.gethostname(), pid=os.getpid(), command=list(config.command),
                        grace_period_s=config.grace_period_s, checkpoint_uri=config.checkpoint_uri)
+        done = None if config.rerun_finished else finished.finished_step(storage, config.command)
+        if done is not None:
+            observers.emit("exit", code=EXIT_FINISHED, reason="finished", step=None)
+            log.info("%s", finished.finished_line(storage.uri, done, config.s3_endpoint_url))
+            return EXIT_FINISHED
         return _Supervisor(config, storage, inbox, control_root, launch, observers).run()
 
 
@@ -164,7 +169,10 @@ class _Supervisor:
             raise
         reason = {EXIT_FINISHED: "finished", EXIT_PREEMPTED_SAVED: "preempted_saved",
                   EXIT_PREEMPTED_NOT_SAVED: "preempted_not_saved", EXIT_FENCED: "fenced"}.get(code, "failed")
+        newest = finished.record_finished(self.storage, self.config.command) if code == EXIT_FINISHED else None
         self.observers.emit("exit", code=code, reason=reason, step=self.saved_step)
+        if code == EXIT_FINISHED:
+            log.info("%s", finished.finished_line(self.storage.uri, newest, self.config.s3_endpoint_url))
         return code
 
     def _launch_loop(self) -> int:
@@ -199,8 +207,7 @@ class _Supervisor:
             stopped_without_save = outcome.workers_stopped_without_save(control_dir)
             if self.notice is not None or stopped_without_save or outcome.workers_saved_on_their_own(control_dir):
                 return self._preempted_exit_code(code, control_dir, stopped_without_save=stopped_without_save)
-            if code == 0:
-                log.info("the command exited 0: training finished")
+            if code == 0:  # the final line (run()) says where the checkpoint is
                 return EXIT_FINISHED
             if attempt >= self.config.max_restarts:
                 log.error("the command failed with exit code %d; no restarts left", code)
