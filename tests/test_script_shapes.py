@@ -19,7 +19,6 @@ import pytest
 
 from tests.trainrun import (
     final_tensors,
-    last_loss_per_step,
     ls_json,
     read_log,
     sigterm,
@@ -50,15 +49,16 @@ def run_to_end(checkpoint_uri: str, command: list[str], log_path: pathlib.Path, 
 def preempt_resume_and_compare(tmp_path: pathlib.Path, processes: list, command, steps: int, preempt_at: int,
                                log_env: str | None = None) -> None:
     """``command(log_file, step_sleep_s)`` run uninterrupted, then preempted at ``preempt_at``
-    and resumed: the resumed steps and final tensors must be the uninterrupted run's.
+    and resumed: every logged row (loss, lr, ...) of the resumed steps and every final model
+    and optimizer tensor must be the uninterrupted run's.
     ``log_env``: the variable that gives the command its log file, if not its command line."""
     def env(log_file: pathlib.Path) -> dict | None:
         return {log_env: str(log_file)} if log_env else None
 
     ref_log, ref_uri = tmp_path / "ref.jsonl", str(tmp_path / "ref-ck")
     run_to_end(ref_uri, command(ref_log, 0.0), tmp_path / "ref.log", processes, env(ref_log))
-    ref_losses = last_loss_per_step(ref_log)
-    assert sorted(ref_losses) == list(range(1, steps + 1))
+    ref_rows = {row["step"]: row for row in read_log(ref_log)}  # loss, lr, and what else a shape logs
+    assert sorted(ref_rows) == list(range(1, steps + 1))
 
     log, uri = tmp_path / "run.jsonl", str(tmp_path / "run-ck")
     proc = start_supervised(uri, command(log, 0.2), extra_options=["--notice", "none"],
@@ -76,8 +76,8 @@ def preempt_resume_and_compare(tmp_path: pathlib.Path, processes: list, command,
     run_to_end(uri, command(log, 0.0), tmp_path / "second.log", processes, env(log))
     resumed = read_log(log)[ran_before:]
     assert [row["step"] for row in resumed] == list(range(emergency_step + 1, steps + 1))
-    assert {row["step"]: row["loss"] for row in resumed} == {s: ref_losses[s] for s in range(emergency_step + 1, steps + 1)}
-    assert last_loss_per_step(log) == ref_losses
+    assert {row["step"]: row for row in resumed} == {s: ref_rows[s] for s in range(emergency_step + 1, steps + 1)}
+    assert {row["step"]: row for row in read_log(log)} == ref_rows
     expected, got = final_tensors(ref_uri, steps), final_tensors(uri, steps)
     assert sorted(got) == sorted(expected)
     for name, tensor in expected.items():
@@ -112,7 +112,8 @@ import torch as _torch
 class MyModel(_torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.net = _torch.nn.Sequential(_torch.nn.Linear(8, 16), _torch.nn.ReLU(), _torch.nn.Dropout(0.1), _torch.nn.Linear(16, 4))
+        self.net = _torch.nn.Sequential(_torch.nn.Linear(8, 16), _torch.nn.ReLU(), _torch.nn.Dropout(0.1),
+                                        _torch.nn.Linear(16, 4))
 
     def forward(self, x):
         return self.net(x)

@@ -5,9 +5,9 @@ Usage (under ``spotrun run -- torchrun --nproc-per-node 2``):
     python shapes_job.py --shape NAME --steps N --log-file F [--step-sleep-s S]
 
 Shapes: epochs-fork, epochs-spawn-persistent, grad-accum, amp, compile, sequential-lr,
-iterable, iterable-global-rng (see SHAPES). Rank 0 appends ``{"step", "loss", "lr"}`` per optimizer step to the log
-file; the run ends with a final save at step N. The dataset (40 samples, 8 per global batch)
-is shorter than the run, so every shape crosses epoch boundaries; a background periodic
+iterable, iterable-global-rng (see SHAPES). Rank 0 appends ``{"step", "loss", "lr"}`` (amp:
+and ``"scale"``) per optimizer step to the log file; the run ends with a final save at step
+N. The dataset (40 samples, 8 per global batch) is shorter than the run, so every shape crosses epoch boundaries; a background periodic
 save every 3 steps is in flight or just done at those boundaries (field case C18).
 """
 
@@ -122,8 +122,11 @@ def main() -> None:
 
     def log(loss_value: float) -> None:
         if rank == 0:
+            row = {"step": step, "loss": loss_value, "lr": opt.param_groups[0]["lr"]}
+            if scaler is not None:  # a scale of 2^k changes no loss: it must be compared itself
+                row["scale"] = scaler.get_scale()
             with open(args.log_file, "a") as f:
-                f.write(json.dumps({"step": step, "loss": loss_value, "lr": opt.param_groups[0]["lr"]}) + "\n")
+                f.write(json.dumps(row) + "\n")
 
     while step < args.steps:
         for x, y in loader:
