@@ -103,34 +103,11 @@ def test_script_shape_resumes_bit_exactly(tmp_path, processes, shape):
 
 # --- the README's library loop, exactly as printed ----------------------------------------------
 
-#: Defines what the README leaves to the user (MyModel, dataset) and records each step's loss:
-#: the block runs at module level, so the step being computed is the global ``step`` + 1.
+#: Records each step's loss (the README's block defines its own model and data): the block runs
+#: at module level, so the step being computed is the global ``step`` + 1.
 README_PRELUDE = '''\
 import json as _json, os as _os
 import torch as _torch
-
-class MyModel(_torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = _torch.nn.Sequential(_torch.nn.Linear(8, 16), _torch.nn.ReLU(), _torch.nn.Dropout(0.1),
-                                        _torch.nn.Linear(16, 4))
-
-    def forward(self, x):
-        return self.net(x)
-
-class _Classes(_torch.utils.data.Dataset):
-    def __init__(self, n):
-        g = _torch.Generator().manual_seed(7)
-        self.x = _torch.randn(n, 8, generator=g)
-        self.y = (self.x[:, :4].argmax(dim=1) + (self.x[:, 4] > 1).long()) % 4
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-dataset = _Classes(64_000)  # 1000 steps per epoch at 2 ranks x 32
 
 _cross_entropy = _torch.nn.functional.cross_entropy
 
@@ -162,7 +139,7 @@ def readme_loop_steps(loop: str) -> int:
 
 def test_readme_loop_as_printed_resumes_bit_exactly(tmp_path, processes):
     """Issue 20, C18: the README's library loop, its lines exactly as printed (forked loader
-    workers, OneCycleLR, a periodic save every 500 steps), preempted once mid-run, resumes to
+    workers, OneCycleLR, a periodic save every few hundred steps, an epoch boundary), preempted once mid-run, resumes to
     the same per-step losses and final tensors as its uninterrupted run."""
     loop = readme_loop()
     script = tmp_path / "readme_loop.py"
