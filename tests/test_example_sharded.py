@@ -205,4 +205,5 @@ def test_5_sample_keyed_dropout_gives_the_same_losses_on_1_and_2_ranks(tmp_path)
     assert_same_run(trained(2, tmp_path / "ddp.jsonl", *keyed), one)
     assert_same_run(trained(2, tmp_path / "tp.jsonl", *keyed, "--tp", "2"), one)
     ordinary = trained(2, tmp_path / "ordinary.jsonl", "--dropout", "0.2")
-    assert abs(ordinary[0]["loss"] - one[0]["loss"]) > 100 * LOSS_RTOL * one[0]["loss"]
+    # over the run, not at one step: at any one step the two dropout draws may happen to land close
+    assert max(abs(o["loss"] - k["loss"]) / k["loss"] for o, k in zip(ordinary, one, strict=True)) > 100 * LOSS_RTOL

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import sys
 import uuid
 
@@ -31,6 +30,7 @@ from tests.trainrun import (
     last_loss_per_step,
     ls_json,
     read_log,
+    rendezvous_port,
     sigterm,
     start_supervised,
     wait_for_step,
@@ -43,12 +43,6 @@ SAVE_INTERVAL = 10
 NODES = 2
 PREEMPTED = 143
 _COMMITTED = re.compile(r"emergency checkpoint of step (\d+) is complete")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_command(port: int, rdzv_id: str, log_file, *extra: str) -> list[str]:
@@ -65,7 +59,7 @@ def node_command(port: int, rdzv_id: str, log_file, *extra: str) -> list[str]:
 def start_nodes(ck: str, log_file, log_prefix, processes: list, *extra: str) -> list:
     """Start both nodes' supervisors (a fresh rendezvous each launch); their logs go to
     ``<log_prefix>-node<N>.log``."""
-    port, rdzv_id = free_port(), uuid.uuid4().hex[:12]
+    port, rdzv_id = rendezvous_port(), uuid.uuid4().hex[:12]
     nodes = []
     for node in range(NODES):
         proc = start_supervised(ck, node_command(port, rdzv_id, log_file, *extra), grace_period_s=120,

@@ -25,7 +25,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +37,10 @@ from tests.trainrun import (
     last_loss_per_step,
     ls_json,
     read_log,
+    rendezvous_port,
     sigterm,
     start_supervised,
+    tails,
     wait_for_step,
 )
 
@@ -149,12 +150,6 @@ def assert_continues(rows: list[dict], reference: Run, after_step: int) -> None:
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in expected], rel=LOSS_RTOL)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def supervise(ck: Path, command: list[str], log_path: Path, processes: list) -> subprocess.Popen:
     """``spotrun run --notice none -- command`` (output to ``log_path``), killed at the end if left."""
     proc = start_supervised(str(ck), command, grace_period_s=120, extra_options=["--notice", "none"],
@@ -255,7 +250,6 @@ def test_sample_keyed_dropout_keeps_losses_within_rounding_at_another_world_size
     assert_continues(read_log(tmp_path / "resumed.jsonl"), reference, CHANGE_STEP)
 
 
-
 # --- 3. two nodes, then one ----------------------------------------------------------------
 
 
@@ -266,13 +260,14 @@ def test_two_nodes_preempted_then_one_node_resumes_their_fsdp2_checkpoint_and_fi
     `--nnodes 1` resumes the 2-rank checkpoint on 1 rank and finishes, on the uninterrupted
     run's global batches with losses within LOSS_RTOL."""
     ck, log_file = tmp_path / "ck", tmp_path / "train.jsonl"  # only global rank 0 writes the log
-    port = free_port()
+    port = rendezvous_port()
     nodes = [supervise(ck, trainer_command(node_launcher(2, port), ck, log_file, "--fsdp", *NO_DROPOUT,
                                            "--step-sleep-s", "0.2"), tmp_path / f"first-node{n}.log", processes)
              for n in range(2)]
-    wait_for_step(log_file, 3, nodes[0])
+    outputs = tuple(tmp_path / f"first-node{n}.log" for n in range(2))  # supervisor, torchrun and worker output
+    wait_for_step(log_file, 3, nodes[0], outputs=outputs)
     sigterm(nodes[0])  # the notice reaches node 0 only
-    assert [proc.wait(timeout=300) for proc in nodes] == [PREEMPTED] * 2, text(tmp_path / "first-node1.log")[-4000:]
+    assert [proc.wait(timeout=300) for proc in nodes] == [PREEMPTED] * 2, tails(outputs)
     committed = [[int(s) for s in _COMMITTED.findall(text(tmp_path / f"first-node{n}.log"))] for n in range(2)]
     assert committed[0] == committed[1] and len(committed[0]) == 1, committed  # the same step on both nodes
     step = committed[0][0]
@@ -283,7 +278,7 @@ def test_two_nodes_preempted_then_one_node_resumes_their_fsdp2_checkpoint_and_fi
     rows_before = read_log(log_file)
     assert [r["samples"] for r in rows_before] == [r["samples"] for r in fsdp_run.rows[:step]]
 
-    restart = supervise(ck, trainer_command(node_launcher(1, free_port()), ck, log_file, "--fsdp", *NO_DROPOUT),
+    restart = supervise(ck, trainer_command(node_launcher(1, rendezvous_port()), ck, log_file, "--fsdp", *NO_DROPOUT),
                         tmp_path / "restart.log", processes)
     assert restart.wait(timeout=300) == 0, text(tmp_path / "restart.log")[-4000:]
     restart_log = text(tmp_path / "restart.log")

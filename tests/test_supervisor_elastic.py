@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 import uuid
@@ -30,6 +29,7 @@ from tests.trainrun import (
     last_loss_per_step,
     ls_json,
     read_log,
+    rendezvous_port,
     sigterm,
     start_supervised,
     wait_for_step,
@@ -43,18 +43,12 @@ ELASTIC_RANKS = ("1 to 2 nodes x 1 process = 1 to 2 ranks (torchrun --nnodes 1:2
                  "the rendezvous")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def elastic_command(log_file: pathlib.Path, *extra: str) -> list[str]:
     """One node's torchrun for 1 to 2 nodes of 1 process, c10d rendezvous on 127.0.0.1; a second
     node is waited for 1 s (``last_call_timeout``) once the first joined."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", uuid.uuid4().hex[:12],
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rendezvous_port()}", "--rdzv-id", uuid.uuid4().hex[:12],
         "--rdzv-conf", "last_call_timeout=1",
         "-m", "spotrun.examples.train_gpt", "--steps", str(STEPS), "--save-interval", str(SAVE_INTERVAL),
         "--log-file", str(log_file), *TRAIN_ARGS, *extra,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -54,6 +56,30 @@ def start_supervised(
     )
 
 
+def rendezvous_port() -> int:
+    """A free 127.0.0.1 port for a torchrun rendezvous that several launchers must find.
+
+    Drawn below the kernel's ephemeral range: a port from ``bind(0)`` is free only until the
+    launchers bind it seconds later (slower under load), and in between any outgoing connection
+    or ``bind(0)`` on the machine may take it; no launcher then hosts the rendezvous and both
+    wait as clients. Below the range only another explicit choice can take it.
+    """
+    try:
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()  # not the tests' seeded generators
+    for _ in range(200):
+        port = rng.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in 10000-{low - 1} for a rendezvous")
+
+
 def read_log(log_file: pathlib.Path) -> list[dict]:
     if not log_file.exists():
         return []
@@ -71,17 +97,29 @@ def last_loss_per_step(log_file: pathlib.Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in read_log(log_file)}
 
 
-def wait_for_step(log_file: pathlib.Path, step: int, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+def wait_for_step(log_file: pathlib.Path, step: int, proc: subprocess.Popen, timeout_s: float = 300,
+                  outputs: tuple[pathlib.Path, ...] = ()) -> None:
+    """Wait until the training log reaches ``step``; on failure the message ends with the last
+    lines of each file in ``outputs`` (supervisor, launcher and worker output)."""
     deadline = time.monotonic() + timeout_s
     while True:
         rows = read_log(log_file)
         if rows and rows[-1]["step"] >= step:
             return
         if proc.poll() is not None:
-            raise AssertionError(f"training exited with {proc.returncode} before step {step}")
+            raise AssertionError(f"training exited with {proc.returncode} before step {step}" + tails(outputs))
         if time.monotonic() > deadline:
-            raise AssertionError(f"step {step} not reached in {timeout_s} s")
+            raise AssertionError(f"step {step} not reached in {timeout_s} s" + tails(outputs))
         time.sleep(0.05)
+
+
+def tails(paths: tuple[pathlib.Path, ...], chars: int = 4000) -> str:
+    """The last ``chars`` characters of each file, headed by its name (for assertion messages)."""
+    parts = []
+    for path in paths:
+        body = path.read_text(errors="replace")[-chars:] if path.exists() else "(no such file)"
+        parts.append(f"\n--- {path.name} (last {chars} characters) ---\n{body}")
+    return "".join(parts)
 
 
 def final_tensors(checkpoint_uri: str, step: int, world_size: int = 2) -> dict[str, torch.Tensor]:

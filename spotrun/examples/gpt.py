@@ -74,7 +74,10 @@ class CausalSelfAttention(nn.Module):
         self.head_width = config.width // config.heads
         self.head_offset = 0
         self.q = nn.Linear(config.width, config.width)
-        self.k = nn.Linear(config.width, config.width)
+        # No key bias: softmax ignores a shift shared by a row of scores, so its true gradient is
+        # zero and AdamW would turn the rounding noise of that gradient into full-size steps (a
+        # resume was then exact in every tensor but this one, whose values were amplified noise).
+        self.k = nn.Linear(config.width, config.width, bias=False)
         self.v = nn.Linear(config.width, config.width)
         self.proj = nn.Linear(config.width, config.width)
         self.attn_dropout = SiteDropout(config.dropout, site=1 + 3 * layer)

@@ -49,8 +49,8 @@ tied_before = model.head.weight is model.tok_emb.weight
 parameters_once = sum(p is model.tok_emb.weight for p in model.parameters()) == 1
 
 # Plain SGD, not the trainer's AdamW: AdamW divides each gradient by its own running scale, which
-# turns rounding noise into full-size steps where the true gradient is zero (the key bias: softmax
-# ignores a shift shared by a row of scores), so parameters would differ by far more than rounding.
+# turns rounding noise into full-size steps where the true gradient is (nearly) zero, so parameters
+# would differ by far more than rounding (the example's key projection has no bias for that reason).
 ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
 opt = torch.optim.SGD(model.parameters(), lr=LR)
 losses, reference_losses = [], []
