@@ -131,7 +131,11 @@ def test_a_copy_fenced_while_it_saves_for_a_notice_exits_86_not_142(tmp_path, pr
     older_code = older.wait(timeout=WAIT_S)
     older_log = (tmp_path / "older.log").read_text()
     assert older_code == EXIT_FENCED, older_log[-3000:]
-    assert "save requested (supervisor: SIGTERM): emergency checkpoint of step" in older_log
+    assert "preemption notice: SIGTERM" in older_log, older_log[-3000:]
+    # The save that meets the fence is the emergency one, or (on a loaded machine) the periodic
+    # save still in flight when the copy was paused, whose commit comes first after SIGCONT.
+    assert re.search(r"save requested \(supervisor: SIGTERM\): emergency checkpoint of step"
+                     r"|commit of step \d+ failed on rank 0: FencedError", older_log), older_log[-3000:]
     assert f"fenced: incarnation {newer.incarnation} (host {socket.gethostname()}, pid {os.getpid()})" in older_log
     assert "restart 1 of 2" not in older_log
     assert incarnation_records(ck) == ["incarnation-000000000.json", "incarnation-000000001.json"]
