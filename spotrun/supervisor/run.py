@@ -26,8 +26,7 @@ Exit codes:
          job resumes from the newest complete checkpoint (retryable: >= 128, as Kubernetes
          ``restartPolicy: ExitCode`` expects).
     2    spotrun's own error (bad option or URI, unreadable storage, command not found).
-    86   the workers were fenced: a newer start of the same job owns the checkpoint root (the
-         command started twice); never restarted, whatever the command's exit code or a notice.
+    86   fenced: a newer start of the same job owns the root; never restarted (field case C20).
     N    otherwise the command's own exit code once ``--max-restarts`` are used up; a
          command killed by signal S gives ``128 + S``.
 
@@ -68,8 +67,7 @@ log = logging.getLogger(__name__)
 EXIT_FINISHED = 0
 EXIT_PREEMPTED_SAVED = 143
 EXIT_PREEMPTED_NOT_SAVED = 142
-#: Below 128 (Kubeflow's ExitCode policy: permanent), and none of 1, 2, 126, 127, sysexits'
-#: 64-78 or 128 + signal: rarely a training script's own code.
+#: Below 128 (permanent for Kubeflow's ExitCode policy); not 1, 2, 126, 127, 64-78 nor 128 + S.
 EXIT_FENCED = 86
 #: How long to wait for a SIGKILLed command to be reaped before giving up on it, in seconds.
 _REAP_AFTER_KILL_S = 30.0
