@@ -140,6 +140,8 @@ def main(argv=None) -> int:
     trainer.fit(model, loader, ckpt_path=None if resume is None else resume[0])
     if not callback.stopped:
         record("done", step=trainer.global_step)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank is past its last collective: see __main__
     return 0
 
 
@@ -162,4 +164,10 @@ def newest_checkpoint(ckpt_dir: str) -> tuple[str, int] | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Skip gloo's teardown at interpreter exit: freeing its threads there aborted a rank after a
+    # finished fit on a loaded machine ("terminate called without an active exception",
+    # pytorch/pytorch#179291). Every rank passed the barrier and Lightning wrote its checkpoints.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
