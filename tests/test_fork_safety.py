@@ -3,7 +3,10 @@ handlers exist: its children never act on them (field case C18, spotrun.process_
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -25,11 +28,17 @@ def test_a_script_that_forks_in_every_way_during_background_saves_trains_to_its_
     out = tmp_path / "out"
     out.mkdir()
     ckpt = tmp_path / "ck"
-    proc = subprocess.run(
+    job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          f"{WORKERS}/forking_job.py", str(ckpt), str(out), "--epochs", "2"],
-        capture_output=True, text=True, errors="replace", timeout=280)
-    output = proc.stdout + proc.stderr
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+    try:
+        output, _ = job.communicate(timeout=280)
+    finally:  # a hung job: its ranks and their loader workers go too, not torchrun alone
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    proc = subprocess.CompletedProcess(job.args, job.returncode)
     assert proc.returncode == 0, output[-4000:]
     for rank in (0, 1):
         assert json.loads((out / f"result-rank-{rank}.json").read_text()) == {"steps": 60}
