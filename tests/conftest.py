@@ -1,4 +1,9 @@
-"""Fixtures shared by the end-to-end tests."""
+"""Fixtures shared by the end-to-end tests.
+
+The suite runs in two processes (pytest-xdist, ``-n 2`` in pyproject.toml): many tests wait on
+clocks (a 36 s save, a deadline, a slow store) rather than on the CPU. Session fixtures run once
+per process, except where they say otherwise (:func:`reference`: once per run, by file lock).
+"""
 
 import gc
 import signal
@@ -6,6 +11,7 @@ import threading
 import time
 
 import pytest
+from filelock import FileLock
 
 from tests.trainrun import (
     REFERENCE_SAVE_INTERVAL,
@@ -96,15 +102,43 @@ def processes():
 def reference(tmp_path_factory):
     """One uninterrupted supervised 2-rank run of the example trainer (REFERENCE_STEPS steps,
     a checkpoint every REFERENCE_SAVE_INTERVAL): (per-step losses, final model and optimizer
-    tensors, its checkpoint directory). Shared by every test that checks exact resume."""
-    root = tmp_path_factory.mktemp("reference")
-    log_file = root / "train.jsonl"
-    proc = start_supervised(str(root / "ck"), torchrun_command(REFERENCE_STEPS, REFERENCE_SAVE_INTERVAL, log_file),
-                            extra_options=["--notice", "none"], log_path=root / "supervisor.log")
-    try:
-        assert proc.wait(timeout=600) == 0, (root / "supervisor.log").read_text()[-3000:]
-    finally:
-        kill_tree(proc)
-    losses = last_loss_per_step(log_file)
+    tensors, its checkpoint directory). Shared by every test that checks exact resume, in
+    every test process: the first to need it runs it under a file lock, the others read it.
+    Tests only read its checkpoint directory."""
+    shared = tmp_path_factory.getbasetemp().parent  # the same for every xdist worker of a run
+    root = shared / "reference"
+    with FileLock(str(shared / "reference.lock")):
+        if not (root / "done").exists():
+            root.mkdir(exist_ok=True)
+            log_file = root / "train.jsonl"
+            proc = start_supervised(str(root / "ck"),
+                                    torchrun_command(REFERENCE_STEPS, REFERENCE_SAVE_INTERVAL, log_file),
+                                    extra_options=["--notice", "none"], log_path=root / "supervisor.log")
+            try:
+                assert proc.wait(timeout=600) == 0, (root / "supervisor.log").read_text()[-3000:]
+            finally:
+                kill_tree(proc)
+            (root / "done").write_text("")
+    losses = last_loss_per_step(root / "train.jsonl")
     assert sorted(losses) == list(range(1, REFERENCE_STEPS + 1))
     return losses, final_tensors(str(root / "ck"), REFERENCE_STEPS), root / "ck"
+
+
+@pytest.fixture
+def figures(request):
+    """``figures(line)``: a line of figures (points tried, bytes per second) printed in the
+    run's summary, also when the test ran in an xdist worker (whose output is not shown)."""
+    def add(line: str) -> None:
+        request.node.user_properties.append(("figures", line))
+    return add
+
+
+def pytest_terminal_summary(terminalreporter):
+    lines = [f"{report.nodeid}: {value}"
+             for report in terminalreporter.getreports("passed") + terminalreporter.getreports("failed")
+             if report.when == "call"
+             for name, value in report.user_properties if name == "figures"]
+    if lines:
+        terminalreporter.section("figures")
+        for line in lines:
+            terminalreporter.write_line(line)

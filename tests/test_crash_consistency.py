@@ -51,13 +51,12 @@ def run_campaign(tmp_path: pathlib.Path, backend: str, mode: str, bucket: str | 
     return json.loads(result.read_text())
 
 
-def report(summary: dict, capsys: pytest.CaptureFixture, minimum: int) -> None:
-    """Print the figures, then assert every point survived."""
+def report(summary: dict, figures, minimum: int) -> None:
+    """Print the figures (in the run's summary), then assert every point survived."""
     failed = [p for p in summary["points"] if p["problems"]]
-    with capsys.disabled():
-        print(f"\ncrash points ({summary['backend']}, {summary['mode']} saves, "
-              f"{summary['files_per_save']} shard files per save): {summary['tried']} tried, "
-              f"{summary['survived']} survived ({summary['seconds']} s, {summary['cpu_seconds']} s CPU)")
+    figures(f"crash points ({summary['backend']}, {summary['mode']} saves, "
+            f"{summary['files_per_save']} shard files per save): {summary['tried']} tried, "
+            f"{summary['survived']} survived ({summary['seconds']} s, {summary['cpu_seconds']} s CPU)")
     details = "\n".join(f"  point {p['index']} ({p['name']}): " + "; ".join(p["problems"]) for p in failed)
     assert not summary["end_state_problems"], f"the saves without a kill: {summary['end_state_problems']}"
     names = [p["name"] for p in summary["points"]]
@@ -66,17 +65,17 @@ def report(summary: dict, capsys: pytest.CaptureFixture, minimum: int) -> None:
     assert summary["files_per_save"] >= 3, "each save should write several shard files"
 
 
-def test_kill_at_every_local_persistence_point_of_a_save(tmp_path, capsys):
+def test_kill_at_every_local_persistence_point_of_a_save(tmp_path, figures):
     summary = run_campaign(tmp_path, "local", "sync")
-    report(summary, capsys, MIN_LOCAL_POINTS)
+    report(summary, figures, MIN_LOCAL_POINTS)
     kinds = {p["name"].split(" ")[0] for p in summary["points"]}
     assert {"os.open(O_CREAT)", "os.write", "os.fsync", "os.mkdir"} <= kinds, kinds
     assert kinds & {"os.link", "renameat2(RENAME_NOREPLACE)"} and kinds & {"os.replace", "os.rename"}, kinds
 
 
-def test_kill_before_and_after_every_s3_request_of_a_save(tmp_path, capsys, s3_bucket):
+def test_kill_before_and_after_every_s3_request_of_a_save(tmp_path, figures, s3_bucket):
     summary = run_campaign(tmp_path, "s3", "sync", s3_bucket.name)
-    report(summary, capsys, MIN_S3_POINTS)
+    report(summary, figures, MIN_S3_POINTS)
     operations = {" ".join(p["name"].split(" ")[:2]) for p in summary["points"]}
     for operation in ("CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "PutObject"):
         assert {f"before {operation}", f"after {operation}"} <= operations, operations
@@ -90,14 +89,14 @@ def assert_saves_ran_in_the_background(summary: dict) -> None:
 
 
 @needs_background_saves
-def test_kill_at_every_local_persistence_point_of_a_background_save(tmp_path, capsys):
+def test_kill_at_every_local_persistence_point_of_a_background_save(tmp_path, figures):
     summary = run_campaign(tmp_path, "local", "background")
-    report(summary, capsys, MIN_LOCAL_POINTS)
+    report(summary, figures, MIN_LOCAL_POINTS)
     assert_saves_ran_in_the_background(summary)
 
 
 @needs_background_saves
-def test_kill_before_and_after_every_s3_request_of_a_background_save(tmp_path, capsys, s3_bucket):
+def test_kill_before_and_after_every_s3_request_of_a_background_save(tmp_path, figures, s3_bucket):
     summary = run_campaign(tmp_path, "s3", "background", s3_bucket.name)
-    report(summary, capsys, MIN_S3_POINTS)
+    report(summary, figures, MIN_S3_POINTS)
     assert_saves_ran_in_the_background(summary)
