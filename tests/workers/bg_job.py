@@ -145,3 +145,5 @@ write_atomically(os.path.join(out, f"result-rank-{rank}.json"), json.dumps(
 if distributed:
     dist.barrier()
     dist.destroy_process_group()
+from exit_without_teardown import exit_without_teardown
+exit_without_teardown(0)

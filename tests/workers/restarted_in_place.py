@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import spotrun
+from exit_without_teardown import exit_without_teardown
 
 steps, interval = int(sys.argv[1]), int(sys.argv[2])
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -45,4 +46,4 @@ if not stopped:
     ckpt.save(step, reason="final")
 ckpt.close()
 dist.destroy_process_group()
-sys.exit(1 if stopped and attempt == 0 else 0)
+exit_without_teardown(1 if stopped and attempt == 0 else 0)

@@ -40,6 +40,7 @@ from spotrun import control
 from spotrun.env import CONTROL_DIR
 from spotrun.errors import CheckpointSaveError
 from spotrun.storage import open_storage
+from exit_without_teardown import exit_without_teardown
 
 MIB = 1024 * 1024
 #: Model width: one 1024x1024 layer, so model + AdamW state is about 12 MiB.
@@ -146,4 +147,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import spotrun
+from exit_without_teardown import exit_without_teardown
 
 SHAPES = ("epochs-fork", "epochs-spawn-persistent", "grad-accum", "amp", "compile", "sequential-lr", "iterable",
           "iterable-global-rng")
@@ -179,3 +180,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from spotrun.examples.gpt import GPT, GPTConfig
 from spotrun.examples.parallel import Layout, Parallel
 from spotrun.examples.train_gpt import GRAD_CLIP_NORM
+from exit_without_teardown import exit_without_teardown
 
 STEPS = 3
 PER_RANK_BATCH = 2
@@ -88,6 +89,4 @@ if dist.get_rank() == 0:
         json.dump(result, f)
 dist.barrier()
 dist.destroy_process_group()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)  # skip interpreter teardown: gloo threads can abort it (see train_gpt's __main__)
+exit_without_teardown(0)

@@ -28,6 +28,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
+from exit_without_teardown import exit_without_teardown
 
 
 def build(width: int) -> nn.Module:
@@ -113,3 +114,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)

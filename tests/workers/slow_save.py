@@ -17,6 +17,7 @@ import torch.distributed as dist
 import spotrun
 from spotrun.env import WorkerEnv
 from spotrun.storage import LocalStorage
+from exit_without_teardown import exit_without_teardown
 
 SLOW_SAVE_S = float(os.environ.get("SLOW_SAVE_S", "45"))
 
@@ -54,4 +55,4 @@ with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
     json.dump(report, f)
 dist.barrier()  # no rank tears gloo down while a peer still receives
 dist.destroy_process_group()
-sys.exit(0)
+exit_without_teardown(0)
