@@ -66,10 +66,10 @@ class RestoringMixin:
 
     def _restore(self) -> tuple[int, Manifest | None]:
         """Load the newest loadable complete step: (its step and manifest), or (0, None)."""
-        loaded = load_newest(self._storage, supervisor_step=self._env.resume_step, destinations=self._destinations)
+        loaded = load_newest(self._storage, supervisor_step=self._env.resume_step, destinations=self._destinations,
+                             apply=lambda step: apply_loaded(step, self._state, self._rank_state))
         if loaded is None:
             return 0, None
-        apply_loaded(loaded, self._state, self._rank_state)
         self.restore_bytes_read = loaded.bytes_read
         step = loaded.manifest.step
         if dist.rank() == 0:
