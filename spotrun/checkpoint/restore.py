@@ -194,7 +194,7 @@ def load_newest(storage: Storage, *, supervisor_step: int | None,
         if verdict.loads:
             return loaded
         if verdict.mismatch is not None:
-            if raised is not None:  # the job's own code failed: its traceback, not a summary
+            if raised is not None:  # this rank's objects refused it: their own words
                 raise raised
             raise StateMismatchError(f"checkpoint step {step} does not fit this job: {verdict.mismatch}")
         older = candidates[index + 1] if index + 1 < len(candidates) else None
@@ -245,8 +245,8 @@ def _try_load(storage: Storage, step: int, key: str, manifest: Manifest | None, 
         apply(loaded)
     except (CorruptShardError, ManifestError) as exc:  # the step's content, refused by spotrun's own objects
         return None, {"corrupt": True, "message": f"{storage.uri}/{key}: {exc}"}, None
-    except StateMismatchError as exc:
-        return None, {"corrupt": False, "mismatch": True, "message": str(exc)}, None
+    except StateMismatchError as exc:  # raised again as it is, on this rank
+        return None, {"corrupt": False, "mismatch": True, "message": str(exc)}, exc
     except Exception as exc:  # the job's own load_state_dict: never the step's fault to un-commit
         return None, {"corrupt": False, "mismatch": True, "message": f"{type(exc).__name__}: {exc}"}, exc
     return loaded, None, None
