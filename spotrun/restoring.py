@@ -35,7 +35,8 @@ class RestoringMixin:
         orphaned older incarnation still saving, is newer and stays valid). Then claims this
         start's incarnation, recording the step it resumed from, which fences every later
         commit of an older incarnation (:mod:`spotrun.checkpoint.fencing`). If a step fails verification
-        on any rank (checksum, missing file, bad manifest), every rank falls back to the
+        on any rank (checksum, missing file, bad manifest, files that disagree with the manifest or
+        each other, an RNG state the generator rejects), every rank falls back to the
         next older complete step together, and the log says so.
 
         Returns:

@@ -33,7 +33,8 @@ from spotrun.checkpoint import catalog
 from spotrun.checkpoint.verify import steps_to_verify, verify_step
 from spotrun.checkpoint.stream import CHUNKED_BLAKE3, ChunkDigests
 from spotrun.cli import main
-from spotrun.errors import StateMismatchError
+from spotrun.checkpoint.restore import load_step
+from spotrun.errors import CorruptShardError, StateMismatchError
 from spotrun.storage import LocalStorage
 from tests.ckpt_files import manifest_path
 
@@ -130,7 +131,7 @@ def shift(entry: str, by: int) -> Callable[[dict], None]:
     return edit
 
 
-def into_header(rank: int, key: str) -> Callable[[dict], None]:
+def into_header(key: str) -> Callable[[dict], None]:
     def edit(index: dict) -> None:
         file_index, begin, end = index["chunks"][key]
         index["chunks"][key] = [file_index, 8, 8 + end - begin]  # the same length, in the JSON header
@@ -263,7 +264,7 @@ REPLICATED_EDITS: list[tuple[str, Callable[[pathlib.Path], None], str, str]] = [
      lambda root: edit_header(root, 2, 0, shift("model/bias", 4)),
      "rank-00000.", "tensor model/bias starts at byte"),
     ("index range pointing into the header",
-     lambda root: edit_index(root, 2, 0, into_header(0, "model/bias")),
+     lambda root: edit_index(root, 2, 0, into_header("model/bias")),
      "rank-00000.", "rank 0's index says 8-24"),
     ("block size disagreeing with the manifest",
      lambda root: edit_index(root, 2, 0, set_block_bytes),
@@ -301,6 +302,24 @@ def test_an_edited_step_with_recomputed_digests_falls_back_to_the_previous_step_
     assert file in line and reason in line, line
     assert_same(snapshot(model, opt, extra), expected)
     assert statuses(root, capsys) == {1: "complete", 2: "corrupt"}
+
+
+def test_nothing_is_read_into_a_live_tensor_before_the_whole_step_passed_the_checks(replicated, tmp_path):
+    """The last chunk in the file is the edited one: every other tensor would be read first if
+    the checks ran as the reads go."""
+    source, _ = replicated
+    root = pathlib.Path(shutil.copytree(source, tmp_path / "ck"))
+    edit_header(root, 2, 0, set_dtype("rank-00000/rng/torch_cpu", "I8"))
+    redigest(root, 2)
+    storage = LocalStorage(str(root))
+    info = catalog.committed(storage, 2)
+    live = {name: torch.full(record.shape, 7, dtype=getattr(torch, record.dtype))
+            for name, record in info.manifest.tensors.items()}
+    before = {name: t.clone() for name, t in live.items()}
+    with pytest.raises(CorruptShardError, match=r"rank-00000\..*: tensor rank-00000/rng/torch_cpu is stored as I8"):
+        load_step(storage, 2, info.manifest_key, 0, 1, destinations=live)
+    for name, tensor in live.items():
+        assert torch.equal(tensor, before[name]), name
 
 
 def test_a_different_model_on_an_intact_step_is_a_state_mismatch_and_uncommits_nothing(replicated, tmp_path, capsys):
@@ -376,7 +395,7 @@ SHARDED_EDITS: list[tuple[str, Callable[[pathlib.Path], None], str, str]] = [
      lambda root: edit_header(root, 3, 1, set_dtype("model/up.weight@10,0", "I32")),
      "rank-00001.", "tensor model/up.weight@10,0 is stored as I32[10, 12]"),
     ("index range pointing into the header",
-     lambda root: edit_index(root, 3, 1, into_header(1, "model/down.bias@6")),
+     lambda root: edit_index(root, 3, 1, into_header("model/down.bias@6")),
      "rank-00001.", "rank 1's index says 8-32"),
     ("an RNG state the generator rejects",
      lambda root: edit_chunk_bytes(root, 3, 0, "rank-00000/rng/python/internal", python_rng_index_out_of_range),
