@@ -7,7 +7,9 @@ the JSON); the bytes themselves are checked by their digests (:mod:`spotrun.chec
 
 * Formats 1-3: each tensor record names its ``file``; the header must hold the tensor's name
   with the safetensors dtype code and shape it is stored under (for ``stored_as: "bytes"``, a
-  1-D ``U8`` tensor of ``numel * itemsize`` elements) and that many bytes.
+  1-D ``U8`` tensor of ``numel * itemsize`` elements) and that many bytes. A format-3 restore
+  checks each file it reads with the same functions (:func:`parse_header`, :func:`entry_problem`;
+  :func:`spotrun.checkpoint.reader.read_shard_into`).
 * Format 4: each tensor is one or more chunks, which must cover it exactly once; the writer's
   rank index maps each chunk's key (:func:`~spotrun.checkpoint.rank_index.chunk_key`) to
   ``[file index, begin, end)``. The key must be in the index, and in that file's header with
@@ -81,10 +83,13 @@ def read_header(storage: Storage, key: str, size_bytes: int, recorded_bytes: int
         header, head = reader.read_header(storage, key, size_bytes, where=key)
     except CorruptShardError as exc:
         raise CorruptShardError(str(exc).removeprefix(f"{key}: ")) from exc
-    return _parse(header, len(head), recorded_bytes if size_bytes == recorded_bytes else None)
+    return parse_header(header, len(head), recorded_bytes if size_bytes == recorded_bytes else None)
 
 
-def _parse(header: dict, data_start: int, end_bytes: int | None) -> ShardHeader:
+def parse_header(header: dict, data_start: int, end_bytes: int | None) -> ShardHeader:
+    """A safetensors header as parsed from JSON (:func:`spotrun.checkpoint.reader.read_header`),
+    whose data starts at file offset ``data_start``; its entries must lie back to back from
+    there to ``end_bytes`` (``None``: unchecked), else :attr:`ShardHeader.problems` says why."""
     entries: dict[str, Entry] = {}
     problems: list[str] = []
     for name, raw in header.items():
@@ -134,6 +139,21 @@ def _mismatch(entry: Entry, key: str, code: str, shape: list[int], nbytes: int, 
             f"the manifest says {wanted} ({nbytes} bytes)")
 
 
+def entry_problem(header: ShardHeader, key: str, record: TensorRecord, lengths: list[int] | tuple[int, ...],
+                  name: str) -> str | None:
+    """Why ``header`` does not hold ``lengths`` elements of tensor ``name`` (its manifest
+    ``record``) under ``key`` with the dtype code, shape and byte count the record makes it
+    store (the whole tensor in formats 1-3, one chunk in format 4), or ``None``."""
+    try:
+        code, shape, nbytes = _stored_form(record, lengths, name)
+    except CorruptShardError as exc:
+        return str(exc)
+    entry = header.entries.get(key)
+    if entry is None:
+        return f"tensor {key} missing from the file"
+    return _mismatch(entry, key, code, shape, nbytes, record)
+
+
 def check_whole_tensors(manifest: Manifest, headers: dict[str, ShardHeader]) -> Iterator[Finding]:
     """Formats 1-3: every tensor record against its file's header (files without a readable
     header, already reported, are skipped)."""
@@ -141,16 +161,7 @@ def check_whole_tensors(manifest: Manifest, headers: dict[str, ShardHeader]) -> 
         header = headers.get(record.file or "")
         if header is None:
             continue
-        try:
-            code, shape, nbytes = _stored_form(record, record.shape, name)
-        except CorruptShardError as exc:
-            yield record.file, str(exc)
-            continue
-        entry = header.entries.get(name)
-        if entry is None:
-            yield record.file, f"tensor {name} missing from the file"
-            continue
-        problem = _mismatch(entry, name, code, shape, nbytes, record)
+        problem = entry_problem(header, name, record, record.shape, name)
         if problem is not None:
             yield record.file, problem
 
@@ -206,15 +217,9 @@ def check_chunk(name: str, record: TensorRecord, chunk: Chunk, index_path: str, 
     header = header_of(path)
     if header is None:
         return None
-    try:
-        code, shape, nbytes = _stored_form(record, chunk.lengths, name)
-    except CorruptShardError as exc:
-        return path, str(exc)
+    problem = entry_problem(header, key, record, chunk.lengths, name)
     entry = header.entries.get(key)
-    if entry is None:
-        return path, f"tensor {key} missing from the file"
-    problem = _mismatch(entry, key, code, shape, nbytes, record)
-    if problem is None and (entry.begin, entry.end) != (begin, end):
+    if problem is None and entry is not None and (entry.begin, entry.end) != (begin, end):
         problem = (f"tensor {key} lies at bytes {entry.begin}-{entry.end}; rank {chunk.writer}'s "
                    f"index says {begin}-{end}")
     return None if problem is None else (path, problem)
