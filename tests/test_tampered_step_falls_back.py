@@ -159,6 +159,13 @@ def python_rng_index_out_of_range(internal: bytearray) -> None:
     internal[-8:] = (10**6).to_bytes(8, "little")  # random.getstate()'s position: at most 624
 
 
+def point_at(state: str, key: str, tensor: str) -> Callable[[dict], None]:
+    """The state skeleton refers to ``tensor`` at ``state/key`` (its own tensor there no more)."""
+    def edit(manifest: dict) -> None:
+        manifest["state"][state][key] = {"__tensor__": tensor}
+    return edit
+
+
 def chunk_list(tensor: str, chunks: list) -> Callable[[dict], None]:
     def edit(manifest: dict) -> None:
         record = manifest["tensors"][tensor]
@@ -278,6 +285,9 @@ REPLICATED_EDITS: list[tuple[str, Callable[[pathlib.Path], None], str, str]] = [
     ("a chunk list leaving a gap (all of the tensor)",
      lambda root: edit_manifest(root, 2, chunk_list("model/weight", [])),
      "step 2", "tensor model/weight: its chunks cover 0 of its 12 elements"),
+    ("a state that puts another tensor where a parameter was",
+     lambda root: edit_manifest(root, 2, point_at("model", "weight", "model/bias")),
+     "manifest.i000000000.json", "the state holds tensor 'model/bias' at model/weight"),
     ("an RNG state the generator rejects",
      lambda root: edit_chunk_bytes(root, 2, 0, "rank-00000/rng/python/internal", python_rng_index_out_of_range),
      "manifest.i000000000.json", "saved RNG state is malformed"),

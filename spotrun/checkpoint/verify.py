@@ -216,7 +216,7 @@ class _StepCheck:
         finally:  # on a storage error or Ctrl-C, the reads still queued are dropped
             pool.shutdown(wait=True, cancel_futures=True)
         for problem in skeleton_problems(manifest):
-            self._add(None, problem)
+            self._add((self._info.manifest_key or "").rpartition("/")[2] or None, problem)
         if manifest.format_version >= 4:
             found = check_chunks(manifest, indexes, headers)
         else:
