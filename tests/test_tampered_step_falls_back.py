@@ -427,6 +427,7 @@ def restore_single(root: pathlib.Path) -> tuple[int, dict[str, str]]:
     return step, sharded_job.tensor_digests(model, opt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("edit, file, reason", [e[1:] for e in SHARDED_EDITS], ids=[e[0] for e in SHARDED_EDITS])
 def test_an_edited_sharded_step_falls_back_to_the_previous_step_bit_exactly(
         sharded, tmp_path, caplog, capsys, edit, file, reason):
@@ -445,6 +446,7 @@ def test_an_edited_sharded_step_falls_back_to_the_previous_step_bit_exactly(
     assert statuses(root, capsys) == {2: "complete", 3: "corrupt"}
 
 
+@pytest.mark.slow
 def test_an_edit_only_one_rank_reads_makes_every_rank_fall_back_together(sharded, tmp_path, capsys):
     """On 2 ranks as FSDP2, rank 0 reads none of rank 1's file; rank 1 finds the edit, and both
     resume step 2."""
