@@ -71,6 +71,13 @@ class CorruptShardError(CheckpointError):
     """A shard's size or checksum differs from what its manifest recorded."""
 
 
+class CorruptStateError(CorruptShardError):
+    """A step's files agree with its manifest, but a state they hold is one that spotrun's own
+    objects refuse for its content (an RNG state the generator rejects): the step is damaged
+    and fails verification like a bad checksum (never a :class:`StateMismatchError`: no user
+    setting is part of such a state)."""
+
+
 class StateSerializationError(CheckpointError, TypeError):
     """A state value is neither a tensor nor JSON-serialisable; the message names its key."""
 

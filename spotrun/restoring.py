@@ -35,7 +35,8 @@ class RestoringMixin:
         orphaned older incarnation still saving, is newer and stays valid). Then claims this
         start's incarnation, recording the step it resumed from, which fences every later
         commit of an older incarnation (:mod:`spotrun.checkpoint.fencing`). If a step fails verification
-        on any rank (checksum, missing file, bad manifest), every rank falls back to the
+        on any rank (checksum, missing file, bad manifest, files that disagree with the manifest or
+        each other, an RNG state the generator rejects), every rank falls back to the
         next older complete step together, and the log says so.
 
         Returns:
@@ -66,10 +67,10 @@ class RestoringMixin:
 
     def _restore(self) -> tuple[int, Manifest | None]:
         """Load the newest loadable complete step: (its step and manifest), or (0, None)."""
-        loaded = load_newest(self._storage, supervisor_step=self._env.resume_step, destinations=self._destinations)
+        loaded = load_newest(self._storage, supervisor_step=self._env.resume_step, destinations=self._destinations,
+                             apply=lambda step: apply_loaded(step, self._state, self._rank_state))
         if loaded is None:
             return 0, None
-        apply_loaded(loaded, self._state, self._rank_state)
         self.restore_bytes_read = loaded.bytes_read
         step = loaded.manifest.step
         if dist.rank() == 0:

@@ -16,7 +16,8 @@ chunks' places in the files, which the writers' index files give; never from the
   rounded out to whole 1 MiB checksum blocks (every block is verified, so a reader reads the
   blocks around what it needs; blocks two runs share count once), which is itself at most
   the share plus 2 blocks per run (a run: one tensor's overlap with one saved chunk, one
-  contiguous byte range along dimension 0);
+  contiguous byte range along dimension 0), plus the safetensors header of each file it reads
+  from, once (checked against the manifest and the index before anything is read, issue 21);
 * index bytes: at most the writers' index files, each read once;
 * everything else (the listing of the root, the manifest, the incarnation records of the
   fencing claim, and every answer's status line and headers): at most :data:`OTHER_BOUND_BYTES`
@@ -117,6 +118,17 @@ def runs_of(report: dict, rank: int, indexes: dict[int, dict]) -> list[tuple[str
     return runs
 
 
+def header_bytes(runs: list[tuple[str, int, int]], indexes: dict[int, dict]) -> int:
+    """The 8-byte length and JSON header of each file that ``runs`` touch: everything before
+    its first chunk (a safetensors file's data follows its header)."""
+    data_start = {}
+    for index in indexes.values():
+        for file_index, begin, _end in index["chunks"].values():
+            path = index["files"][file_index]["path"]
+            data_start[path] = min(begin, data_start.get(path, begin))
+    return sum(data_start[path] for path in {path for path, _, _ in runs})
+
+
 def block_bytes(runs: list[tuple[str, int, int]], sizes: dict[str, int]) -> int:
     """Bytes of the whole checksum blocks that ``runs`` touch, each block counted once."""
     blocks = {(path, b) for path, begin, end in runs for b in range(begin // BLOCK_BYTES, (end - 1) // BLOCK_BYTES + 1)}
@@ -149,7 +161,7 @@ def test_fsdp2_saved_on_2_ranks_restored_on_3_each_rank_reads_its_share_from_s3(
         own_state_bytes = sum(end - begin for key, (_, begin, end) in indexes[rank % SAVED_RANKS]["chunks"].items()
                               if key.startswith(f"rank-{rank % SAVED_RANKS:05d}/"))
         assert share == expected_share + own_state_bytes, "the saved chunks must cover each tensor's box exactly once"
-        bound = block_bytes(runs, sizes)
+        bound = block_bytes(runs, sizes) + header_bytes(runs, indexes)
 
         answers = proxy.relayed()
         assert {a.status for a in answers} <= {200, 206}, answers
@@ -159,7 +171,7 @@ def test_fsdp2_saved_on_2_ranks_restored_on_3_each_rank_reads_its_share_from_s3(
         print(f"{rank:4d}   {share / 2**20:9.2f}   {data / 2**20:8.2f}   {bound / 2**20:15.2f}   {len(runs):4d}   "
               f"{index:7d}   {other:7d}   {report['restore_bytes_read']}")
 
-        assert share <= data <= bound <= share + 2 * BLOCK_BYTES * len(runs)
+        assert share <= data <= bound <= share + 2 * BLOCK_BYTES * len(runs) + header_bytes(runs, indexes)
         assert data < shard_bytes, "a rank read the whole checkpoint"
         assert index <= index_file_bytes
         assert other <= manifest_bytes + OTHER_BOUND_BYTES

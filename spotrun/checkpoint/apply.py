@@ -70,6 +70,8 @@ def apply_loaded(loaded: LoadedStep, state: dict[str, Any], rank_state: dict[str
 
     Raises:
         StateMismatchError: a name the objects need is missing, or an object refuses its state.
+        CorruptStateError: a generator refuses the saved RNG state (the step is damaged:
+            :func:`~spotrun.checkpoint.restore.load_newest` falls back).
     """
     extra = sorted(set(loaded.replicated) - set(state))
     if extra and dist.rank() == 0:

@@ -10,7 +10,12 @@ onto runs of the box: each run is read straight into the receiving tensor's memo
 reads, ``Storage.read_into``; ranged GETs on S3, ``preadv`` locally). Nothing of a tensor
 is ever assembled in full unless the rank holds all of it.
 
-Verification: every byte read is checked. Files are hashed in blocks
+Verification: before a byte is read into any tensor, :meth:`ChunkReader.check` makes the checks
+``spotrun verify`` makes of what the reads rely on (the tensor's chunks cover it exactly once;
+each chunk read is in its writer's index, itself checked against the manifest, and in its
+file's safetensors header with the recorded dtype, shape and bytes, at the bytes the index
+says): a step that disagrees with itself fails like a bad checksum, however its digests were
+made to match. Then every byte read is checked. Files are hashed in blocks
 (:data:`~spotrun.checkpoint.stream.CHECKSUM_BLOCK_BYTES`, 1 MiB), whose BLAKE3 digests the
 writer's index records (and whose digest of digests the manifest records); a read covers
 the whole blocks around what it needs - the bytes this rank does not need go to a scratch
@@ -21,7 +26,6 @@ range. Reads run in parallel, in units of up to
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 from collections.abc import Callable
@@ -34,6 +38,8 @@ import torch
 from spotrun.checkpoint.chunks import Box, byte_runs, overlap
 from spotrun.checkpoint.layout import file_key
 from spotrun.checkpoint.rank_index import RankIndex, chunk_key
+from spotrun.checkpoint.step_checks import block_problems, parse_index
+from spotrun.checkpoint.verify_tensors import ShardHeader, check_chunk, coverage_problem, read_header
 from spotrun.checkpoint.reader import _dtype_info, _read
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, byte_view
 from spotrun.errors import CorruptShardError
@@ -149,6 +155,9 @@ class ChunkReader:
         self._index_of_rank: dict[int, FileRecord] = {
             f.rank: f for f in manifest.files if f.path.endswith(".index.json")}
         self._indexes: dict[int, RankIndex] = {}
+        self._headers: dict[str, ShardHeader] = {}
+        self._covered: set[str] = set()  # tensors whose chunk layout passed coverage_problem
+        self._checked: set[tuple[str, Box]] = set()
         self._lock = threading.Lock()
         self._scratch = _ScratchPool()
         self._progress = progress
@@ -162,25 +171,85 @@ class ChunkReader:
         step = self._manifest.step
         if record is None:
             raise CorruptShardError(f"step {step}: the manifest lists no index of rank {rank}")
-        key = file_key(step, record.path)
-        where = f"{self._storage.uri}/{key}"
-        data = self._storage.get(key)
+        where = self._where(record.path)
+        data = self._storage.get(file_key(step, record.path))
         self.bytes_read += len(data)
-        if len(data) != record.size_bytes or hashlib.sha256(data).hexdigest() != record.digest:
-            raise CorruptShardError(f"{where}: size or checksum does not match the manifest")
-        index = RankIndex.from_json(data, where=where)
-        index.check_against({f.path: f.digest for f in self._manifest.files if f.rank == rank}, where)
+        try:  # the checks spotrun verify makes of it
+            index = parse_index(data, record, self._manifest)
+        except CorruptShardError as exc:
+            raise CorruptShardError(f"{where}: {exc}") from exc
+        for problem in block_problems(index, self._manifest).values():
+            raise CorruptShardError(f"{where}: {problem}")
         self._indexes[rank] = index
         return index
 
+    def _where(self, path: str) -> str:
+        return f"{self._storage.uri}/{file_key(self._manifest.step, path)}"
+
+    def _header(self, path: str) -> ShardHeader:
+        """The safetensors header of data file ``path``, which must describe a valid file of
+        the size the manifest records (the catalog listed it with that size)."""
+        header = self._headers.get(path)
+        if header is None:
+            record = self._files.get(path)
+            if record is None:  # parse_index made sure the manifest lists it
+                raise CorruptShardError(f"{self._where(path)}: not in the manifest")
+            try:
+                header = read_header(self._storage, file_key(self._manifest.step, path), record.size_bytes,
+                                     record.size_bytes)
+            except CorruptShardError as exc:
+                raise CorruptShardError(f"{self._where(path)}: {exc}") from exc
+            for problem in header.problems:
+                raise CorruptShardError(f"{self._where(path)}: {problem}")
+            self.bytes_read += header.data_start
+            self._headers[path] = header
+        return header
+
+    def check(self, boxes: list[tuple[str, TensorRecord, Box]]) -> None:
+        """Check what reading each box of a tensor (name, manifest record, box) relies on, as
+        ``spotrun verify`` does (:mod:`spotrun.checkpoint.verify_tensors`): the tensor's chunks
+        cover it exactly once, and every chunk the box overlaps is in its writer's index (itself
+        checked against the manifest) and in its file's header with the recorded dtype, shape
+        and bytes, at the bytes the index says. Reads index files and headers only.
+
+        Raises:
+            CorruptShardError: the first disagreement, naming the file and the reason.
+            StorageError: a read failed.
+        """
+        step = self._manifest.step
+        for name, record, box in boxes:
+            box = (tuple(box[0]), tuple(box[1]))
+            if (name, box) in self._checked:
+                continue
+            where = f"step {step}: tensor {name!r}"
+            if record.chunks is None:
+                raise CorruptShardError(f"{where}: the manifest lists no chunks of it")
+            dtype_of(record, where)
+            if name not in self._covered:
+                problem = coverage_problem(name, record)
+                if problem is not None:
+                    raise CorruptShardError(f"step {step}: {problem}")
+                self._covered.add(name)
+            if math.prod(box[1]):
+                for chunk in record.chunks.overlapping(box):
+                    index = self._index(chunk.writer)
+                    found = check_chunk(name, record, chunk, self._index_of_rank[chunk.writer].path, index,
+                                        self._header)
+                    if found is not None:
+                        raise CorruptShardError(f"{self._where(found[0] or '')}: {found[1]}")
+            self._checked.add((name, box))
+
     def read(self, reads: list[BoxRead]) -> None:
-        """Fill every ``into`` with its box, verifying each block read.
+        """Fill every ``into`` with its box, verifying each block read; nothing is read into
+        any of them before every box passed :meth:`check`.
 
         Raises:
             CorruptShardError: a chunk missing from its writer's index, a block whose
-                digest differs, a file shorter than recorded, a malformed index.
+                digest differs, a file shorter than recorded, a malformed index, anything
+                :meth:`check` finds.
             StorageError: a read failed.
         """
+        self.check([(item.name, item.record, item.box) for item in reads])
         pieces: dict[tuple[int, int], list[_Piece]] = {}  # (writer rank, file index) -> pieces
         for item in reads:
             self._plan(item, pieces)

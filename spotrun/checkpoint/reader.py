@@ -139,33 +139,27 @@ def read_shard_into(
     header, head = read_header(storage, key, size, where=where)
     data_start = len(head)
 
+    # the checks spotrun verify makes of a header, before any destination is touched
+    # (imported here: verify_tensors reads headers through this module)
+    from spotrun.checkpoint.verify_tensors import entry_problem, parse_header
+
+    parsed = parse_header(header, data_start, size)
+    for problem in parsed.problems:
+        raise CorruptShardError(f"{where}: {problem}")
+    for name, tensor_record in wanted.items():
+        problem = entry_problem(parsed, name, tensor_record, tensor_record.shape, name)
+        if problem is not None:
+            raise CorruptShardError(f"{where}: {problem}")
     tensors: dict[str, torch.Tensor] = {}
     pieces: list[_Piece] = []
-    covered = 0
-    entries = sorted((_offsets(e, where, name), name, e) for name, e in header.items() if name != "__metadata__")
-    for (begin, end), name, entry in entries:
-        if begin != covered:
-            raise CorruptShardError(f"{where}: tensor {name!r} starts at {begin}, not at {covered}")
-        covered = end
+    for name, entry in sorted(parsed.entries.items(), key=lambda item: (item[1].begin, item[1].end)):
         target = None
         if name in wanted:
-            tensor, code, shape, nbytes = _destination(wanted[name], destinations.get(name),
-                                                       f"{where}: tensor {name!r}")
-            if entry.get("dtype") != code or entry.get("shape") != shape or end - begin != nbytes:
-                raise CorruptShardError(
-                    f"{where}: tensor {name!r} is stored as {entry.get('dtype')}{entry.get('shape')} "
-                    f"({end - begin} bytes); the manifest says {wanted[name].dtype}{wanted[name].shape}"
-                )
+            tensor, _, _, nbytes = _destination(wanted[name], destinations.get(name), f"{where}: tensor {name!r}")
             tensors[name] = tensor
             target = byte_view(tensor) if nbytes else None
-        if end > begin:
-            pieces.append(_Piece(data_start + begin, data_start + end, target))
-    if data_start + covered != size:
-        raise CorruptShardError(f"{where}: the header describes {data_start + covered} bytes, "
-                                f"the manifest records {size}")
-    missing = sorted(set(wanted) - set(tensors))
-    if missing:
-        raise CorruptShardError(f"{where}: tensor {missing[0]!r} is missing")
+        if entry.end > entry.begin:
+            pieces.append(_Piece(entry.begin, entry.end, target))
 
     if record.algorithm not in (CHUNKED_BLAKE3, CHUNKED_SHA256):
         raise CorruptShardError(f"{where}: checksum algorithm {record.algorithm!r} is not a chunked one")
@@ -213,14 +207,6 @@ def read_shard_into(
         raise CorruptShardError(f"{where}: checksum ({record.algorithm}) does not match the manifest's "
                                 f"{record.digest}")
     return tensors
-
-
-def _offsets(entry: object, where: str, name: str) -> tuple[int, int]:
-    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]):
-        raise CorruptShardError(f"{where}: tensor {name!r} has no valid data_offsets")
-    return offsets[0], offsets[1]
 
 
 def _overlapping(pieces: list[_Piece], start: int, stop: int) -> list[_Piece]:

@@ -2,13 +2,16 @@
 the state dicts; at a start, the newest step every rank can load (:func:`load_newest`: a step
 that fails on any rank is skipped by all of them together).
 
-Nothing is applied to the training objects here: a caller first loads everything
-(so a corrupt shard is found before any model is touched), then applies it. Each file
-is fetched once and its size and SHA-256 are checked against the manifest before it
-is parsed; tensors are checked against the recorded dtype and shape, and tensors stored
-as raw bytes are viewed as their recorded dtype (:mod:`spotrun.checkpoint.dtypes`). A
-step this reader cannot decode (a dtype this torch lacks, bytes that do not fit the
-record) fails verification like a bad checksum: :class:`CorruptShardError`. Local rank 0
+A step is loaded in full (so a corrupt shard is found before any model is touched), then
+applied (:func:`load_newest`'s ``apply``). Each file's size and digest (format 4: each
+block's) are checked against the manifest before its bytes are used; tensors are checked against the
+recorded dtype and shape, and tensors stored as raw bytes are viewed as their recorded dtype
+(:mod:`spotrun.checkpoint.dtypes`). A step this reader cannot decode (a dtype this torch
+lacks, bytes that do not fit the record) fails verification like a bad checksum:
+:class:`CorruptShardError`; so does a step that disagrees with itself, found by the checks
+``spotrun verify`` makes (the state skeletons against the tensor records; in format 4 the
+chunks, indexes and headers of what is read, :meth:`ChunkReader.check`), and a state the
+objects then refuse for its content (an RNG state the generator rejects). Local rank 0
 shows a bar of the bytes it reads on a terminal (:mod:`spotrun.progress`; format 4).
 """
 
@@ -32,6 +35,7 @@ from spotrun.checkpoint.dtypes import from_stored
 from spotrun.checkpoint.reader import fits, read_shard_into
 from spotrun.gc_pause import gc_paused
 from spotrun.checkpoint.shard import decode_shard
+from spotrun.checkpoint.step_checks import skeleton_problems
 from spotrun.errors import (
     CorruptShardError,
     ManifestError,
@@ -107,6 +111,8 @@ def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int,
         manifest = read_manifest(storage, key)
     if manifest.step != step:
         raise ManifestError(f"{storage.uri}/{key} says step {manifest.step}, not {step}")
+    for problem in skeleton_problems(manifest):  # as spotrun verify checks it
+        raise ManifestError(f"{storage.uri}/{key}: {problem}")
     rank_source = rank % manifest.world_size
     rank_skeleton = manifest.rank_state[rank_source]
     reader = ChunkReader(storage, manifest, progress=f"restore step {step}" if dist.local_rank() == 0 else None) \
@@ -120,7 +126,7 @@ def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int,
             tensors = _into_dtensors(tensors, destinations or {})
         replicated = {name: tree.decode(skel, tensors) for name, skel in manifest.state.items()}
         rank_local = {name: tree.decode(skel, tensors) for name, skel in rank_skeleton.items()}
-    except (KeyError, IndexError, ValueError, TypeError, AttributeError) as exc:
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError, ArithmeticError, RecursionError) as exc:
         if isinstance(exc, SpotrunError):
             raise
         # whatever a committed step holds, not decoding it is a verification failure
@@ -142,7 +148,7 @@ def load_committed(storage: Storage, step: int, rank: int, world_size: int) -> L
 
 def load_newest(storage: Storage, *, supervisor_step: int | None,
                 destinations: Callable[[], dict[str, torch.Tensor]] | dict[str, torch.Tensor] | None = None,
-                ) -> LoadedStep | None:
+                apply: Callable[[LoadedStep], None] | None = None) -> LoadedStep | None:
     """Load the newest complete step that every rank can verify, or ``None`` when there is none.
 
     Lists the steps again (so a step committed since the supervisor chose ``supervisor_step``
@@ -150,11 +156,18 @@ def load_newest(storage: Storage, *, supervisor_step: int | None,
     (:func:`judge`), logged (``checkpoint step S failed verification (...); falling back to step R``) and,
     when a file or manifest is corrupt, un-committed. ``destinations`` (name -> live
     tensor, or a function returning them, called only once there is a step to load) are
-    filled in place where they fit (:func:`load_step`).
+    filled in place where they fit (:func:`load_step`). ``apply`` puts a loaded step into the
+    training objects: it is part of loading it, so a step whose state they refuse for what it
+    holds (:class:`~spotrun.errors.CorruptShardError`, :class:`~spotrun.errors.ManifestError`:
+    an RNG state the generator rejects) falls back like a bad checksum; a
+    :class:`StateMismatchError` (the job's objects differ) or any other exception (the job's
+    own code) stops every rank without un-committing anything.
 
     Raises:
         StorageError: the listing failed.
         NoCheckpointError: complete steps exist but none of them loads.
+        StateMismatchError: the newest step every rank verified does not fit the job's objects.
+        Whatever ``apply`` raised that is no verification failure, on the rank that raised it.
     """
     listing: dict = {}
     listed: dict[int, Manifest] = {}
@@ -176,11 +189,13 @@ def load_newest(storage: Storage, *, supervisor_step: int | None,
     if callable(destinations) and candidates:
         destinations = destinations()
     for index, (step, key) in enumerate(listing["steps"]):
-        loaded, problem = _try_load(storage, step, key, listed.pop(step, None), destinations)
+        loaded, problem, raised = _try_load(storage, step, key, listed.pop(step, None), destinations, apply)
         verdict = judge(dist.all_gather_json(problem))
         if verdict.loads:
             return loaded
         if verdict.mismatch is not None:
+            if raised is not None:  # this rank's objects refused it: their own words
+                raise raised
             raise StateMismatchError(f"checkpoint step {step} does not fit this job: {verdict.mismatch}")
         older = candidates[index + 1] if index + 1 < len(candidates) else None
         if dist.rank() == 0:
@@ -211,16 +226,30 @@ def _complete_newest_first(storage: Storage, supervisor_step: int | None) -> lis
     return complete
 
 
-def _try_load(storage: Storage, step: int, key: str, manifest: Manifest | None,
-              destinations: Any) -> tuple[LoadedStep | None, dict | None]:
+def _try_load(storage: Storage, step: int, key: str, manifest: Manifest | None, destinations: Any,
+              apply: Callable[[LoadedStep], None] | None) -> tuple[LoadedStep | None, dict | None, Exception | None]:
+    """Load (and apply) one step on this rank: (the step, None, None), or (None, this rank's
+    problem with it for :func:`judge`, the exception to raise again when the job's own code
+    failed)."""
     try:
-        return load_step(storage, step, key, dist.rank(), dist.world_size(), manifest, destinations), None
+        loaded = load_step(storage, step, key, dist.rank(), dist.world_size(), manifest, destinations)
     except (CorruptShardError, ManifestError) as exc:
-        return None, {"corrupt": True, "message": str(exc)}
+        return None, {"corrupt": True, "message": str(exc)}, None
     except StateMismatchError as exc:  # not a bad step: every rank refuses it together
-        return None, {"corrupt": False, "mismatch": True, "message": str(exc)}
+        return None, {"corrupt": False, "mismatch": True, "message": str(exc)}, None
     except StorageError as exc:  # missing object, or the store failed after retries
-        return None, {"corrupt": False, "message": f"{type(exc).__name__}: {exc}"}
+        return None, {"corrupt": False, "message": f"{type(exc).__name__}: {exc}"}, None
+    if apply is None:
+        return loaded, None, None
+    try:
+        apply(loaded)
+    except (CorruptShardError, ManifestError) as exc:  # the step's content, refused by spotrun's own objects
+        return None, {"corrupt": True, "message": f"{storage.uri}/{key}: {exc}"}, None
+    except StateMismatchError as exc:  # raised again as it is, on this rank
+        return None, {"corrupt": False, "mismatch": True, "message": str(exc)}, exc
+    except Exception as exc:  # the job's own load_state_dict: never the step's fault to un-commit
+        return None, {"corrupt": False, "mismatch": True, "message": f"{type(exc).__name__}: {exc}"}, exc
+    return loaded, None, None
 
 
 @dataclass(frozen=True)
@@ -330,7 +359,24 @@ def _check_shape(name: str, saved_shape: list[int], dest: torch.Tensor) -> None:
 
 def _fetch_chunked(reader: ChunkReader, manifest: Manifest, names: list[str],
                    destinations: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Format 4: every needed tensor's box, read into its destination where it fits."""
+    """Format 4: every needed tensor's box, read into its destination where it fits.
+
+    Everything the reads rely on is checked first (:meth:`ChunkReader.check`), before anything
+    is allocated by the manifest's shapes or compared with the live tensors: a step that
+    disagrees with its own files is corrupt, and only a self-consistent one can be a
+    :class:`StateMismatchError` (a tensor of another shape here: another model). A DTensor of
+    another global shape has every chunk of the tensor checked, not its box alone.
+    """
+    boxes = []
+    for name in names:
+        target = manifest.aliases.get(name, name)
+        record = manifest.tensors.get(target)
+        if record is None or record.chunks is None:
+            raise CorruptShardError(f"step {manifest.step}: manifest lists no chunks of tensor {target!r}")
+        dest = destinations.get(name, destinations.get(target))
+        fitting = is_dtensor(dest) and list(dest.shape) == record.shape
+        boxes.append((target, record, local_box(dest) if fitting else ((0,) * len(record.shape), tuple(record.shape))))
+    reader.check(boxes)
     reads: list[BoxRead] = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, what was read for it)
     loaded: dict[str, torch.Tensor] = {}

@@ -12,8 +12,12 @@ For each step, with its valid manifest as :mod:`spotrun.checkpoint.catalog` find
    BLAKE3 digest of every 1 MiB block (and is itself checked against the manifest), so a
    mismatch is reported with the byte range of the blocks that differ; format 3 records only
    the file's digest;
-3. every tensor the manifest lists is in its file with the recorded dtype and shape
-   (:mod:`spotrun.checkpoint.verify_tensors`; only the safetensors headers are read for this).
+3. every tensor the manifest lists is in its file with the recorded dtype and shape, and in
+   format 4 its chunks cover it exactly once, each in its writer's index at the bytes its
+   file's header gives it (:mod:`spotrun.checkpoint.verify_tensors`; only the safetensors
+   headers are read for this); each index is the one of its rank and step, with the manifest's
+   sizes and block sizes; the state skeletons refer to exactly the tensors the manifest lists
+   (:mod:`spotrun.checkpoint.step_checks`). A restore makes the same checks of what it reads.
 
 Data files are read in units of at most :data:`READ_UNIT_BYTES` (whole checksum chunks) by a
 pool of ``storage.read_concurrency`` threads, each reusing one buffer: the memory held is
@@ -43,7 +47,7 @@ from spotrun.checkpoint.catalog import (
 )
 from spotrun.checkpoint.layout import file_key, parse_manifest_name, step_dir
 from spotrun.checkpoint.rank_index import IndexedFile, RankIndex
-from spotrun.checkpoint.shard import sha256_hex
+from spotrun.checkpoint.step_checks import block_problems, parse_index, skeleton_problems
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, WHOLE_SHA256, ChunkDigests, chunk_ranges
 from spotrun.checkpoint.verify_tensors import Finding, ShardHeader, check_chunks, check_whole_tensors, read_header
 from spotrun.errors import CorruptShardError, NoCheckpointError, ObjectNotFoundError, ObjectTooShortError
@@ -211,6 +215,8 @@ class _StepCheck:
                 finish()
         finally:  # on a storage error or Ctrl-C, the reads still queued are dropped
             pool.shutdown(wait=True, cancel_futures=True)
+        for problem in skeleton_problems(manifest):
+            self._add((self._info.manifest_key or "").rpartition("/")[2] or None, problem)
         if manifest.format_version >= 4:
             found = check_chunks(manifest, indexes, headers)
         else:
@@ -254,7 +260,8 @@ class _StepCheck:
         return present
 
     def _load_index(self, record: FileRecord) -> RankIndex | None:
-        """A rank's index, verified against the manifest; ``None`` (reported) when it is not right."""
+        """A rank's index, verified against the manifest (:func:`~spotrun.checkpoint.step_checks.parse_index`,
+        as a restore does); ``None`` (reported) when it is not right."""
         try:
             data = self._storage.get(file_key(self._step, record.path))
         except ObjectNotFoundError:
@@ -263,20 +270,11 @@ class _StepCheck:
         self._on_bytes(len(data))
         if len(data) != record.size_bytes:
             return None  # reported by its size
-        if _digest_of(data, record) != record.digest:
-            self._add(record.path, f"digest mismatch ({record.algorithm})")
-            return None
         try:
-            index = RankIndex.from_json(data, where=record.path)
-            index.check_against({f.path: f.digest for f in self._manifest.files if f.rank == record.rank},
-                                record.path)
+            return parse_index(data, record, self._manifest)
         except CorruptShardError as exc:
-            self._add(record.path, str(exc).removeprefix(f"{record.path}: "))
+            self._add(record.path, str(exc))
             return None
-        if (index.step, index.rank) != (self._step, record.rank):
-            self._add(record.path, f"is the index of rank {index.rank} at step {index.step}")
-            return None
-        return index
 
     def _header(self, record: FileRecord, size_bytes: int) -> ShardHeader | None:
         if size_bytes < 8 and size_bytes != record.size_bytes:
@@ -295,17 +293,16 @@ class _StepCheck:
 
     def _block_digests(self, indexes: dict[int, tuple[str, RankIndex | None]]) -> dict[str, IndexedFile]:
         """Data file path -> its entry in its writer's index, where that agrees with the manifest."""
-        records = {r.path: r for r in self._manifest.files}
         found = {}
         for index_path, index in indexes.values():
-            for item in index.files if index is not None else ():
-                record = records[item.path]  # check_against made sure the manifest lists it
-                if (item.size_bytes, item.block_bytes) != (record.size_bytes, record.chunk_bytes):
-                    self._add(index_path, f"records {item.path} as {item.size_bytes} bytes in blocks of "
-                                          f"{item.block_bytes}; the manifest records {record.size_bytes} bytes "
-                                          f"in chunks of {record.chunk_bytes}")
-                    continue
-                found[item.path] = item
+            if index is None:
+                continue
+            problems = block_problems(index, self._manifest)
+            for item in index.files:
+                if item.path in problems:
+                    self._add(index_path, problems[item.path])
+                else:
+                    found[item.path] = item
         return found
 
     def _submit_digest(self, pool: ThreadPoolExecutor, record: FileRecord,
@@ -375,15 +372,6 @@ class _StepCheck:
 
 def _is_index(record: FileRecord) -> bool:
     return record.path.endswith(".index.json")
-
-
-def _digest_of(data: bytes, record: FileRecord) -> str:
-    """The digest of a small file held in memory, by its record's algorithm."""
-    if record.algorithm == WHOLE_SHA256:
-        return sha256_hex(data)
-    digests = ChunkDigests(len(data), record.chunk_bytes or max(1, len(data)), record.algorithm)
-    digests.add_span(0, memoryview(data))
-    return digests.hexdigest()
 
 
 def _runs(numbers: list[int]) -> list[tuple[int, int]]:

@@ -7,11 +7,15 @@ the JSON); the bytes themselves are checked by their digests (:mod:`spotrun.chec
 
 * Formats 1-3: each tensor record names its ``file``; the header must hold the tensor's name
   with the safetensors dtype code and shape it is stored under (for ``stored_as: "bytes"``, a
-  1-D ``U8`` tensor of ``numel * itemsize`` elements) and that many bytes.
-* Format 4: each tensor is one or more chunks; the writer's rank index maps each chunk's key
-  (:func:`~spotrun.checkpoint.rank_index.chunk_key`) to ``[file index, begin, end)``. The key
-  must be in the index, and in that file's header with the chunk's dtype code and lengths, at
-  exactly those bytes.
+  1-D ``U8`` tensor of ``numel * itemsize`` elements) and that many bytes. A format-3 restore
+  checks each file it reads with the same functions (:func:`parse_header`, :func:`entry_problem`;
+  :func:`spotrun.checkpoint.reader.read_shard_into`).
+* Format 4: each tensor is one or more chunks, which must cover it exactly once; the writer's
+  rank index maps each chunk's key (:func:`~spotrun.checkpoint.rank_index.chunk_key`) to
+  ``[file index, begin, end)``. The key must be in the index, and in that file's header with
+  the chunk's dtype code and lengths, at exactly those bytes. A restore makes these checks of
+  every chunk it reads (:meth:`spotrun.checkpoint.chunk_reader.ChunkReader.check`), with the
+  same functions, before it reads a byte into a live tensor.
 
 Every header must also describe a valid safetensors file: entries with a dtype, a shape and
 data offsets, back to back from the start of the data to the file's recorded end (what
@@ -21,11 +25,11 @@ safetensors' own loader demands, and so whoever reads the checkpoint without spo
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from spotrun.checkpoint import reader
-from spotrun.checkpoint.chunk_reader import dtype_of
+from spotrun.checkpoint.chunks import Chunk, overlap
 from spotrun.checkpoint.rank_index import RankIndex, chunk_key
 from spotrun.checkpoint.stream import SAFETENSORS_CODES
 from spotrun.errors import CorruptShardError
@@ -79,10 +83,13 @@ def read_header(storage: Storage, key: str, size_bytes: int, recorded_bytes: int
         header, head = reader.read_header(storage, key, size_bytes, where=key)
     except CorruptShardError as exc:
         raise CorruptShardError(str(exc).removeprefix(f"{key}: ")) from exc
-    return _parse(header, len(head), recorded_bytes if size_bytes == recorded_bytes else None)
+    return parse_header(header, len(head), recorded_bytes if size_bytes == recorded_bytes else None)
 
 
-def _parse(header: dict, data_start: int, end_bytes: int | None) -> ShardHeader:
+def parse_header(header: dict, data_start: int, end_bytes: int | None) -> ShardHeader:
+    """A safetensors header as parsed from JSON (:func:`spotrun.checkpoint.reader.read_header`),
+    whose data starts at file offset ``data_start``; its entries must lie back to back from
+    there to ``end_bytes`` (``None``: unchecked), else :attr:`ShardHeader.problems` says why."""
     entries: dict[str, Entry] = {}
     problems: list[str] = []
     for name, raw in header.items():
@@ -114,7 +121,10 @@ def _stored_form(record: TensorRecord, lengths: list[int] | tuple[int, ...], nam
     Raises:
         CorruptShardError: a dtype this torch lacks or cannot decode.
     """
-    dtype = dtype_of(record, f"tensor {name}")
+    dtype, problem = reader._dtype_info(record.dtype)
+    if problem is not None:
+        raise CorruptShardError(f"tensor {name}: {problem}")
+    assert dtype is not None
     nbytes = math.prod(lengths) * dtype.itemsize
     if record.stored_as == STORED_AS_BYTES:
         return "U8", [nbytes], nbytes
@@ -129,6 +139,21 @@ def _mismatch(entry: Entry, key: str, code: str, shape: list[int], nbytes: int, 
             f"the manifest says {wanted} ({nbytes} bytes)")
 
 
+def entry_problem(header: ShardHeader, key: str, record: TensorRecord, lengths: list[int] | tuple[int, ...],
+                  name: str) -> str | None:
+    """Why ``header`` does not hold ``lengths`` elements of tensor ``name`` (its manifest
+    ``record``) under ``key`` with the dtype code, shape and byte count the record makes it
+    store (the whole tensor in formats 1-3, one chunk in format 4), or ``None``."""
+    try:
+        code, shape, nbytes = _stored_form(record, lengths, name)
+    except CorruptShardError as exc:
+        return str(exc)
+    entry = header.entries.get(key)
+    if entry is None:
+        return f"tensor {key} missing from the file"
+    return _mismatch(entry, key, code, shape, nbytes, record)
+
+
 def check_whole_tensors(manifest: Manifest, headers: dict[str, ShardHeader]) -> Iterator[Finding]:
     """Formats 1-3: every tensor record against its file's header (files without a readable
     header, already reported, are skipped)."""
@@ -136,23 +161,15 @@ def check_whole_tensors(manifest: Manifest, headers: dict[str, ShardHeader]) -> 
         header = headers.get(record.file or "")
         if header is None:
             continue
-        try:
-            code, shape, nbytes = _stored_form(record, record.shape, name)
-        except CorruptShardError as exc:
-            yield record.file, str(exc)
-            continue
-        entry = header.entries.get(name)
-        if entry is None:
-            yield record.file, f"tensor {name} missing from the file"
-            continue
-        problem = _mismatch(entry, name, code, shape, nbytes, record)
+        problem = entry_problem(header, name, record, record.shape, name)
         if problem is not None:
             yield record.file, problem
 
 
 def check_chunks(manifest: Manifest, indexes: dict[int, tuple[str, RankIndex | None]],
                  headers: dict[str, ShardHeader]) -> Iterator[Finding]:
-    """Format 4: every chunk of every tensor against its writer's index and its file's header.
+    """Format 4: every tensor's chunk layout (:func:`coverage_problem`), and every chunk
+    against its writer's index and its file's header (:func:`check_chunk`).
 
     Args:
         indexes: writer rank -> (its index file's path, the parsed index, or ``None`` when the
@@ -164,6 +181,9 @@ def check_chunks(manifest: Manifest, indexes: dict[int, tuple[str, RankIndex | N
         if record.chunks is None:
             yield None, f"tensor {name} has no chunk layout in a format-{manifest.format_version} manifest"
             continue
+        problem = coverage_problem(name, record)
+        if problem is not None:
+            yield None, problem
         for chunk in record.chunks.chunks():
             if chunk.writer not in indexes:
                 if chunk.writer not in unindexed:
@@ -171,31 +191,59 @@ def check_chunks(manifest: Manifest, indexes: dict[int, tuple[str, RankIndex | N
                     yield None, f"the manifest lists no index of rank {chunk.writer}, which wrote chunks"
                 continue
             index_path, index = indexes[chunk.writer]
-            if index is None:
-                continue
-            key = chunk_key(name, chunk.offsets, chunk.lengths, record.shape)
-            located = index.chunks.get(key)
-            if located is None:
-                yield index_path, f"chunk {key} missing from rank {chunk.writer}'s index"
-                continue
-            file_index, begin, end = located
-            path = index.files[file_index].path
-            header = headers.get(path)
-            if header is None:
-                continue
-            try:
-                code, shape, nbytes = _stored_form(record, chunk.lengths, name)
-            except CorruptShardError as exc:
-                yield path, str(exc)
-                continue
-            entry = header.entries.get(key)
-            if entry is None:
-                yield path, f"tensor {key} missing from the file"
-                continue
-            problem = _mismatch(entry, key, code, shape, nbytes, record)
-            if problem is None and (entry.begin, entry.end) != (begin, end):
-                problem = (f"tensor {key} lies at bytes {entry.begin}-{entry.end}; rank {chunk.writer}'s "
-                           f"index says {begin}-{end}")
-            if problem is not None:
-                yield path, problem
+            if index is not None:
+                found = check_chunk(name, record, chunk, index_path, index, headers.get)
+                if found is not None:
+                    yield found
 
+
+def check_chunk(name: str, record: TensorRecord, chunk: Chunk, index_path: str, index: RankIndex,
+                header_of: Callable[[str], ShardHeader | None]) -> Finding | None:
+    """One chunk of tensor ``name`` against its writer's ``index`` (whose file is
+    ``index_path``) and the header of the file the index puts it in: the key is in the index,
+    and in that file's header with the chunk's dtype code, lengths and byte count, at exactly
+    the bytes the index says (so inside the file's data, never in its header).
+
+    Args:
+        header_of: data file path -> its header (``None``: not read, the chunk is not checked
+            against it).
+    """
+    key = chunk_key(name, chunk.offsets, chunk.lengths, record.shape)
+    located = index.chunks.get(key)
+    if located is None:
+        return index_path, f"chunk {key} missing from rank {chunk.writer}'s index"
+    file_index, begin, end = located
+    path = index.files[file_index].path
+    header = header_of(path)
+    if header is None:
+        return None
+    problem = entry_problem(header, key, record, chunk.lengths, name)
+    entry = header.entries.get(key)
+    if problem is None and entry is not None and (entry.begin, entry.end) != (begin, end):
+        problem = (f"tensor {key} lies at bytes {entry.begin}-{entry.end}; rank {chunk.writer}'s "
+                   f"index says {begin}-{end}")
+    return None if problem is None else (path, problem)
+
+
+def coverage_problem(name: str, record: TensorRecord) -> str | None:
+    """Why the chunks of tensor ``name`` do not cover its global shape exactly once (a gap
+    leaves part of it unread, keeping whatever the live tensor held; an overlap is read twice,
+    in no set order), or ``None``. A grid covers it by construction; an explicit list is
+    swept in order of its first offsets, each chunk compared with the ones it may overlap."""
+    layout = record.chunks
+    if layout is None or layout.grid is not None:
+        return None
+    chunks = sorted((c for c in layout.chunks() if c.numel), key=lambda c: c.offsets)
+    active: list[Chunk] = []
+    for chunk in chunks:
+        if chunk.offsets:  # chunks that end before this one starts (dimension 0) overlap nothing after it
+            active = [a for a in active if a.offsets[0] + a.lengths[0] > chunk.offsets[0]]
+        for other in active:
+            if overlap((other.offsets, other.lengths), (chunk.offsets, chunk.lengths)) is not None:
+                return (f"tensor {name}: its chunks at offsets {list(other.offsets)} and {list(chunk.offsets)} "
+                        "overlap")
+        active.append(chunk)
+    covered, total = sum(c.numel for c in chunks), math.prod(record.shape)
+    if covered != total:
+        return f"tensor {name}: its chunks cover {covered} of its {total} elements"
+    return None

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from spotrun.errors import StateMismatchError
+from spotrun.errors import CorruptStateError
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,9 @@ class RNGState:
         """Restore every generator.
 
         Raises:
-            StateMismatchError: the saved state lacks a generator or is malformed.
+            CorruptStateError: the saved state lacks a generator, or a generator rejects it (a
+                state spotrun wrote holds every one, in the form each accepts: the checkpoint is
+                damaged, not the job's code).
         """
         try:
             py = state["python"]
@@ -69,8 +71,8 @@ class RNGState:
             )
             torch.set_rng_state(state["torch_cpu"])
             cuda_states = state["cuda"]
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-            raise StateMismatchError(f"saved RNG state is malformed: {exc!r}") from exc
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError, OverflowError) as exc:
+            raise CorruptStateError(f"saved RNG state is malformed: {exc!r}") from exc
         if cuda_states and torch.cuda.is_available():
             count = torch.cuda.device_count()
             if count != len(cuda_states):
