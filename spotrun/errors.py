@@ -71,6 +71,13 @@ class CorruptShardError(CheckpointError):
     """A shard's size or checksum differs from what its manifest recorded."""
 
 
+class UnsafeObjectError(CorruptShardError, StorageError):
+    """A local checkpoint root holds, where an object should be, something spotrun refuses to
+    open: a symbolic link (on the way to it or in its place; it could lead outside the root) or
+    not a regular file (a FIFO would block a read forever). The step is corrupt, as with a bad
+    checksum (:mod:`spotrun.storage.local_beneath`)."""
+
+
 class StateSerializationError(CheckpointError, TypeError):
     """A state value is neither a tensor nor JSON-serialisable; the message names its key."""
 
