@@ -78,6 +78,13 @@ class CorruptStateError(CorruptShardError):
     setting is part of such a state)."""
 
 
+class UnsafeObjectError(CorruptShardError, StorageError):
+    """A local checkpoint root holds, where an object should be, something spotrun refuses to
+    open: a symbolic link (on the way to it or in its place; it could lead outside the root) or
+    not a regular file (a FIFO would block a read forever). The step is corrupt, as with a bad
+    checksum (:mod:`spotrun.storage.local_beneath`)."""
+
+
 class StateSerializationError(CheckpointError, TypeError):
     """A state value is neither a tensor nor JSON-serialisable; the message names its key."""
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spotrun import process_local
-from spotrun.errors import ConfigError, ObjectNotFoundError
+from spotrun.errors import ConfigError, ObjectNotFoundError, UnsafeObjectError
 from spotrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -164,6 +164,9 @@ def read_events(storage: Storage, *, max_workers: int = 8) -> list[EventObject]:
         try:
             data = storage.get(key)
         except ObjectNotFoundError:  # deleted since the listing
+            return None
+        except UnsafeObjectError as exc:  # a link or a FIFO in the root: not read, said
+            log.warning("event log %s skipped: %s", key, exc.strerror)
             return None
         return EventObject(key, incarnation, rank, writer, parse_records(data, f"{storage.uri}/{key}"))
 

@@ -91,6 +91,14 @@ class PointCounter:
             threading.Event().wait()  # never reached: the kernel ends the process
 
 
+def _at(path, dir_fd: int | None):
+    """``path`` as the kernel resolves it relative to ``dir_fd`` (``unlinkat``, ``mkdirat``: the
+    local backend deletes through directory descriptors, never through a link)."""
+    if dir_fd is None or os.path.isabs(_path_text(path)):
+        return path
+    return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), _path_text(path))
+
+
 def _path_text(path) -> str:
     if isinstance(path, int):
         return f"<fd {path}>"
@@ -135,7 +143,7 @@ class LocalHooks:
             call = original[name]
 
             def hooked(path, *args, **kwargs):
-                self._point(f"os.{name}", path)
+                self._point(f"os.{name}", _at(path, kwargs.get("dir_fd")))
                 return call(path, *args, **kwargs)
             setattr(os, name, hooked)
 

@@ -6,7 +6,8 @@ A step is
 * ``incomplete`` - files exist but no manifest (a save that never committed, e.g. a kill
   in the middle of a write);
 * ``corrupt``    - a manifest exists but does not parse, or a listed file is missing or has
-  the wrong size (a step whose deletion has begun is ``incomplete``, being deleted, instead:
+  the wrong size, or the step holds something the storage refuses to open (locally: a
+  symbolic link, the step directory itself one, or a FIFO; ``ObjectInfo.refused``) (a step whose deletion has begun is ``incomplete``, being deleted, instead:
   retention or gc removing it, not damage; :func:`deleted_since_listed`);
 * ``fenced``     - its only manifests were committed by an older incarnation after a newer
   one had started from an earlier step (a zombie's work; see
@@ -35,7 +36,7 @@ from spotrun.checkpoint.layout import (
     parse_step_dir,
     step_dir,
 )
-from spotrun.errors import ManifestError, NoCheckpointError, ObjectNotFoundError
+from spotrun.errors import ManifestError, NoCheckpointError, ObjectNotFoundError, UnsafeObjectError
 from spotrun.manifest import Manifest
 from spotrun.storage.base import ObjectInfo, Storage
 
@@ -107,7 +108,7 @@ def list_root(storage: Storage) -> tuple[list[StepInfo], Fences]:
     objects = storage.list("")
     for info in objects:
         top, sep, _rest = info.key.partition("/")
-        step = parse_step_dir(top) if sep else None
+        step = parse_step_dir(top) if sep or info.refused is not None else None  # a linked step dir
         if step is not None:
             by_step[step].append(info)
     fences = read_fences(storage, [o for o in objects if o.key.startswith(f"{INCARNATIONS_DIR}/")])
@@ -174,7 +175,7 @@ def _read(storage: Storage, key: str) -> Manifest | str | None:
         return Manifest.from_json(storage.get(key), where=f"{storage.uri}/{key}")
     except ObjectNotFoundError:
         return None
-    except ManifestError as exc:
+    except (ManifestError, UnsafeObjectError) as exc:
         return str(exc)
 
 
@@ -203,6 +204,9 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
             being_deleted=being_deleted,
         )
 
+    refused = [o for o in objects if o.refused is not None]
+    if refused:  # nothing of the step is read: what a link leads to is not the checkpoint's
+        return result(CORRUPT, f"{refused[0].key} is refused: {refused[0].refused}")
     manifests: list[tuple[int | None, str]] = []  # (incarnation in the name, key)
     for key in sizes:
         is_manifest, incarnation = parse_manifest_name(key[len(prefix):])

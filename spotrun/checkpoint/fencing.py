@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from spotrun.checkpoint.layout import INCARNATIONS_DIR, incarnation_key, parse_incarnation_key
-from spotrun.errors import FencedError, ObjectExistsError, ObjectNotFoundError, StorageError
+from spotrun.errors import FencedError, ObjectExistsError, ObjectNotFoundError, StorageError, UnsafeObjectError
 from spotrun.storage.base import ObjectInfo, Storage
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def read_fences(storage: Storage, objects: list[ObjectInfo] | None = None) -> Fe
             table = _parse(storage.get(keys[number]), f"{storage.uri}/{keys[number]}")
         except ObjectNotFoundError:
             continue
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, UnsafeObjectError) as exc:
             log.warning("incarnation record %s/%s is unreadable (%s); skipped", storage.uri, keys[number], exc)
             continue
         for k, v in table.items():

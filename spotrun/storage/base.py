@@ -25,11 +25,15 @@ class ObjectInfo:
         key: key relative to the root, ``/``-separated.
         size_bytes: object size in bytes.
         mtime_s: last modification, seconds since the Unix epoch (UTC).
+        refused: ``None`` for an object; else why the backend will not open what is there
+            (local: a symbolic link, a FIFO; :mod:`spotrun.storage.local_beneath`), whose
+            ``key`` may then be a directory on the way to the prefix listed. Its step is corrupt.
     """
 
     key: str
     size_bytes: int
     mtime_s: float
+    refused: str | None = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,11 @@ it never falls back to a rename that could replace. The kernel checks
 ``RENAME_NOREPLACE`` against the names it can see before the filesystem acts, so on one
 machine it is as safe as the link; writers on several machines sharing one filesystem
 depend on that filesystem enforcing the flag itself.
+
+The root is a boundary: no symbolic link below it is followed, by a read, stat, listing or
+deletion, and no FIFO or device is opened (:mod:`spotrun.storage.local_beneath` says why
+every link is refused rather than only those leaving the root); a listing shows such an
+entry with its ``refused`` reason, and the step holding it is corrupt.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -38,6 +44,7 @@ from spotrun.errors import (
     StorageError,
     StoragePermissionError,
 )
+from spotrun.storage import local_beneath as beneath
 from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, Storage, UnfinishedUpload
 from spotrun.storage.noreplace import UNSUPPORTED_ERRNOS, rename_noreplace
 
@@ -125,6 +132,15 @@ class LocalStorage(Storage):
     def _path(self, key: str) -> str:
         return os.path.join(self._root, *key.split("/"))
 
+    def _open(self, key: str, what: str) -> int:
+        """A read-only descriptor of ``key``'s regular file, reached without following a link."""
+        try:
+            return beneath.open_file(self._root, key.split("/"))
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise _translate(exc, f"{what} {self._path(key)}") from exc
+
     # --- writing --------------------------------------------------------------
 
     def _write_temporary(self, key: str, write: Callable[[int], None]) -> str:
@@ -132,7 +148,10 @@ class LocalStorage(Storage):
         returns its path (removed again if anything fails)."""
         final = self._path(key)
         directory = os.path.dirname(final)
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(self._root, exist_ok=True)
+        # the directories of the key, made where missing, none of them a link (a step directory
+        # planted as a link would take the save outside the root)
+        beneath.close_all(beneath.open_dirs(self._root, key.split("/")[:-1], create=True))
         tmp = os.path.join(
             directory, f".{os.path.basename(final)}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
@@ -246,12 +265,7 @@ class LocalStorage(Storage):
 
     def _read_into(self, key: str, offset: int, views: list[memoryview]) -> None:
         path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except IsADirectoryError as exc:
-            raise ObjectNotFoundError(errno.ENOENT, f"read {path}: is a directory") from exc
-        except OSError as exc:
-            raise _translate(exc, f"read {path}") from exc
+        fd = self._open(key, "read")
         try:
             pending = [v for v in views if len(v)]
             if not pending and offset > os.fstat(fd).st_size:
@@ -326,78 +340,70 @@ class LocalStorage(Storage):
     # --- reading --------------------------------------------------------------
 
     def _get(self, key: str) -> bytes:
-        path = self._path(key)
+        fd = self._open(key, "get")
         try:
-            with open(path, "rb") as f:
+            with open(fd, "rb", closefd=False) as f:
                 return f.read()
-        except IsADirectoryError as exc:
-            raise ObjectNotFoundError(errno.ENOENT, f"get {path}: is a directory") from exc
         except OSError as exc:
-            raise _translate(exc, f"get {path}") from exc
+            raise _translate(exc, f"get {self._path(key)}") from exc
+        finally:
+            os.close(fd)
 
     def _stat(self, key: str) -> ObjectInfo:
         path = self._path(key)
         try:
-            st = os.stat(path)
+            st = beneath.stat_file(self._root, key.split("/"))
+        except StorageError:
+            raise
         except OSError as exc:
             raise _translate(exc, f"stat {path}") from exc
-        if not os.path.isfile(path):
+        if not stat.S_ISREG(st.st_mode):
             raise ObjectNotFoundError(errno.ENOENT, f"stat {path}: not a file")
         return ObjectInfo(key=key, size_bytes=st.st_size, mtime_s=st.st_mtime)
 
     def _list(self, prefix: str) -> list[ObjectInfo]:
-        return [ObjectInfo(key=key, size_bytes=st.st_size, mtime_s=st.st_mtime)
-                for key, st in self._walk(prefix, temporary=False)]
+        return [ObjectInfo(key=key, size_bytes=st.st_size if refused is None else 0,
+                           mtime_s=st.st_mtime if st is not None else 0.0, refused=refused)
+                for key, st, refused in self._walk(prefix, temporary=False)]
 
     def _unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
         """The hidden temporary files of writers that never renamed them (a killed writer's,
         or a running one's), with their last modification."""
-        return [UnfinishedUpload(key=key, time_unix_s=st.st_mtime) for key, st in self._walk(prefix, temporary=True)]
+        return [UnfinishedUpload(key=key, time_unix_s=st.st_mtime)
+                for key, st, refused in self._walk(prefix, temporary=True) if refused is None]
 
     def _abort_upload(self, upload: UnfinishedUpload) -> None:
         if not _is_temporary(upload.key.rpartition("/")[2]):
             raise StorageError(errno.EINVAL, f"{self._path(upload.key)} is not a temporary file of a write")
         self._delete(upload.key)
 
-    def _walk(self, prefix: str, *, temporary: bool) -> list[tuple[str, os.stat_result]]:
-        """(key, stat) of the files under ``prefix``: the objects, or (``temporary``) the
-        hidden temporary files of writes in progress or abandoned."""
+    def _walk(self, prefix: str, *, temporary: bool) -> list[tuple[str, os.stat_result | None, str | None]]:
+        """(key, lstat, refusal) of the entries under ``prefix``: the objects, or (``temporary``)
+        the hidden temporary files of writes in progress or abandoned; no link is followed (a
+        refused entry: ``refusal`` says why; a link on the way to ``prefix`` is one, its key the
+        link's)."""
         # Walk only the deepest directory the prefix names, then filter by the prefix.
         base_dir = prefix.rpartition("/")[0]
-        start = self._path(base_dir) if base_dir else self._root
         found = []
-        for dirpath, dirnames, filenames in os.walk(start):
-            dirnames.sort()
-            for name in filenames:
-                if _is_temporary(name) != temporary:
-                    continue
-                full = os.path.join(dirpath, name)
-                key = os.path.relpath(full, self._root).replace(os.sep, "/")
-                if not key.startswith(prefix):
-                    continue
-                try:
-                    st = os.stat(full)
-                except FileNotFoundError:  # deleted while listing
-                    continue
-                found.append((key, st))
+        for parts, st, refused in beneath.walk(self._root, base_dir.split("/") if base_dir else []):
+            if _is_temporary(parts[-1]) != temporary:
+                continue
+            key = "/".join(parts)
+            if key.startswith(prefix) or (refused is not None and prefix.startswith(key + "/")):
+                found.append((key, st, refused))
         return found
 
     def _delete(self, key: str) -> None:
-        path = self._path(key)
+        # the directories on the way are reached without following a link: a step directory
+        # that is a link is refused, never a file outside the root deleted through it
         try:
-            os.unlink(path)
+            beneath.remove_file(self._root, key.split("/"))
         except FileNotFoundError:
             return
+        except StorageError:
+            raise
         except OSError as exc:
-            raise _translate(exc, f"delete {path}") from exc
-        # Remove directories left empty, up to the root.
-        directory = os.path.dirname(path)
-        while directory != self._root and directory.startswith(self._root):
-            try:
-                os.rmdir(directory)
-            except OSError:
-                break
-            directory = os.path.dirname(directory)
+            raise _translate(exc, f"delete {self._path(key)}") from exc
 
 
 def _set_direct(fd: int, on: bool) -> bool:
