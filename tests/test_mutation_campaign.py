@@ -2,7 +2,7 @@
 mutation campaign of tests/mutation_campaign.py (edits: tests/mutation_edits.py) against a
 replicated and an FSDP2 (2 ranks, torchrun + gloo) format-4 root, for the restore and for
 ``spotrun ls``, ``verify``, ``export --format hf`` and ``gc --dry-run``, each edit in a child
-under a 2 GiB address-space limit and a time bound. It prints how many edits it tried and how
+under a 2 GiB address-space limit and a time bound. It reports (in the run's figures) how many edits it tried and how
 many fell back, were refused or were harmless, and every failure grouped by its kind.
 """
 
@@ -30,7 +30,7 @@ def failure_kind(failure: str) -> str:
     return f"{tool}: {rest.split(':')[0].split(' (')[0][:60]}"
 
 
-def test_every_edit_of_the_newest_step_falls_back_or_is_harmless_for_restore_and_every_tool(tmp_path, capsys):
+def test_every_edit_of_the_newest_step_falls_back_or_is_harmless_for_restore_and_every_tool(tmp_path, figures):
     """Issue 21: >= 40 edits of a format-4 step's manifest, rank index and safetensors header
     (digests recomputed), and links or a FIFO in place of its files: the restore resumes the
     previous step bit-exactly or the untouched values, the tools exit with their documented
@@ -47,15 +47,12 @@ def test_every_edit_of_the_newest_step_falls_back_or_is_harmless_for_restore_and
     for row in failed:
         for failure in row["failures"]:
             groups[failure_kind(failure)].append(f"{row['state']}: {row['edit']}: {failure}")
-    with capsys.disabled():
-        print(f"\nmutation campaign: {summary['tried']} edits tried ({summary['edits']} distinct, on 2 roots): "
-              f"{summary['fell back']} fell back, {summary['refused']} refused, {summary['harmless']} harmless, "
-              f"{summary['failed']} failed; largest child {summary['max_rss_mib']} MiB resident; "
-              f"{summary['seconds']} s ({summary['save_seconds']} s saving)")
-        for kind, lines in sorted(groups.items(), key=lambda item: -len(item[1])):
-            print(f"  {len(lines)} x {kind}")
-            for line in lines:
-                print(f"      {line[:300]}")
+    figures(f"mutation campaign: {summary['tried']} edits tried ({summary['edits']} distinct, on 2 roots): "
+            f"{summary['fell back']} fell back, {summary['refused']} refused, {summary['harmless']} harmless, "
+            f"{summary['failed']} failed; largest child {summary['max_rss_mib']} MiB resident; "
+            f"{summary['seconds']} s ({summary['save_seconds']} s saving)")
+    details = "\n".join(f"  {len(lines)} x {kind}\n" + "\n".join(f"      {line[:300]}" for line in lines)
+                        for kind, lines in sorted(groups.items(), key=lambda item: -len(item[1])))
     assert summary["edits"] >= MIN_EDITS
     assert summary["tried"] == 2 * summary["edits"]
-    assert not failed, f"{len(failed)} of {summary['tried']} edits broke a promise (grouped above)"
+    assert not failed, f"{len(failed)} of {summary['tried']} edits broke a promise:\n{details}"
