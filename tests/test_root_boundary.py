@@ -11,6 +11,7 @@ root. A FIFO in place of a data file is refused the same way, without blocking.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -93,11 +94,11 @@ def same_bits(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize("what", ["data file", "index file", "manifest", "step directory"])
 def test_a_link_leaving_the_root_makes_the_step_corrupt_for_every_tool_and_the_restore(
-        two_steps, tmp_path, capsys, what):
+        two_steps, tmp_path, capsys, caplog, what):
     """Issue 21 item 4: a data file, an index, the manifest or the step directory linked to an
     identical copy outside the root is not followed: ls and verify say the step is corrupt with
     one line naming it, export --step refuses it, gc deletes nothing outside, and a restore
-    resumes step 1 bit-exactly."""
+    resumes step 1 bit-exactly, saying once why it skipped step 2."""
     saved_root, first, _second = two_steps
     root = pathlib.Path(shutil.copytree(saved_root, tmp_path / "ck"))
     outside = tmp_path / "elsewhere"
@@ -130,10 +131,16 @@ def test_a_link_leaving_the_root_makes_the_step_corrupt_for_every_tool_and_the_r
     model = net()
     ckpt = spotrun.Checkpointer({"model": model}, storage=LocalStorage(str(root), fsync=False),
                                 handle_signals=False, background_saves=False)
-    assert ckpt.restore() == 1
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING, logger="spotrun"):
+        assert ckpt.restore() == 1
     ckpt.close()
     assert same_bits(model.state_dict(), first)
     assert tree(outside) == outside_before
+    # The in-process CLI calls above gave spotrun's logger its own stderr handler.
+    said = [line for line in capsys.readouterr().err.splitlines() + [r.getMessage() for r in caplog.records]
+            if "step 2" in line]
+    assert len(said) == 1 and "corrupt" in said[0] and "symbolic link" in said[0], said
 
 
 def test_a_deletion_through_a_linked_step_directory_is_refused_and_deletes_nothing_outside(two_steps, tmp_path):
