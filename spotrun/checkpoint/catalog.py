@@ -26,6 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from spotrun.checkpoint.fencing import Fences, read_fences
+from spotrun.checkpoint.strict_json import MANIFEST_MAX_BYTES
 from spotrun.checkpoint.layout import (
     DELETION_MARKER_NAME,
     INCARNATIONS_DIR,
@@ -240,6 +241,9 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
 
 def _check_manifest(storage: Storage, step: int, key: str, incarnation: int | None,
                     sizes: dict[str, int], result) -> StepInfo:
+    if sizes[key] > MANIFEST_MAX_BYTES:  # refused by its listed size, before it is read
+        return result(CORRUPT, f"{storage.uri}/{key} is refused: {sizes[key]} bytes, more than the "
+                               f"{MANIFEST_MAX_BYTES} a manifest may have", None, key)
     manifest = _read(storage, key)
     if manifest is None:
         return result(INCOMPLETE, f"{key} disappeared while listing")

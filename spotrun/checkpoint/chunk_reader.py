@@ -34,6 +34,7 @@ import torch
 from spotrun.checkpoint.chunks import Box, byte_runs, overlap
 from spotrun.checkpoint.layout import file_key
 from spotrun.checkpoint.rank_index import RankIndex, chunk_key
+from spotrun.checkpoint.strict_json import INDEX_MAX_BYTES
 from spotrun.checkpoint.reader import _dtype_info, _read
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, byte_view
 from spotrun.errors import CorruptShardError
@@ -164,6 +165,9 @@ class ChunkReader:
             raise CorruptShardError(f"step {step}: the manifest lists no index of rank {rank}")
         key = file_key(step, record.path)
         where = f"{self._storage.uri}/{key}"
+        if record.size_bytes > INDEX_MAX_BYTES:  # its size on storage (the catalog checked): not read
+            raise CorruptShardError(f"{where}: {record.size_bytes} bytes, more than the {INDEX_MAX_BYTES} "
+                                    "a rank index may have")
         data = self._storage.get(key)
         self.bytes_read += len(data)
         if len(data) != record.size_bytes or hashlib.sha256(data).hexdigest() != record.digest:

@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass
 import blake3
 
+from spotrun.checkpoint import strict_json
 from spotrun.errors import CorruptShardError
 
 INDEX_FORMAT = "spotrun-rank-index"
@@ -68,10 +69,11 @@ class RankIndex:
         """Parse and check an index (its bytes already verified against the manifest).
 
         Raises:
-            CorruptShardError: malformed, or a chunk outside its file.
+            CorruptShardError: malformed, over a limit (:mod:`spotrun.checkpoint.strict_json`),
+                or a chunk outside its file.
         """
         try:
-            doc = json.loads(data.decode("utf-8"))
+            doc = strict_json.loads(data, max_bytes=strict_json.INDEX_MAX_BYTES, what="rank index")
             if doc.get("format") != INDEX_FORMAT:
                 raise ValueError("not a spotrun rank index")
             files = []
