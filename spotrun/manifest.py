@@ -70,9 +70,11 @@ MANIFEST_NAME = "manifest.json"
 STORED_AS_BYTES = "bytes"
 #: How the name of a rank index file (format 4) ends; every other file holds tensor data.
 INDEX_SUFFIX = ".index.json"
-#: Smallest checksum chunk a manifest may record: writers use 1 MiB and 8 MiB, and a reader
-#: keeps a digest per chunk, so a tiny chunk would make it track a digest per byte or so.
+#: Smallest and largest checksum chunk a manifest (or a rank index, its blocks) may record:
+#: writers use 1 MiB and 8 MiB; a reader keeps a digest per chunk (a tiny chunk: a digest per
+#: byte or so) and holds up to a chunk per read thread (a huge one: the whole file at once).
 MIN_CHUNK_BYTES = 4096
+MAX_CHUNK_BYTES = 64 * 2**20
 #: Largest size of one dimension: torch's (a signed 64-bit integer).
 MAX_DIM = 2**63 - 1
 #: Fewest bytes of a chunk's entry in a rank index (``"k":[0,0,0],``): a grid cell that holds
@@ -326,6 +328,8 @@ def _file_record(raw: dict[str, Any], path: str) -> FileRecord:
         raise ValueError(f"file {path!r} has checksum algorithm {algorithm!r}; this spotrun knows "
                          f"{sorted(CHECKSUM_ALGORITHMS)}")
     chunk_bytes = _int(raw["chunk_bytes"], "files[].chunk_bytes", MIN_CHUNK_BYTES) if algorithm != "sha256" else None
+    if chunk_bytes is not None and chunk_bytes > MAX_CHUNK_BYTES:
+        raise ValueError(f"files[].chunk_bytes must be at most {MAX_CHUNK_BYTES}, got {chunk_bytes}")
     return FileRecord(path=path, rank=rank, size_bytes=size_bytes, digest=_str(raw["digest"], "files[].digest"),
                       algorithm=algorithm, chunk_bytes=chunk_bytes)
 

@@ -296,14 +296,21 @@ def test_a_shape_beyond_the_files_or_torch_is_refused_when_the_manifest_is_parse
     assert answer.startswith("ManifestError") and "tensor" in answer, answer
 
 
-def test_a_checksum_chunk_smaller_than_4_kib_is_refused(tmp_path):
-    """Issue 21: a reader keeps a digest per checksum chunk; writers use 1 and 8 MiB, so a
-    manifest recording 1-byte chunks (a digest per byte of a large file) is refused."""
+@pytest.mark.parametrize("chunk_bytes, refusal", [(1, ">= 4096"), (2**40, "at most 67108864")])
+def test_a_checksum_chunk_outside_4_kib_to_64_mib_is_refused(tmp_path, chunk_bytes, refusal):
+    """Issue 21: a reader keeps a digest per checksum chunk and holds up to a chunk per thread;
+    writers use 1 and 8 MiB, so 1-byte chunks (a digest per byte) or 1 TiB ones (a whole file
+    in memory) in a manifest or a rank index are refused."""
     path, doc = valid_manifest(tmp_path)
     (record,) = [f for f in doc["files"] if f["path"].endswith(".safetensors")]
-    record["chunk_bytes"] = 1
-    with pytest.raises(ManifestError, match="chunk_bytes must be an integer >= 4096"):
+    record["chunk_bytes"] = chunk_bytes
+    with pytest.raises(ManifestError, match=f"chunk_bytes must be .*{refusal}"):
         Manifest.from_json(json.dumps(doc).encode())
+    index = json.loads(index_of(tmp_path / "ckpt"))
+    index["files"][0].update(block_bytes=chunk_bytes, block_digests=["0" * 64] * -(-index["files"][0]["size_bytes"]
+                                                                                      // chunk_bytes))
+    with pytest.raises(CorruptShardError, match=f"blocks of {chunk_bytes} bytes"):
+        RankIndex.from_json(json.dumps(index).encode(), where="i.json")
 
 
 def test_a_header_entry_past_the_end_of_its_file_is_refused_before_its_tensor_is_allocated(tmp_path):

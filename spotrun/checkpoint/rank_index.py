@@ -27,6 +27,7 @@ import blake3
 
 from spotrun.checkpoint import strict_json
 from spotrun.errors import CorruptShardError
+from spotrun.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
 INDEX_FORMAT = "spotrun-rank-index"
 
@@ -80,7 +81,10 @@ class RankIndex:
             for raw in doc["files"]:
                 item = IndexedFile(path=str(raw["path"]), size_bytes=int(raw["size_bytes"]),
                                    block_bytes=int(raw["block_bytes"]), block_digests=list(raw["block_digests"]))
-                if item.block_bytes < 1 or len(item.block_digests) != -(-item.size_bytes // item.block_bytes):
+                if not MIN_CHUNK_BYTES <= item.block_bytes <= MAX_CHUNK_BYTES:
+                    raise ValueError(f"file {item.path!r}: blocks of {item.block_bytes} bytes, not "
+                                     f"{MIN_CHUNK_BYTES} to {MAX_CHUNK_BYTES}")
+                if len(item.block_digests) != -(-item.size_bytes // item.block_bytes):
                     raise ValueError(f"file {item.path!r}: {len(item.block_digests)} block digests for "
                                      f"{item.size_bytes} bytes in blocks of {item.block_bytes}")
                 files.append(item)
