@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import pathlib
 import resource
 import subprocess
@@ -110,6 +111,16 @@ def manifest_grid_of_10_12_cells(root: pathlib.Path) -> None:
     path.write_text(json.dumps(doc))
 
 
+def manifest_shape_of_4_times_the_data_bytes(root: pathlib.Path) -> None:
+    """As many float32 elements as the data files have bytes left: the manifest parses (an
+    element takes at least a byte), the tensor it asks for is 4x the files."""
+    path, doc = manifest_doc(root)
+    others = sum(math.prod(r["shape"]) for n, r in doc["tensors"].items() if n != "model/weight")
+    data_bytes = sum(f["size_bytes"] for f in doc["files"] if f["path"].endswith(".safetensors"))
+    doc["tensors"]["model/weight"].update(shape=[data_bytes - others], grid=[1])
+    path.write_text(json.dumps(doc))
+
+
 def reseal_index(root: pathlib.Path, index_text: str) -> None:
     """Replace rank 0's index of step 2 and record its size and SHA-256 in the manifest, as a
     writer does."""
@@ -140,8 +151,10 @@ def index_repeated_key(root: pathlib.Path) -> None:
 
 
 EDITS = [manifest_state_nested_deep, manifest_repeated_key, manifest_shape_2_40_squared, manifest_grid_of_10_12_cells,
-         index_nested_deep, index_repeated_key]
-REASONS = {  # what the one line about step 2 says
+         manifest_shape_of_4_times_the_data_bytes, index_nested_deep, index_repeated_key]
+REASONS = {  # what the one line about step 2 says (verify's and restore's, when they differ)
+    manifest_shape_of_4_times_the_data_bytes: ("tensor model/weight is stored as F32[4, 4]",
+                                               "bytes is larger than the"),
     manifest_state_nested_deep: "nested more than 128 levels deep",
     manifest_repeated_key: "names the key 'reason' twice",
     manifest_shape_2_40_squared: "holds more elements than the",
@@ -163,6 +176,7 @@ def test_an_edited_newest_step_is_refused_by_every_reader_and_restore_resumes_th
     at_1 = save_two_steps(root)
     edit(root)
     reason = REASONS[edit]
+    reason, restore_reason = reason if isinstance(reason, tuple) else (reason, reason)
 
     verify = limited(["-m", "spotrun", "verify", str(root), "--step", "2"])
     out = verify.stdout.decode()
@@ -184,7 +198,7 @@ def test_an_edited_newest_step_is_refused_by_every_reader_and_restore_resumes_th
     if manifest_refused:  # the catalog lists step 2 as corrupt: never tried, never complete
         assert fallbacks == [], log
     else:  # tried, refused, un-committed
-        assert len(fallbacks) == 1 and reason in fallbacks[0] and "falling back to step 1" in fallbacks[0], log
+        assert len(fallbacks) == 1 and restore_reason in fallbacks[0] and "falling back to step 1" in fallbacks[0], log
 
     after = ls(root)
     assert after[1]["status"] == "complete"

@@ -26,7 +26,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from spotrun.checkpoint.fencing import Fences, read_fences
-from spotrun.checkpoint.strict_json import MANIFEST_MAX_BYTES
 from spotrun.checkpoint.layout import (
     DELETION_MARKER_NAME,
     INCARNATIONS_DIR,
@@ -36,6 +35,7 @@ from spotrun.checkpoint.layout import (
     parse_step_dir,
     step_dir,
 )
+from spotrun.checkpoint.strict_json import MANIFEST_MAX_BYTES
 from spotrun.errors import ManifestError, NoCheckpointError, ObjectNotFoundError
 from spotrun.manifest import Manifest
 from spotrun.storage.base import ObjectInfo, Storage
