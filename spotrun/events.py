@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spotrun import process_local
+from spotrun.checkpoint import strict_json
 from spotrun.errors import ConfigError, ObjectNotFoundError, UnsafeObjectError
 from spotrun.storage.base import Storage
 
@@ -136,7 +137,7 @@ def parse_records(data: bytes, where: str) -> tuple[dict[str, Any], ...]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = strict_json.loads(line.encode(), max_bytes=None, what="event record")  # no RecursionError
         except ValueError:
             record = None
         if not isinstance(record, dict) or not isinstance(record.get("event"), str) \

@@ -53,12 +53,14 @@ Every format is still read.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from spotrun.checkpoint.chunks import ChunkLayout
+from spotrun.checkpoint import strict_json
+from spotrun.checkpoint.chunks import ChunkLayout, brief
 from spotrun.errors import ManifestError
 
 FORMAT_NAME = "spotrun-checkpoint"
@@ -66,6 +68,18 @@ FORMAT_VERSION = 4
 MANIFEST_NAME = "manifest.json"
 #: ``TensorRecord.stored_as`` of a tensor kept as its raw bytes (a 1-D uint8 tensor).
 STORED_AS_BYTES = "bytes"
+#: How the name of a rank index file (format 4) ends; every other file holds tensor data.
+INDEX_SUFFIX = ".index.json"
+#: Smallest and largest checksum chunk a manifest (or a rank index, its blocks) may record:
+#: writers use 1 MiB and 8 MiB; a reader keeps a digest per chunk (a tiny chunk: a digest per
+#: byte or so) and holds up to a chunk per read thread (a huge one: the whole file at once).
+MIN_CHUNK_BYTES = 4096
+MAX_CHUNK_BYTES = 64 * 2**20
+#: Largest size of one dimension: torch's (a signed 64-bit integer).
+MAX_DIM = 2**63 - 1
+#: Fewest bytes of a chunk's entry in a rank index (``"k":[0,0,0],``): a grid cell that holds
+#: elements is an entry in its writer's index, which bounds how many cells a grid may have.
+MIN_INDEX_ENTRY_BYTES = 12
 
 
 @dataclass(frozen=True)
@@ -167,6 +181,13 @@ class Manifest:
         """Total bytes of all files (the manifest itself excluded)."""
         return sum(f.size_bytes for f in self.files)
 
+    @functools.cached_property
+    def data_bytes(self) -> int:
+        """Total bytes of the files that hold tensors (rank indexes excluded): what any tensor
+        read from this step may hold at most (the catalog checked these sizes against storage).
+        Computed once: a restore asks for every tensor it allocates."""
+        return sum(f.size_bytes for f in self.files if not f.path.endswith(INDEX_SUFFIX))
+
     def to_json(self) -> bytes:
         """Serialise to UTF-8 JSON on one line (strict: no NaN tokens).
 
@@ -185,13 +206,20 @@ class Manifest:
     def from_json(cls, data: bytes, *, where: str = "manifest") -> "Manifest":
         """Parse and validate.
 
+        Parsed within limits (:mod:`spotrun.checkpoint.strict_json`: size, nesting, no
+        repeated key), and every shape and chunk grid bounded by the bytes of the step's files
+        before anything is built from it.
+
         Raises:
-            ManifestError: not JSON, not a spotrun manifest, a newer format, or a field of
-                the wrong type; the message says which and where.
+            ManifestError: not JSON, over a limit, not a spotrun manifest, a newer format, a
+                field of the wrong type, tensors larger than the files could hold; the message
+                says which and where.
         """
         try:
-            doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
-        except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+            doc = strict_json.loads(data, max_bytes=strict_json.MANIFEST_MAX_BYTES, what="manifest")
+        except strict_json.StrictJSONError as exc:
+            raise ManifestError(f"{where} is refused: {exc}") from exc
+        except ValueError as exc:  # UnicodeDecodeError, json.JSONDecodeError
             raise ManifestError(f"{where} is not valid JSON: {exc}") from exc
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise ManifestError(f"{where} is not a spotrun checkpoint manifest")
@@ -219,10 +247,6 @@ def _tensor_json(record: TensorRecord) -> dict[str, Any]:
     return doc
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
 def _int(value: Any, name: str, minimum: int = 0) -> int:
     if type(value) is not int or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -237,6 +261,9 @@ def _str(value: Any, name: str) -> str:
 
 def _parse_v1(doc: dict[str, Any]) -> Manifest:
     world_size = _int(doc["world_size"], "world_size", 1)
+    rank_state = doc["rank_state"]  # first: its length bounds world_size by the document's size
+    if not isinstance(rank_state, list) or len(rank_state) != world_size:
+        raise ValueError(f"rank_state must list {world_size} entries (one per rank)")
     files = []
     for raw in doc["files"]:
         path = _str(raw["path"], "files[].path")
@@ -244,16 +271,14 @@ def _parse_v1(doc: dict[str, Any]) -> Manifest:
             raise ValueError(f"file path {path!r} escapes the step directory")
         files.append(_file_record(raw, path))
     file_paths = {f.path for f in files}
+    bounds = _Bounds(files, world_size, len(doc["tensors"]))
     tensors = {}
     for name, raw in doc["tensors"].items():
-        tensors[name] = _tensor_record(name, raw, file_paths)
+        tensors[name] = _tensor_record(name, raw, file_paths, bounds)
     aliases = {_str(k, "aliases key"): _str(v, "aliases value") for k, v in doc.get("aliases", {}).items()}
     for alias, target in aliases.items():
         if target not in tensors:
             raise ValueError(f"alias {alias!r} points at unknown tensor {target!r}")
-    rank_state = doc["rank_state"]
-    if not isinstance(rank_state, list) or len(rank_state) != world_size:
-        raise ValueError(f"rank_state must list {world_size} entries (one per rank)")
     if not isinstance(doc["state"], dict) or not all(isinstance(r, dict) for r in rank_state):
         raise ValueError("state and every rank_state entry must be JSON objects")
     created = doc.get("created_unix_s", 0.0)
@@ -302,28 +327,66 @@ def _file_record(raw: dict[str, Any], path: str) -> FileRecord:
     if algorithm not in CHECKSUM_ALGORITHMS:
         raise ValueError(f"file {path!r} has checksum algorithm {algorithm!r}; this spotrun knows "
                          f"{sorted(CHECKSUM_ALGORITHMS)}")
-    chunk_bytes = _int(raw["chunk_bytes"], "files[].chunk_bytes", 1) if algorithm != "sha256" else None
+    chunk_bytes = _int(raw["chunk_bytes"], "files[].chunk_bytes", MIN_CHUNK_BYTES) if algorithm != "sha256" else None
+    if chunk_bytes is not None and chunk_bytes > MAX_CHUNK_BYTES:
+        raise ValueError(f"files[].chunk_bytes must be at most {MAX_CHUNK_BYTES}, got {chunk_bytes}")
     return FileRecord(path=path, rank=rank, size_bytes=size_bytes, digest=_str(raw["digest"], "files[].digest"),
                       algorithm=algorithm, chunk_bytes=chunk_bytes)
 
 
-def _tensor_record(name: str, raw: dict[str, Any], file_paths: set[str]) -> TensorRecord:
+class _Bounds:
+    """What the files of a step can hold, to check each tensor record against before anything
+    is sized from it: every element takes at least a byte of a data file (no dtype is
+    smaller), and every grid cell either is one of at most ``world_size`` a tensor is cut into
+    (DTensor placements over a mesh) or holds elements, and then has an entry in its writer's
+    index."""
+
+    def __init__(self, files: list[FileRecord], world_size: int, tensor_count: int) -> None:
+        self.data_bytes = sum(f.size_bytes for f in files if not f.path.endswith(INDEX_SUFFIX))
+        self.elements_left = self.data_bytes
+        self.world_size = world_size
+        self.indexed_cells = sum(f.size_bytes for f in files if f.path.endswith(INDEX_SUFFIX)) // MIN_INDEX_ENTRY_BYTES
+        self.cells_left = tensor_count * world_size + self.indexed_cells
+
+    def take(self, name: str, shape: list[int]) -> int:
+        """Count ``shape``'s elements against the data files; the most grid cells it may have.
+
+        Raises:
+            ValueError: more elements than the files' bytes could hold.
+        """
+        elements = 0 if 0 in shape else 1
+        for d in shape if elements else ():  # stops early: a hostile shape never builds a huge integer
+            elements *= d
+            if elements > self.elements_left:
+                raise ValueError(f"tensor {name!r} of shape {brief(shape)} holds more elements than the "
+                                 f"{self.data_bytes} bytes of the step's data files could hold")
+        self.elements_left -= elements
+        return min(max(self.world_size, min(elements, self.indexed_cells)), self.cells_left)
+
+
+def _tensor_record(name: str, raw: dict[str, Any], file_paths: set[str], bounds: _Bounds) -> TensorRecord:
     """One entry of ``tensors`` (checked without building a message per field: a manifest
     may list millions)."""
     if "file" not in raw:  # format 4: chunks
         dtype, shape = raw["dtype"], raw["shape"]
-        if type(dtype) is not str or type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
-            raise ValueError(f"tensors[{name}] needs a dtype string and a shape of integers >= 0, got {raw!r}")
+        if type(dtype) is not str or type(shape) is not list or not all(type(d) is int and 0 <= d <= MAX_DIM
+                                                                        for d in shape):
+            raise ValueError(f"tensors[{name}] needs a dtype string and a shape of integers from 0 to {MAX_DIM}, "
+                             f"got {brief(raw)}")
+        layout = ChunkLayout.from_json(shape, raw, max_cells=bounds.take(name, shape))
+        if layout.grid is not None:
+            bounds.cells_left -= math.prod(layout.grid)
         return TensorRecord(file=None, dtype=dtype, shape=shape, stored_as=_stored_as(raw.get("stored_as"), name),
-                            chunks=ChunkLayout.from_json(shape, raw))
+                            chunks=layout)
     file, dtype, shape, offsets = raw["file"], raw["dtype"], raw["shape"], raw.get("offsets")
     if type(file) is not str or type(dtype) is not str:
-        raise ValueError(f"tensors[{name}].file and .dtype must be strings, got {raw!r}")
+        raise ValueError(f"tensors[{name}].file and .dtype must be strings, got {brief(raw)}")
     if type(shape) is not list:
-        raise ValueError(f"tensors[{name}].shape must list integers >= 0, got {shape!r}")
+        raise ValueError(f"tensors[{name}].shape must list integers >= 0, got {brief(shape)}")
     for d in shape:
-        if type(d) is not int or d < 0:
-            raise ValueError(f"tensors[{name}].shape must list integers >= 0, got {shape!r}")
+        if type(d) is not int or not 0 <= d <= MAX_DIM:
+            raise ValueError(f"tensors[{name}].shape must list integers from 0 to {MAX_DIM}, got {brief(shape)}")
+    bounds.take(name, shape)
     if offsets is not None:
         offsets = [_int(o, f"tensors[{name}].offsets[]") for o in offsets]
     if file not in file_paths:

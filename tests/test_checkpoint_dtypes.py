@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import save as safetensors_save
+from safetensors.torch import load as safetensors_load, save as safetensors_save
 
 import spotrun
 from spotrun.checkpoint import catalog
@@ -171,7 +171,11 @@ def _as_old_writer(tmp_path) -> None:
     (name,) = [n for n, r in doc["tensors"].items() if r["dtype"] == "float8_e8m0fnu"]
     (path,) = chunk_files(tmp_path, 2)[name]
     shard = tmp_path / file_key(2, path)
-    data = safetensors_save({"extra/scales": torch.ones(3, dtype=torch.float8_e8m0fnu)})
+    # the file keeps its other tensors (a file too small for the tensors its manifest lists is
+    # a corrupt step before any dtype is looked at: issue 21)
+    tensors = safetensors_load(shard.read_bytes())
+    tensors[name] = torch.ones(3, dtype=torch.float8_e8m0fnu)
+    data = safetensors_save(tensors)
     shard.write_bytes(data)
     # format 1: whole tensors named by file, each file's SHA-256, no index files
     for tensor_name, record in doc["tensors"].items():

@@ -36,6 +36,7 @@ from spotrun.checkpoint.layout import (
     parse_step_dir,
     step_dir,
 )
+from spotrun.checkpoint.strict_json import MANIFEST_MAX_BYTES
 from spotrun.errors import ManifestError, NoCheckpointError, ObjectNotFoundError, UnsafeObjectError
 from spotrun.manifest import Manifest
 from spotrun.storage.base import ObjectInfo, Storage
@@ -244,6 +245,9 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
 
 def _check_manifest(storage: Storage, step: int, key: str, incarnation: int | None,
                     sizes: dict[str, int], result) -> StepInfo:
+    if sizes[key] > MANIFEST_MAX_BYTES:  # refused by its listed size, before it is read
+        return result(CORRUPT, f"{storage.uri}/{key} is refused: {sizes[key]} bytes, more than the "
+                               f"{MANIFEST_MAX_BYTES} a manifest may have", None, key)
     manifest = _read(storage, key)
     if manifest is None:
         return result(INCOMPLETE, f"{key} disappeared while listing")

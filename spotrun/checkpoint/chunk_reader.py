@@ -40,6 +40,7 @@ from spotrun.checkpoint.layout import file_key
 from spotrun.checkpoint.rank_index import RankIndex, chunk_key
 from spotrun.checkpoint.step_checks import block_problems, parse_index
 from spotrun.checkpoint.verify_tensors import ShardHeader, check_chunk, coverage_problem, read_header
+from spotrun.checkpoint.strict_json import INDEX_MAX_BYTES
 from spotrun.checkpoint.reader import _dtype_info, _read
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, byte_view
 from spotrun.errors import CorruptShardError
@@ -172,6 +173,9 @@ class ChunkReader:
         if record is None:
             raise CorruptShardError(f"step {step}: the manifest lists no index of rank {rank}")
         where = self._where(record.path)
+        if record.size_bytes > INDEX_MAX_BYTES:  # its size on storage (the catalog checked): not read
+            raise CorruptShardError(f"{where}: {record.size_bytes} bytes, more than the {INDEX_MAX_BYTES} "
+                                    "a rank index may have")
         data = self._storage.get(file_key(step, record.path))
         self.bytes_read += len(data)
         try:  # the checks spotrun verify makes of it

@@ -120,11 +120,16 @@ class ChunkLayout:
         return {"chunks": [[list(c.offsets), list(c.lengths), c.writer] for c in self._chunks]}
 
     @classmethod
-    def from_json(cls, shape: list[int], raw: dict[str, Any]) -> "ChunkLayout":
+    def from_json(cls, shape: list[int], raw: dict[str, Any], *, max_cells: int | None = None) -> "ChunkLayout":
         """Parse the manifest form.
 
+        ``max_cells``: the most cells a grid may have (what the step's files can hold:
+        :class:`spotrun.manifest.Manifest` says), checked before any list of cells or
+        writers is built.
+
         Raises:
-            ValueError: malformed, or chunks outside ``shape``.
+            ValueError: malformed, chunks outside ``shape``, or a grid of more cells than
+                ``max_cells``.
         """
         if "grid" in raw:
             grid = raw["grid"]
@@ -132,9 +137,15 @@ class ChunkLayout:
             if type(writers) is list and len(writers) == 1 and type(writers[0]) is int and writers[0] >= 0 \
                     and type(grid) is list and len(grid) == len(shape) and all(p == 1 for p in grid):
                 return cls(shape, grid=grid, writers=writers)  # a whole tensor (the common case)
-            if type(grid) is not list or not all(type(p) is int for p in grid):
-                raise ValueError(f"grid must list integers, got {grid!r}")
-            return cls(shape, grid=grid, writers=expand_ranks(raw["writers"], math.prod(grid)))
+            if type(grid) is not list or len(grid) != len(shape) or not all(type(p) is int and p >= 1 for p in grid):
+                raise ValueError(f"grid must list {len(shape)} integers >= 1, got {brief(grid)}")
+            cells = 1
+            for parts in grid:  # stops early: a hostile grid never builds a huge integer or list
+                cells *= parts
+                if max_cells is not None and cells > max_cells:
+                    raise ValueError(f"grid {brief(grid)} of shape {brief(shape)} has more cells than the "
+                                     f"{max_cells} the step's files can hold")
+            return cls(shape, grid=grid, writers=expand_ranks(raw["writers"], cells))
         chunks = []
         for item in raw["chunks"]:
             offsets, lengths, writer = item
@@ -157,6 +168,12 @@ class ChunkLayout:
         if grid is not None:
             return cls(shape, grid=grid[0], writers=grid[1])
         return cls(shape, chunks=sorted(chunks, key=lambda c: c.offsets))
+
+
+def brief(value: Any) -> str:
+    """``repr(value)``, cut to 80 characters (a hostile list in a one-line message)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _product(ranges: tuple[tuple[int, int], ...]) -> list[tuple[int, ...]]:

@@ -29,6 +29,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
+from spotrun.checkpoint import strict_json
 from spotrun.checkpoint.layout import INCARNATIONS_DIR, incarnation_key, parse_incarnation_key
 from spotrun.errors import FencedError, ObjectExistsError, ObjectNotFoundError, StorageError, UnsafeObjectError
 from spotrun.storage.base import ObjectInfo, Storage
@@ -78,7 +79,7 @@ def _record_infos(objects: list[ObjectInfo]) -> dict[int, str]:
 
 
 def _parse(data: bytes, where: str) -> dict:
-    doc = json.loads(data.decode("utf-8"))
+    doc = strict_json.loads(data, max_bytes=strict_json.RECORD_MAX_BYTES, what="incarnation record")
     if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
         raise ValueError(f"{where} is not a spotrun incarnation record")
     resumed = doc["resumed"]
@@ -246,7 +247,8 @@ def newest_claim(storage: Storage) -> Claim | None:
         return None
     number = max(keys)
     try:
-        doc = json.loads(storage.get(keys[number]).decode("utf-8"))
+        doc = strict_json.loads(storage.get(keys[number]), max_bytes=strict_json.RECORD_MAX_BYTES,
+                                what="incarnation record")
     except (StorageError, ValueError, UnicodeDecodeError) as exc:
         log.warning("incarnation record %s/%s is unreadable (%s)", storage.uri, keys[number], exc)
         return Claim(number)

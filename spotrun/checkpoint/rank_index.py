@@ -25,7 +25,9 @@ import json
 from dataclasses import dataclass
 import blake3
 
+from spotrun.checkpoint import strict_json
 from spotrun.errors import CorruptShardError
+from spotrun.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
 INDEX_FORMAT = "spotrun-rank-index"
 
@@ -68,17 +70,21 @@ class RankIndex:
         """Parse and check an index (its bytes already verified against the manifest).
 
         Raises:
-            CorruptShardError: malformed, or a chunk outside its file.
+            CorruptShardError: malformed, over a limit (:mod:`spotrun.checkpoint.strict_json`),
+                or a chunk outside its file.
         """
         try:
-            doc = json.loads(data.decode("utf-8"))
+            doc = strict_json.loads(data, max_bytes=strict_json.INDEX_MAX_BYTES, what="rank index")
             if doc.get("format") != INDEX_FORMAT:
                 raise ValueError("not a spotrun rank index")
             files = []
             for raw in doc["files"]:
                 item = IndexedFile(path=str(raw["path"]), size_bytes=int(raw["size_bytes"]),
                                    block_bytes=int(raw["block_bytes"]), block_digests=list(raw["block_digests"]))
-                if item.block_bytes < 1 or len(item.block_digests) != -(-item.size_bytes // item.block_bytes):
+                if not MIN_CHUNK_BYTES <= item.block_bytes <= MAX_CHUNK_BYTES:
+                    raise ValueError(f"file {item.path!r}: blocks of {item.block_bytes} bytes, not "
+                                     f"{MIN_CHUNK_BYTES} to {MAX_CHUNK_BYTES}")
+                if len(item.block_digests) != -(-item.size_bytes // item.block_bytes):
                     raise ValueError(f"file {item.path!r}: {len(item.block_digests)} block digests for "
                                      f"{item.size_bytes} bytes in blocks of {item.block_bytes}")
                 files.append(item)

@@ -17,7 +17,6 @@ fails the start.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spotrun.checkpoint import strict_json
 from spotrun.checkpoint.dtypes import dtype_from_name, refusal
 from spotrun.checkpoint.shard import SAFETENSORS_MAX_HEADER_BYTES
 from spotrun.checkpoint.stream import CHUNKED_BLAKE3, CHUNKED_SHA256, SAFETENSORS_CODES, ChunkDigests, byte_view, chunk_ranges, copy_bytes
@@ -64,22 +64,26 @@ def fits(tensor: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
             and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg())
 
 
-def _destination(record: TensorRecord, given: torch.Tensor | None, where: str) -> tuple[torch.Tensor, str, list[int], int]:
-    """The tensor to read ``record``'s bytes into - ``given`` when it is a contiguous CPU
-    tensor of the recorded dtype and shape, else a new one - and the safetensors dtype
-    code, shape and byte count the file must hold for it."""
+def _stored_form(record: TensorRecord, where: str) -> tuple[torch.dtype, str, list[int], int]:
+    """The dtype of ``record``, and the safetensors dtype code, shape and byte count the file
+    must hold for it (nothing is allocated: the caller checks these against the file first)."""
     dtype, problem = _dtype_info(record.dtype)
     if problem is not None:
         raise CorruptShardError(f"{where}: {problem}")
     assert dtype is not None
     nbytes = math.prod(record.shape) * dtype.itemsize
     if record.stored_as == STORED_AS_BYTES:
-        code, shape = "U8", [nbytes]
-    else:
-        code, shape = SAFETENSORS_CODES.get(dtype, "?"), record.shape
+        return dtype, "U8", [nbytes], nbytes
+    return dtype, SAFETENSORS_CODES.get(dtype, "?"), record.shape, nbytes
+
+
+def _destination(record: TensorRecord, dtype: torch.dtype, given: torch.Tensor | None) -> torch.Tensor:
+    """The tensor to read ``record``'s bytes into: ``given`` when it is a contiguous CPU
+    tensor of the recorded dtype and shape, else a new one (sized by the manifest: call only
+    once the file's header has shown that the file holds that many bytes)."""
     if given is not None and fits(given, dtype, record.shape):
-        return given.detach(), code, shape, nbytes
-    return torch.empty(record.shape, dtype=dtype), code, shape, nbytes
+        return given.detach()
+    return torch.empty(record.shape, dtype=dtype)
 
 
 def read_header(storage: Storage, key: str, size_bytes: int, *, where: str) -> tuple[dict, bytes]:
@@ -102,7 +106,7 @@ def read_header(storage: Storage, key: str, size_bytes: int, *, where: str) -> t
     header_raw = bytearray(header_bytes)
     _read(storage, key, 8, [memoryview(header_raw)], where)
     try:
-        header = json.loads(header_raw.decode("utf-8"))
+        header = strict_json.loads(header_raw, max_bytes=None, what="safetensors header")  # bounded above
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
     except (UnicodeDecodeError, ValueError) as exc:
@@ -155,7 +159,9 @@ def read_shard_into(
     for name, entry in sorted(parsed.entries.items(), key=lambda item: (item[1].begin, item[1].end)):
         target = None
         if name in wanted:
-            tensor, _, _, nbytes = _destination(wanted[name], destinations.get(name), f"{where}: tensor {name!r}")
+            # entry_problem above showed the file holds these bytes: only now is anything allocated
+            dtype, _, _, nbytes = _stored_form(wanted[name], f"{where}: tensor {name!r}")
+            tensor = _destination(wanted[name], dtype, destinations.get(name))
             tensors[name] = tensor
             target = byte_view(tensor) if nbytes else None
         if entry.end > entry.begin:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -411,7 +412,7 @@ def _fetch_chunked(reader: ChunkReader, manifest: Manifest, names: list[str],
             if dest is not None and fits(dest, dtype, record.shape):
                 into, result = dest.detach(), dest
             else:  # load_state_dict copies (casts) it into the object
-                into = result = torch.empty(record.shape, dtype=dtype)
+                into = result = _allocate(manifest, record.shape, dtype, target)
         reads.append(BoxRead(target, record, box, into))
         loaded[target] = loaded[name] = result
     reader.read(reads)
@@ -419,6 +420,20 @@ def _fetch_chunked(reader: ChunkReader, manifest: Manifest, names: list[str],
         for dest, into in copies:
             dest.copy_(into)
     return loaded
+
+
+def _allocate(manifest: Manifest, shape: list[int], dtype: torch.dtype, name: str) -> torch.Tensor:
+    """A new tensor of a shape the manifest gives, once the step's data files (their sizes as
+    stored: the catalog checked them) are shown to hold that many bytes.
+
+    Raises:
+        CorruptShardError: they do not.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > manifest.data_bytes:
+        raise CorruptShardError(f"step {manifest.step}: tensor {name!r} of {nbytes} bytes is larger than the "
+                                f"{manifest.data_bytes} bytes of the step's data files")
+    return torch.empty(shape, dtype=dtype)
 
 
 def _checked(content: dict[str, torch.Tensor], name: str, manifest: Manifest, key: str) -> torch.Tensor:

@@ -48,6 +48,7 @@ from spotrun.checkpoint.catalog import (
 from spotrun.checkpoint.layout import file_key, parse_manifest_name, step_dir
 from spotrun.checkpoint.rank_index import IndexedFile, RankIndex
 from spotrun.checkpoint.step_checks import block_problems, parse_index, skeleton_problems
+from spotrun.checkpoint.strict_json import INDEX_MAX_BYTES
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, WHOLE_SHA256, ChunkDigests, chunk_ranges
 from spotrun.checkpoint.verify_tensors import Finding, ShardHeader, check_chunks, check_whole_tensors, read_header
 from spotrun.errors import CorruptShardError, NoCheckpointError, ObjectNotFoundError, ObjectTooShortError
@@ -262,6 +263,9 @@ class _StepCheck:
     def _load_index(self, record: FileRecord) -> RankIndex | None:
         """A rank's index, verified against the manifest (:func:`~spotrun.checkpoint.step_checks.parse_index`,
         as a restore does); ``None`` (reported) when it is not right."""
+        if record.size_bytes > INDEX_MAX_BYTES:  # not read
+            self._add(record.path, f"{record.size_bytes} bytes, more than the {INDEX_MAX_BYTES} a rank index may have")
+            return None
         try:
             data = self._storage.get(file_key(self._step, record.path))
         except ObjectNotFoundError:

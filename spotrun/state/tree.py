@@ -27,9 +27,15 @@ from typing import Any
 import torch
 
 from spotrun.checkpoint.dtypes import check_storable
+from spotrun.checkpoint.strict_json import MAX_DEPTH
 from spotrun.errors import ManifestError, StateSerializationError
 
 _TAGS = ("__tensor__", "__tuple__", "__dict__", "__float__")
+#: Deepest nesting of a skeleton's JSON (a tuple takes two levels, a dict with int keys three):
+#: a manifest holds each skeleton three levels down (``rank_state``, its rank, the name) and a
+#: reader refuses a manifest nested deeper than :data:`~spotrun.checkpoint.strict_json.MAX_DEPTH`,
+#: so a deeper state is refused when it is saved, not when it is needed.
+MAX_SKELETON_DEPTH = MAX_DEPTH - 3
 
 
 def _plain_key(key: object) -> bool:
@@ -48,14 +54,16 @@ def encode(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
         caller's tensors, not copies).
 
     Raises:
-        StateSerializationError: a value of another type; the message names its key path.
+        StateSerializationError: a value of another type, or nested deeper than
+            :data:`MAX_SKELETON_DEPTH`; the message names its key path.
     """
     tensors: dict[str, torch.Tensor] = {}
-    skeleton = _encode(value, prefix, tensors)
+    skeleton = _encode(value, prefix, tensors, 0)
     return skeleton, tensors
 
 
-def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor], depth: int) -> Any:
+    """``depth``: the JSON levels around ``value`` in the skeleton."""
     if isinstance(value, torch.Tensor):
         if value.layout != torch.strided:
             raise StateSerializationError(
@@ -64,6 +72,7 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
         check_storable(value, path)
         if path in tensors:
             raise StateSerializationError(f"two tensors would be stored under the name {path!r}")
+        _check_depth(depth + 1, path)
         tensors[path] = value
         return {"__tensor__": path}
     if value is None or type(value) in (bool, int, str):
@@ -72,24 +81,36 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
         return value if math.isfinite(value) else {"__float__": repr(value)}
     if isinstance(value, dict):
         if all(_plain_key(k) for k in value):
-            return {k: _encode(v, f"{path}/{k}", tensors) for k, v in value.items()}
+            _check_depth(depth + 1, path)
+            return {k: _encode(v, f"{path}/{k}", tensors, depth + 1) for k, v in value.items()}
+        _check_depth(depth + 3, path)
         items = []
         for k, v in value.items():
             if type(k) not in (str, int):
                 raise StateSerializationError(
                     f"state key {k!r} under {path!r} is a {type(k).__name__}; keys must be str or int"
                 )
-            items.append([k, _encode(v, f"{path}/{k}", tensors)])
+            items.append([k, _encode(v, f"{path}/{k}", tensors, depth + 3)])
         return {"__dict__": items}
     if isinstance(value, list):
-        return [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
+        _check_depth(depth + 1, path)
+        return [_encode(v, f"{path}/{i}", tensors, depth + 1) for i, v in enumerate(value)]
     if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]}
+        _check_depth(depth + 2, path)
+        return {"__tuple__": [_encode(v, f"{path}/{i}", tensors, depth + 2) for i, v in enumerate(value)]}
     raise StateSerializationError(
         f"state value {path!r} has type {type(value).__module__}.{type(value).__qualname__}, "
         "which is neither a tensor nor JSON-serialisable (str, int, float, bool, None, "
         "list, tuple, dict); convert it to one of those or to a tensor"
     )
+
+
+def _check_depth(depth: int, path: str) -> None:
+    if depth > MAX_SKELETON_DEPTH:
+        raise StateSerializationError(
+            f"state value {path[:200]!r} is nested more than {MAX_SKELETON_DEPTH} levels deep (a tuple takes "
+            "two levels, a dict with int keys three); a checkpoint holds no deeper state"
+        )
 
 
 def tensor_names(skeleton: Any) -> list[str]:

@@ -27,7 +27,7 @@ import socket
 import time
 from collections.abc import Sequence
 
-from spotrun.checkpoint import catalog
+from spotrun.checkpoint import catalog, strict_json
 from spotrun.checkpoint.catalog import StepInfo
 from spotrun.errors import ObjectNotFoundError, SpotrunError
 from spotrun.logs import utc_iso_ms
@@ -109,7 +109,8 @@ def finished_step(storage: Storage, command: Sequence[str]) -> StepInfo | None:
     key = record_key(command)
     try:
         with storage.deadline(RECORD_TIMEOUT_S):
-            record = json.loads(storage.get(key))
+            record = strict_json.loads(storage.get(key), max_bytes=strict_json.RECORD_MAX_BYTES,
+                                       what="finished-run record")
             newest = catalog.newest_complete(storage)
     except ObjectNotFoundError:
         return None
