@@ -219,6 +219,9 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
     for incarnation, key in manifests:
         newer = fences.fenced_by(incarnation, step)
         if newer is not None:
+            checked = _check_manifest(storage, step, key, incarnation, sizes, result)
+            if checked.status == CORRUPT:  # damaged whoever fenced it: `ls` says what is wrong
+                return checked
             fenced.append(
                 f"{key[len(prefix):]} was committed by incarnation {incarnation} after incarnation "
                 f"{newer} started from "

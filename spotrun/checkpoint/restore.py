@@ -222,10 +222,10 @@ def _complete_newest_first(storage: Storage, supervisor_step: int | None) -> lis
     complete = [s for s in steps if s.status == catalog.COMPLETE]
     complete.sort(key=lambda s: s.step, reverse=True)
     newest_complete = complete[0].step if complete else -1
-    for skipped in sorted((s for s in steps if s.status == catalog.CORRUPT and s.step > newest_complete),
-                          key=lambda s: s.step, reverse=True):
-        # Found corrupt by the listing itself (a size, a link, a manifest that does not parse):
-        # said once per start, as a step that fails verification on load is.
+    # Found corrupt by the listing itself (a size, a link, a manifest that does not parse): said
+    # once per start, as a step that fails on load is; under `spotrun run` the supervisor said it.
+    for skipped in [s for s in steps if s.status == catalog.CORRUPT and s.step > newest_complete
+                    and supervisor_step is None]:
         log.warning("checkpoint step %d is corrupt (%s); skipped", skipped.step, skipped.problem)
     if supervisor_step is not None and complete and complete[0].step != supervisor_step:
         log.info("the supervisor chose step %d; the newest complete step is now %d",
