@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.checkpoint.restore import StepVerdict, judge
+from spotrun.checkpoint.verdict import StepVerdict, judge
 
 CORRUPT = {"corrupt": True, "message": "shard 1: checksum mismatch"}
 MISSING = {"corrupt": False, "message": "ObjectNotFoundError: no such key"}

@@ -29,14 +29,19 @@ sys.path.insert(0, str(WORKER.parent))
 import sharded_job  # noqa: E402  (the worker's model and job, also run in this process)
 
 
-def run(nproc: int, jobs: list[dict], out: pathlib.Path) -> list[dict]:
+def run_with_stderr(nproc: int, jobs: list[dict], out: pathlib.Path) -> tuple[list[dict], str]:
+    """Run the sharded worker's ``jobs`` on ``nproc`` ranks: (its results, torchrun's stderr)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
          str(WORKER), "--jobs", json.dumps(jobs), "--out", str(out)],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stderr
+
+
+def run(nproc: int, jobs: list[dict], out: pathlib.Path) -> list[dict]:
+    return run_with_stderr(nproc, jobs, out)[0]
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,9 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import pathlib
 import random
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 
@@ -35,6 +33,7 @@ from spotrun.checkpoint.restore import load_step
 from spotrun.errors import CorruptShardError, StateMismatchError
 from spotrun.storage import LocalStorage
 from tests.ckpt_files import manifest_path
+from tests.test_sharded_state import run_with_stderr
 from tests.step_edits import edit_chunk_bytes, edit_header, edit_index, edit_manifest, redigest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -290,16 +289,6 @@ def test_the_jobs_own_load_state_dict_failing_stops_the_start_and_uncommits_noth
 # --- FSDP2 state saved by 2 ranks ---------------------------------------------------------------
 
 
-def run_worker(nproc: int, jobs: list[dict], out: pathlib.Path) -> tuple[list[dict], str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-         str(WORKER), "--jobs", json.dumps(jobs), "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text()), proc.stderr
-
-
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> tuple[pathlib.Path, dict]:
     """Steps 2 and 3 of an FSDP2 job on 2 ranks, and the digest of every parameter and AdamW
@@ -307,7 +296,7 @@ def sharded(tmp_path_factory) -> tuple[pathlib.Path, dict]:
     base = tmp_path_factory.mktemp("sharded")
     root = base / "ck"
     jobs = [{"layout": "fsdp", "ckpt": str(root), "steps": 2}, {"layout": "fsdp", "ckpt": str(root), "steps": 3}]
-    results, _ = run_worker(2, jobs, base / "out.json")
+    results, _ = run_with_stderr(2, jobs, base / "out.json")
     assert [r["restored"] for r in results] == [0, 2]
     return root, results[0]["tensors"]
 
@@ -375,7 +364,7 @@ def test_an_edit_only_one_rank_reads_makes_every_rank_fall_back_together(sharded
     root = pathlib.Path(shutil.copytree(source, tmp_path / "ck"))
     edit_header(root, 3, 1, set_dtype("model/up.weight@10,0", "I32"))
     redigest(root, 3)
-    [result], stderr = run_worker(2, [{"layout": "fsdp", "ckpt": str(root), "steps": 3}], tmp_path / "out.json")
+    [result], stderr = run_with_stderr(2, [{"layout": "fsdp", "ckpt": str(root), "steps": 3}], tmp_path / "out.json")
     assert result["restored"] == 2
     assert result["restored_tensors"] == expected
     lines = [line for line in stderr.splitlines() if "failed verification" in line]

@@ -31,6 +31,7 @@ from spotrun import dist
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.chunk_reader import BoxRead, ChunkReader, dtype_of
 from spotrun.checkpoint.sharded import is_dtensor, local_box
+from spotrun.checkpoint.verdict import judge
 from spotrun.checkpoint.layout import REJECTED_PREFIX, file_key
 from spotrun.checkpoint.dtypes import from_stored
 from spotrun.checkpoint.reader import fits, read_shard_into
@@ -224,9 +225,9 @@ def _complete_newest_first(storage: Storage, supervisor_step: int | None) -> lis
     newest_complete = complete[0].step if complete else -1
     # Found corrupt by the listing itself (a size, a link, a manifest that does not parse): said
     # once per start, as a step that fails on load is; under `spotrun run` the supervisor said it.
-    for skipped in [s for s in steps if s.status == catalog.CORRUPT and s.step > newest_complete
-                    and supervisor_step is None]:
-        log.warning("checkpoint step %d is corrupt (%s); skipped", skipped.step, skipped.problem)
+    if supervisor_step is None:
+        for skipped in [s for s in steps if s.status == catalog.CORRUPT and s.step > newest_complete]:
+            log.warning("checkpoint step %d is corrupt (%s); skipped", skipped.step, skipped.problem)
     if supervisor_step is not None and complete and complete[0].step != supervisor_step:
         log.info("the supervisor chose step %d; the newest complete step is now %d",
                  supervisor_step, complete[0].step)
@@ -257,39 +258,6 @@ def _try_load(storage: Storage, step: int, key: str, manifest: Manifest | None, 
     except Exception as exc:  # the job's own load_state_dict: never the step's fault to un-commit
         return None, {"corrupt": False, "mismatch": True, "message": f"{type(exc).__name__}: {exc}"}, exc
     return loaded, None, None
-
-
-@dataclass(frozen=True)
-class StepVerdict:
-    """What every rank does with a step that they all tried to load (:func:`judge`).
-
-    Attributes:
-        failures: rank -> why it could not load the step; empty: every rank loaded it.
-        mismatch: why the step does not fit this job (a rank's :class:`StateMismatchError`):
-            every rank refuses it rather than falling back; ``None`` otherwise.
-        corrupt: a file or manifest of the step is corrupt on some rank: rank 0 un-commits
-            the step (:func:`reject_step`) before every rank falls back to the next older one.
-    """
-
-    failures: dict[int, str]
-    mismatch: str | None = None
-    corrupt: bool = False
-
-    @property
-    def loads(self) -> bool:
-        """Whether every rank loaded the step."""
-        return not self.failures
-
-
-def judge(problems: list[dict | None]) -> StepVerdict:
-    """The verdict on one step from every rank's problem with it, indexed by rank: ``None``
-    where that rank loaded it, else ``{"message": str, "corrupt": bool}``, with
-    ``"mismatch": True`` when the step does not fit the job."""
-    failed = {rank: p for rank, p in enumerate(problems) if p is not None}
-    mismatched = [p["message"] for p in failed.values() if p.get("mismatch")]
-    return StepVerdict(failures={rank: p["message"] for rank, p in failed.items()},
-                       mismatch=mismatched[0] if mismatched else None,
-                       corrupt=any(p["corrupt"] for p in failed.values()))
 
 
 def read_whole_tensors(storage: Storage, manifest: Manifest, names: list[str],
