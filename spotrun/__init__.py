@@ -9,7 +9,7 @@ Library entry points used inside a training script:
   by their own means (no torch import: cheap to call every step).
 """
 
-__version__ = "0.1.0"
+from spotrun._version import __version__
 
 from spotrun.errors import (  # noqa: E402
     CheckpointError,
@@ -25,7 +25,7 @@ from spotrun.errors import (  # noqa: E402
     StateSerializationError,
     StorageError,
 )
-from spotrun.preemption import PreemptionNotice, on_preemption_notice, preemption_notice  # noqa: E402
+from spotrun.control.preemption import PreemptionNotice, on_preemption_notice, preemption_notice  # noqa: E402
 
 __all__ = [
     "Checkpointer",
@@ -53,11 +53,11 @@ def __getattr__(name: str):
     # The torch-dependent parts load on first use, so that `spotrun run` (the supervisor)
     # starts in milliseconds and handles a SIGTERM that arrives right after it starts.
     if name == "Checkpointer":
-        from spotrun.checkpointer import Checkpointer
+        from spotrun.train.checkpointer import Checkpointer
 
         return Checkpointer
     if name in ("ResumableDataLoader", "ResumableDistributedSampler"):
-        from spotrun import data
+        from spotrun.data import loader as data
 
         return getattr(data, name)
     raise AttributeError(f"module 'spotrun' has no attribute {name!r}")

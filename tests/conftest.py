@@ -47,7 +47,7 @@ def _close_what_is_left_open() -> None:
     dropped (their threads hold them; closing twice is harmless)."""
     import spotrun
     from spotrun.checkpoint.background import BackgroundSaver
-    from spotrun.events import EventLog
+    from spotrun.eventlog.records import EventLog
 
     kinds = ((spotrun.Checkpointer, "close"), (BackgroundSaver, "shutdown"), (EventLog, "close"))
     found: list[list] = [[] for _ in kinds]

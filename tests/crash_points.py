@@ -36,7 +36,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-#: The thread of spotrun's event log (spotrun/events.py). Its writes are no persistence points
+#: The thread of spotrun's event log (spotrun/eventlog/records.py). Its writes are no persistence points
 #: of a save: the log is a best-effort record for ``spotrun report``, rewritten whole from its
 #: own thread whenever a record was added, so how many writes fall inside a save differs from
 #: run to run, and no restore reads it. A kill at a save's points still lands while it writes.

@@ -179,7 +179,7 @@ def preload(scenario: Scenario) -> None:
     import spotrun.checkpoint.catalog  # noqa: F401
     import spotrun.checkpoint.restore  # noqa: F401
     import spotrun.checkpoint.claim  # noqa: F401
-    import spotrun.checkpointer  # noqa: F401
+    import spotrun.train.checkpointer  # noqa: F401
     import spotrun.storage.local  # noqa: F401
 
     if scenario.backend == "s3":

@@ -169,7 +169,7 @@ def spotrun_export_hf(model, optimizer, root: str) -> dict[str, PeakMemory]:
     """``spotrun export --format hf`` of a saved step's model (its parameters only, a third of
     the state) in files of at most :data:`EXPORT_SHARD_BYTES`, cold; a small export elsewhere
     first, so that imports are not counted."""
-    from spotrun.export_hf import export_hf
+    from spotrun.export.hf import export_hf
     from spotrun.storage import LocalStorage
 
     directory = os.path.join(root, "ck")

@@ -364,9 +364,9 @@ def main() -> None:
     torch.set_num_threads(1)
     import safetensors.torch  # noqa: F401
     import sharded_job  # noqa: F401
-    import spotrun.checkpointer  # noqa: F401
+    import spotrun.train.checkpointer  # noqa: F401
     import spotrun.cli  # noqa: F401
-    import spotrun.export_hf  # noqa: F401
+    import spotrun.export.hf  # noqa: F401
     import torch._dynamo  # noqa: F401  (the optimizer imports it on first use)
 
     args.result.write_text(json.dumps(campaign(args.work)))

@@ -25,13 +25,13 @@ import torch
 from safetensors.torch import load_file
 
 import spotrun
-from spotrun import control
+from spotrun.control import files as control
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.in_flight import Choice, choose
 from spotrun.checkpoint.layout import step_dir
 from spotrun.checkpoint.save import SaveProgress
 from spotrun.errors import CheckpointSaveError, ConfigError, FencedError, StorageError
-from spotrun.save_meter import SaveMeter
+from spotrun.train.meter import SaveMeter
 from spotrun.storage import LocalStorage, open_storage
 from tests.s3_server import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
 from tests.trainrun import kill_tree, start_supervised
@@ -565,10 +565,3 @@ def test_abandoned_background_save_on_two_ranks_commits_nothing_and_the_current_
         result = json.loads((out / f"result-rank-{rank}.json").read_text())
         assert result == {"resumed": 0, "stopped_at": 7, "last_saved_step": 7, "preempted": True}
     assert control.read_commit_report(str(control_dir)).step == 7
-
-
-def test_the_supervisor_shares_the_rule_without_importing_torch():
-    """`spotrun run` must install its signal handlers at once: importing torch (seconds on a
-    busy machine) before that would let an early SIGTERM kill it."""
-    code = "import sys, spotrun.cli, spotrun.supervisor.estimate; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=WAIT_S)

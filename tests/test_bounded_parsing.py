@@ -30,9 +30,9 @@ from spotrun.checkpoint.fencing import read_fences
 from spotrun.checkpoint.rank_index import RankIndex
 from spotrun.checkpoint.reader import read_header
 from spotrun.errors import CorruptShardError, ManifestError, StateSerializationError
-from spotrun.events import parse_records
-from spotrun.manifest import Manifest
-from spotrun.state import tree
+from spotrun.eventlog.records import parse_records
+from spotrun.checkpoint.manifest import Manifest
+from spotrun.checkpoint import tree
 from spotrun.storage import LocalStorage
 from tests.ckpt_files import manifest_path
 
@@ -284,7 +284,7 @@ def test_a_manifest_larger_than_the_limit_is_a_corrupt_step_by_its_listed_size(t
 
 def parse_limited(data: bytes) -> str:
     """``Manifest.from_json`` in a process of at most 2 GiB: its error's name and message."""
-    done = limited(["-c", "import sys\nfrom spotrun.manifest import Manifest\ntry:\n"
+    done = limited(["-c", "import sys\nfrom spotrun.checkpoint.manifest import Manifest\ntry:\n"
                           "    Manifest.from_json(sys.stdin.buffer.read())\n    print('parsed')\n"
                           "except Exception as exc:\n    print(type(exc).__name__, exc)"], stdin=data, timeout_s=60)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
@@ -335,7 +335,7 @@ def test_a_header_entry_past_the_end_of_its_file_is_refused_before_its_tensor_is
     """Issue 21, format 3 reader: the manifest and the header agree on [2**20, 2**20] float32,
     but the header's offsets lie past the file's end: refused before the 4 TiB tensor exists."""
     from spotrun.checkpoint.reader import read_shard_into
-    from spotrun.manifest import FileRecord, TensorRecord
+    from spotrun.checkpoint.manifest import FileRecord, TensorRecord
 
     nbytes = 2**40 * 4
     header = json.dumps({"w": {"dtype": "F32", "shape": [2**20, 2**20], "data_offsets": [0, nbytes]}}).encode()

@@ -27,10 +27,10 @@ from spotrun.checkpoint.layout import DELETION_MARKER_NAME, parse_manifest_name,
 from spotrun.checkpoint.retention import delete_step
 from spotrun.checkpoint.verify import steps_to_verify, verify_step
 from spotrun.cli import main
-from spotrun.commands import _shared as shared
-from spotrun.commands import verify as verify_command
+from spotrun.cli import _shared as shared
+from spotrun.cli import verify as verify_command
 from spotrun.errors import StepDeletedError
-from spotrun.export_hf import export_hf
+from spotrun.export.hf import export_hf
 from spotrun.storage import LocalStorage, open_storage
 from tests import s3_server
 

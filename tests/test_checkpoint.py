@@ -244,7 +244,7 @@ def test_rng_states_are_restored(tmp_path):
 
 
 def test_checkpoint_request_saves_once_and_training_goes_on(tmp_path, monkeypatch):
-    from spotrun import control
+    from spotrun.control import files as control
 
     control_dir = tmp_path / "control"
     control_dir.mkdir()
@@ -310,7 +310,7 @@ def test_training_gets_through_a_step_that_was_corrupt(tmp_path, damage):
 def test_stop_at_step_takes_the_emergency_checkpoint_of_exactly_that_step(tmp_path, monkeypatch):
     """$SPOTRUN_STOP_AT_STEP acts like an agreed save request at that step, whatever the check
     interval: the emergency checkpoint of that step, the commit report, and True."""
-    from spotrun import control
+    from spotrun.control import files as control
 
     control_dir = tmp_path / "control"
     control_dir.mkdir()
@@ -327,7 +327,7 @@ def test_stop_at_step_takes_the_emergency_checkpoint_of_exactly_that_step(tmp_pa
 
 
 def test_stop_at_step_is_read_like_the_resume_step():
-    from spotrun.env import WorkerEnv
+    from spotrun.control.env import WorkerEnv
     from spotrun.errors import ConfigError
 
     assert WorkerEnv.from_environ({}).stop_at_step is None

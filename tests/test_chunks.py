@@ -13,7 +13,7 @@ import torch
 from spotrun.checkpoint.chunks import Chunk, ChunkLayout, byte_runs, grid_bounds, overlap
 from spotrun.checkpoint.manifest_build import build_manifest
 from spotrun.checkpoint.save import SaveContext
-from spotrun.manifest import Manifest
+from spotrun.checkpoint.manifest import Manifest
 
 
 def fsdp_chunks(shape: list[int], ranks: int) -> list[Chunk]:

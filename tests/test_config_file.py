@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spotrun.config_file import load_run_config
+from spotrun.supervisor.config_file import load_run_config
 from spotrun.errors import ConfigError
 from spotrun.supervisor.config import SupervisorConfig, option_specs
 

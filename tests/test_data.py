@@ -1,4 +1,4 @@
-"""Exact-resume data order: spotrun.data's sampler and loader (single process; ranks simulated)."""
+"""Exact-resume data order: spotrun.data.loader's sampler and loader (single process; ranks simulated)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset
 
-from spotrun.data import ResumableDataLoader, ResumableDistributedSampler, samples_digest
+from spotrun.data.loader import ResumableDataLoader, ResumableDistributedSampler, samples_digest
 from spotrun.errors import ConfigError, StateMismatchError
 
 
@@ -388,7 +388,7 @@ def test_global_batch_size_sets_the_per_rank_batch():
 
 def test_a_world_size_change_is_logged_in_one_line(caplog):
     _, _, state = run_world(4, 9, stop_after=6)
-    with caplog.at_level(logging.INFO, logger="spotrun.data"):
+    with caplog.at_level(logging.INFO, logger="spotrun.data.loader"):
         world_loaders(4)[0].load_state_dict(state)
         assert caplog.messages == []
         world_loaders(2)[1].load_state_dict(state)

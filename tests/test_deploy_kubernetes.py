@@ -22,7 +22,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
-from spotrun.config_file import load_run_config
+from spotrun.supervisor.config_file import load_run_config
 from spotrun.supervisor import EXIT_FENCED
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spotrun.config_file import load_run_config
+from spotrun.supervisor.config_file import load_run_config
 from spotrun.supervisor.torchrun_command import read_torchrun_command
 
 ROOT = Path(__file__).resolve().parent.parent

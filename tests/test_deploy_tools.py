@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spotrun.config_file import load_run_config
+from spotrun.supervisor.config_file import load_run_config
 from spotrun.supervisor import EXIT_FENCED
 
 ROOT = Path(__file__).resolve().parent.parent

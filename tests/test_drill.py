@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from spotrun.checkpoint import catalog
-from spotrun.checkpointer import Checkpointer
+from spotrun.train.checkpointer import Checkpointer
 from spotrun.drill.compare import Difference, compare_states, compare_steps
 from spotrun.drill.scratch import copy_step, open_scratch_root
 from spotrun.errors import ConfigError

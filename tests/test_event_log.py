@@ -1,4 +1,4 @@
-"""The event log kept with the checkpoints (spotrun.events): the writer, rank 0's records
+"""The event log kept with the checkpoints (spotrun.eventlog.records): the writer, rank 0's records
 from a real Checkpointer, the supervisor's observer, and `spotrun report` on local and S3 roots."""
 
 import json
@@ -11,7 +11,7 @@ import torch
 
 import spotrun
 from spotrun.errors import StorageError
-from spotrun.events import EventLog, read_events, rank_key
+from spotrun.eventlog.records import EventLog, read_events, rank_key
 from spotrun.storage import LocalStorage, open_storage
 from spotrun.supervisor.event_log import EventLogObserver
 from tests.s3_server import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
@@ -62,7 +62,7 @@ class FlakyStorage(LocalStorage):
 def test_a_failing_store_never_reaches_the_caller_and_the_log_catches_up(tmp_path, caplog):
     storage = FlakyStorage(str(tmp_path))
     log = EventLog(storage, "events/x.jsonl", progress_interval_s=3600)
-    with caplog.at_level(logging.WARNING, logger="spotrun.events"):
+    with caplog.at_level(logging.WARNING, logger="spotrun.eventlog.records"):
         log.append("start")
         log.progress(3)
         log.close(timeout_s=30)

@@ -28,8 +28,8 @@ from spotrun.checkpoint.restore import load_committed
 from spotrun.cli import main
 from spotrun.examples.gpt import GPT, GPTConfig
 from spotrun.examples.train_gpt import parse_args
-from spotrun.export_plan import parse_size, plan_export
-from spotrun.manifest import Manifest, TensorRecord
+from spotrun.export.plan import parse_size, plan_export
+from spotrun.checkpoint.manifest import Manifest, TensorRecord
 from spotrun.storage import open_storage
 from tests.s3_server import moto_endpoint, s3_bucket  # noqa: F401
 from tests.trainrun import REFERENCE_STEPS, TRAIN_ARGS

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from spotrun import control
+from spotrun.control import files as control
 from spotrun.checkpoint import catalog, fencing
 from spotrun.storage import LocalStorage
 from spotrun.supervisor import EXIT_FENCED, process

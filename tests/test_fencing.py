@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import spotrun
-import spotrun.env
-from spotrun import control
+import spotrun.control.env
+from spotrun.control import files as control
 from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.layout import parse_manifest_name, step_dir
 from spotrun.errors import FencedError
@@ -223,10 +223,10 @@ def test_c20_a_fenced_worker_tells_its_supervisor_and_its_launch_claims_no_incar
     control_dir = tmp_path / "control"
     control_dir.mkdir()
     root = tmp_path / "root"
-    monkeypatch.setenv(spotrun.env.CONTROL_DIR, str(control_dir))
+    monkeypatch.setenv(spotrun.control.env.CONTROL_DIR, str(control_dir))
     old, old_w = make(LocalStorage(str(root), fsync=False))
     assert old.restore() == 0 and old.incarnation == 0
-    monkeypatch.delenv(spotrun.env.CONTROL_DIR)
+    monkeypatch.delenv(spotrun.control.env.CONTROL_DIR)
     new, _ = make(LocalStorage(str(root), fsync=False))
     assert new.restore() == 0 and new.incarnation == 1
     assert control.read_fence_report(str(control_dir)) is None
@@ -239,14 +239,14 @@ def test_c20_a_fenced_worker_tells_its_supervisor_and_its_launch_claims_no_incar
         0, 1, socket.gethostname(), os.getpid())
     assert "incarnation 1 of this job started" in report.message
 
-    monkeypatch.setenv(spotrun.env.CONTROL_DIR, str(control_dir))
+    monkeypatch.setenv(spotrun.control.env.CONTROL_DIR, str(control_dir))
     restarted, _ = make(LocalStorage(str(root), fsync=False))
     with pytest.raises(FencedError, match="launch was fenced by incarnation 1"):
         restarted.restore()
     assert fencing.read_fences(LocalStorage(str(root))).newest == 1  # nothing claimed
     assert control.read_fence_report(str(control_dir)) == report  # the first report stays
 
-    monkeypatch.delenv(spotrun.env.CONTROL_DIR)
+    monkeypatch.delenv(spotrun.control.env.CONTROL_DIR)
     third, _ = make(LocalStorage(str(root), fsync=False))
     assert third.restore() == 0 and third.incarnation == 2
     with pytest.raises(FencedError, match="incarnation 2 .* started"):  # plain torchrun: the error as before

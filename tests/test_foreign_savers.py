@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from spotrun import control
-from spotrun.listeners import read_listeners
+from spotrun.control import files as control
+from spotrun.control.listeners import read_listeners
 from spotrun.supervisor.config import option_specs
 from spotrun.supervisor.foreign import oldest_age_s
 from spotrun.supervisor.process import proc_info

@@ -1,5 +1,5 @@
 """A training script forks while spotrun's threads, process group, exit hooks and signal
-handlers exist: its children never act on them (field case C18, spotrun.process_local)."""
+handlers exist: its children never act on them (field case C18, spotrun.tools.process_local)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_exit_hooks_run_in_the_registering_process_only(tmp_path):
     process that registered them does, once each."""
     proc = _run_script(tmp_path, """
         import multiprocessing, os, sys
-        from spotrun import process_local
+        from spotrun.tools import process_local
         log = os.path.join(sys.argv[1], "ran")
         def note(kind):
             with open(log, "a") as f:

@@ -1,12 +1,12 @@
 """The goodput account and the checkpoint-interval advice, on synthetic event logs whose
-figures are worked out by hand here (spotrun.goodput, spotrun.interval_advice)."""
+figures are worked out by hand here (spotrun.eventlog.goodput, spotrun.eventlog.advice)."""
 
 import math
 
 import pytest
 
-from spotrun.goodput import Accounting, Incarnation, Totals, account, launches
-from spotrun.interval_advice import advise, daly_interval_s, young_interval_s
+from spotrun.eventlog.goodput import Accounting, Incarnation, Totals, account, launches
+from spotrun.eventlog.advice import advise, daly_interval_s, young_interval_s
 
 
 def rec(event, t, **fields):

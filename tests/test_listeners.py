@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from spotrun.listeners import Listener, announce, read_listeners
+from spotrun.control.listeners import Listener, announce, read_listeners
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_unwritable_control_dir_is_a_warning_and_retried(tmp_path, caplog):
     missing = tmp_path / "not-a-dir"
     missing.write_text("a file where the directory should be")
     env = {"SPOTRUN_CONTROL_DIR": str(missing)}
-    with caplog.at_level(logging.WARNING, logger="spotrun.listeners"):
+    with caplog.at_level(logging.WARNING, logger="spotrun.control.listeners"):
         assert announce("poll", env=env) is None
     assert "could not announce" in caplog.text
     missing.unlink()
@@ -76,7 +76,7 @@ def test_reader_skips_what_is_not_a_whole_announcement(control_dir, caplog):
         {"kind": "poll", "pid": "11", "rank": 0, "local_rank": 0, "announced_unix_s": 1.0}))
     (folder / "poll-pid-12.json").write_text(json.dumps(
         {"kind": "poll", "pid": 12, "rank": None, "local_rank": None, "announced_unix_s": 5.0}))
-    with caplog.at_level(logging.DEBUG, logger="spotrun.listeners"):
+    with caplog.at_level(logging.DEBUG, logger="spotrun.control.listeners"):
         found = read_listeners(str(control_dir))
     assert found[0] == Listener(kind="poll", pid=12, rank=None, local_rank=None, announced_unix_s=5.0)
     assert [(x.kind, x.pid) for x in found] == [("poll", 12), ("checkpointer", os.getpid())]

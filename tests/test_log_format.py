@@ -1,5 +1,5 @@
 """`--log-format json`: one JSON object per line on stderr, from spotrun and from workers that
-configure their logging with spotrun.logs (the format travels in $SPOTRUN_LOG_FORMAT)."""
+configure their logging with spotrun.tools.logs (the format travels in $SPOTRUN_LOG_FORMAT)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import time
 
 import pytest
 
-from spotrun.config_file import load_run_config
+from spotrun.supervisor.config_file import load_run_config
 from spotrun.errors import ConfigError
-from spotrun.logs import JsonFormatter
+from spotrun.tools.logs import JsonFormatter
 
 UTC_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 #: A launch command that logs one line the way the example trainer does, then exits 0.
-WORKER = ("import logging; from spotrun.logs import configure_logging; "
+WORKER = ("import logging; from spotrun.tools.logs import configure_logging; "
           "configure_logging(logging.INFO, prefix='[rank 0]', fields={'rank': 0}); "
           "logging.getLogger('spotrun.worker').info('hello from the worker', extra={'step': 7})")
 

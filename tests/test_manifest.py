@@ -12,7 +12,7 @@ import torch
 import spotrun
 from spotrun.checkpoint import catalog
 from spotrun.errors import ManifestError
-from spotrun.manifest import FORMAT_VERSION, Manifest
+from spotrun.checkpoint.manifest import FORMAT_VERSION, Manifest
 from spotrun.storage import LocalStorage
 
 GOLDEN_V1 = pathlib.Path(__file__).parent / "data" / "golden-v1"

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from spotrun import control
+from spotrun.control import files as control
 from spotrun.checkpoint import catalog
 from spotrun.storage import LocalStorage
 from spotrun.supervisor.metrics import SupervisorMetrics

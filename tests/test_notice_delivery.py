@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from spotrun import listeners
+from spotrun.control import listeners
 from spotrun.supervisor import process
 from spotrun.supervisor.foreign import (
     ANNOUNCE_WAIT_SHARE,

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from spotrun.cli import _build_parser
-from spotrun.config_file import load_run_config
+from spotrun.supervisor.config_file import load_run_config
 from spotrun.errors import ConfigError
 from spotrun.supervisor.config import SupervisorConfig, option_specs
 

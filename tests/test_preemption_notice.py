@@ -10,8 +10,8 @@ import time
 import pytest
 
 import spotrun
-from spotrun import control
-from spotrun.listeners import read_listeners
+from spotrun.control import files as control
+from spotrun.control.listeners import read_listeners
 
 WAIT_S = 10.0
 
@@ -68,7 +68,7 @@ def test_seconds_left_counts_down_to_zero():
 
 def test_damaged_request_file_is_a_notice_without_deadline(control_dir, env, caplog):
     (control_dir / control.SAVE_REQUEST_FILE).write_text('{"reason": "SIG')
-    with caplog.at_level(logging.WARNING, logger="spotrun.preemption"):
+    with caplog.at_level(logging.WARNING, logger="spotrun.control.preemption"):
         notice = spotrun.preemption_notice(env=env)
     assert (notice.reason, notice.deadline_unix_s, notice.save) == ("unreadable save request", None, True)
     assert "taking it as a preemption notice" in caplog.text
@@ -117,7 +117,7 @@ def test_failing_callback_is_logged_not_raised(control_dir, env, caplog):
         raise RuntimeError("boom")
 
     request(control_dir)
-    with caplog.at_level(logging.ERROR, logger="spotrun.preemption"):
+    with caplog.at_level(logging.ERROR, logger="spotrun.control.preemption"):
         watch = spotrun.on_preemption_notice(callback, poll_interval_s=0.01, env=env)
         deadline = time.monotonic() + WAIT_S
         while watch.active and time.monotonic() < deadline:  # the thread ends after the callback

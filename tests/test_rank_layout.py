@@ -1,6 +1,6 @@
 """The restore log line names the layout saved and the layout now, and whether it was resharded."""
 
-from spotrun.rank_layout import restored_onto
+from spotrun.checkpoint.rank_layout import restored_onto
 
 
 def test_the_restore_line_says_when_a_layout_change_at_the_same_world_size_was_resharded():

@@ -19,7 +19,7 @@ import spotrun
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import file_key, shard_name, step_dir
 from spotrun.checkpoint.retention import Retainer, RetentionPolicy, plan_retention
-from spotrun.config_file import load_run_config
+from spotrun.supervisor.config_file import load_run_config
 from spotrun.errors import ConfigError, StorageError
 from spotrun.storage import LocalStorage, open_storage
 from tests import s3_server

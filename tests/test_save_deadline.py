@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import spotrun
-from spotrun import control
+from spotrun.control import files as control
 from spotrun.checkpoint import catalog
 from spotrun.errors import CheckpointSaveError, ConfigError
 from spotrun.storage import LocalStorage, open_storage

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import spotrun
-from spotrun import control
+from spotrun.control import files as control
 from spotrun.checkpoint import catalog
-from spotrun.env import WorkerEnv
-from spotrun.save_decision import Action, Decision, StepContext, decide, emergency_timeout_s
-from spotrun.stop_requests import Asked, StopRequests
+from spotrun.control.env import WorkerEnv
+from spotrun.train.decision import Action, Decision, StepContext, decide, emergency_timeout_s
+from spotrun.train.requests import Asked, StopRequests
 from spotrun.storage import LocalStorage
 
 CONTINUE, SAVE, SAVE_AND_STOP, STOP_WITHOUT_SAVE = (

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import spotrun
-from spotrun import control
+from spotrun.control import files as control
 from spotrun.checkpoint import catalog
 from spotrun.errors import ConfigError, ManifestError
-from spotrun.manifest import Manifest, SaveTiming
+from spotrun.checkpoint.manifest import Manifest, SaveTiming
 from spotrun.storage import LocalStorage
 from spotrun.supervisor.estimate import COMMIT_ALLOWANCE_S, decide, estimate_emergency_save
 
@@ -63,7 +63,7 @@ def test_a_save_in_progress_adds_what_is_left_of_it():
 
 
 def resumed_manifest(write_s: float, step_time_s: float | None) -> Manifest:
-    from spotrun.manifest import FileRecord
+    from spotrun.checkpoint.manifest import FileRecord
 
     return Manifest(
         step=1200, world_size=2,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from spotrun import env as spotrun_env
+from spotrun.control import env as spotrun_env
 from spotrun.errors import ConfigError, ObjectNotFoundError
 from spotrun.storage import LocalStorage, StorageLocation, parse_location
 from spotrun.storage.location import BACKENDS

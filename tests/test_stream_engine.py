@@ -175,7 +175,7 @@ def test_golden_format_2_checkpoint_still_loads_and_is_still_verified(tmp_path):
 
 def test_a_shard_shorter_than_recorded_is_corrupt_not_a_crash(tmp_path):
     from spotrun.checkpoint.reader import read_shard_into
-    from spotrun.manifest import FileRecord, TensorRecord
+    from spotrun.checkpoint.manifest import FileRecord, TensorRecord
 
     storage = LocalStorage(str(tmp_path))
     source = ShardSource({"w": torch.ones(10)}, {})
@@ -191,7 +191,7 @@ def test_a_sha256_chunked_record_is_verified_too(tmp_path):
     import hashlib
 
     from spotrun.checkpoint.reader import read_shard_into
-    from spotrun.manifest import FileRecord, TensorRecord
+    from spotrun.checkpoint.manifest import FileRecord, TensorRecord
 
     storage = LocalStorage(str(tmp_path))
     tensors = {"w": torch.randn(3 * 2**20)}

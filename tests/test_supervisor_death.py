@@ -165,7 +165,7 @@ def test_1c_worker_watches_no_process_that_is_not_its_ancestor(caplog):
     """A $SPOTRUN_SUPERVISOR_PID naming a process outside this one's ancestry (a reused pid,
     another PID namespace, a launcher outside the supervisor's tree) is never watched, so its
     exit can never stop training."""
-    from spotrun import supervisor_watch
+    from spotrun.train import supervisor_watch
 
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:

@@ -1,6 +1,6 @@
 """Progress bars of the library's transfers (a synchronous save's writes, a restore's reads):
 on local rank 0 of a terminal only (forced here with SPOTRUN_PROGRESS=1, and with no delay:
-the bar of a real transfer appears once it has run for spotrun.progress.DEFAULT_DELAY_S)."""
+the bar of a real transfer appears once it has run for spotrun.tools.progress.DEFAULT_DELAY_S)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import re
 import pytest
 import torch
 
-from spotrun import Checkpointer, progress
+from spotrun import Checkpointer
+from spotrun.tools import progress
 
 
 def save_and_restore(root) -> None:

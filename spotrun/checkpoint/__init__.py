@@ -1,1 +1,5 @@
-"""Sharded checkpoint format: layout, planning, writing, reading and the catalog of steps."""
+"""The checkpoint format and engine: the manifest and layout, planning and writing shards,
+background saves, reading and verifying them, the catalog of steps, fencing and retention.
+
+Imports torch. May import tools, control and storage.
+"""

@@ -4,12 +4,12 @@ The training thread prepares a step (:func:`~spotrun.checkpoint.save.prepare_sav
 reused :class:`~spotrun.checkpoint.staging.StagingBuffers`) and hands it to
 :meth:`BackgroundSaver.start`; the worker thread runs
 :func:`~spotrun.checkpoint.save.commit_save` on a process group of its own
-(:func:`spotrun.dist.new_background_group`), so its collectives never interleave with the
+(:func:`spotrun.tools.dist.new_background_group`), so its collectives never interleave with the
 training thread's, under the storage deadline of the save (deadlines are per thread). At
 most one save is in flight. Its outcome (a :class:`~spotrun.checkpoint.save.SavedStep` or
 the exception) stays in the :class:`InFlightSave` until the training thread takes it
 (:meth:`BackgroundSaver.take`); what to do with it - and when, the same step on every rank -
-is the :class:`~spotrun.checkpointer.Checkpointer`'s decision.
+is the :class:`~spotrun.train.checkpointer.Checkpointer`'s decision.
 """
 
 from __future__ import annotations
@@ -22,20 +22,34 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as torch_dist
 
-from spotrun import dist, process_local
+from spotrun.tools import dist
+from spotrun.tools import process_local
 from spotrun.checkpoint import in_flight
 from spotrun.checkpoint.save import PreparedSave, SaveContext, SavedStep, SaveProgress, commit_save, prepare_save
 from spotrun.checkpoint.shard import ShardLimits
 from spotrun.checkpoint.staging import StagingBuffers
-from spotrun.save_meter import SaveMeter
 from spotrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
 in_flight_log = logging.getLogger(in_flight.__name__)  # the decision's log line, under the rule's name
+
+
+class SaveObserver(Protocol):
+    """What the saver reports each save to (the training library's save meter): the engine
+    defines the interface so that it never imports the training library."""
+
+    def save_started(self, step: int, reason: str, *, background: bool = False) -> float: ...
+
+    def stall_ended(self) -> None: ...
+
+    def progress(self, step: int, bytes_done: int, bytes_total: int, remaining_s: float | None) -> None: ...
+
+    def save_ended(self, step: int, reason: str, started_s: float, size_bytes: int | None, *,
+                   stall_s: float | None = None) -> float: ...
 
 
 @dataclass
@@ -96,7 +110,7 @@ class BackgroundSaver:
             training does not. What it raises is logged.
     """
 
-    def __init__(self, meter: SaveMeter | None = None,
+    def __init__(self, meter: SaveObserver | None = None,
                  after_commit: Callable[[int, str], None] | None = None) -> None:
         self._meter = meter
         self._after_commit = after_commit
@@ -106,7 +120,7 @@ class BackgroundSaver:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._current: InFlightSave | None = None
-        # A job that never called close(); never in a forked child (spotrun.process_local).
+        # A job that never called close(); never in a forked child (spotrun.tools.process_local).
         process_local.at_exit(_finish_at_exit, weakref.ref(self), before_thread_pools=True)
 
     @property
@@ -170,7 +184,7 @@ class BackgroundSaver:
 
     def publish_progress(self) -> None:
         """Publish the progress of the save in flight, if it is still running (about once a
-        second at most: see :meth:`~spotrun.save_meter.SaveMeter.progress`)."""
+        second at most: see :meth:`SaveObserver.progress`)."""
         current = self._current
         if self._meter is not None and current is not None and not current.done.is_set():
             progress = current.progress
@@ -210,7 +224,7 @@ class BackgroundSaver:
     def shutdown(self) -> None:
         """Stop the worker thread and free the process group, the staging buffers and their
         copy threads (after :meth:`take`; a later :meth:`start` makes them again). Nothing of
-        a background save outlives :meth:`~spotrun.checkpointer.Checkpointer.close`: a gloo
+        a background save outlives :meth:`~spotrun.train.checkpointer.Checkpointer.close`: a gloo
         group or thread left to the interpreter's exit can abort the process there."""
         if self._current is not None:
             raise RuntimeError(f"the save of step {self._current.step} is still in flight")

@@ -38,7 +38,7 @@ from spotrun.checkpoint.layout import (
 )
 from spotrun.checkpoint.strict_json import MANIFEST_MAX_BYTES
 from spotrun.errors import ManifestError, NoCheckpointError, ObjectNotFoundError, UnsafeObjectError
-from spotrun.manifest import Manifest
+from spotrun.checkpoint.manifest import Manifest
 from spotrun.storage.base import ObjectInfo, Storage
 
 log = logging.getLogger(__name__)

@@ -44,8 +44,8 @@ from spotrun.checkpoint.strict_json import INDEX_MAX_BYTES
 from spotrun.checkpoint.reader import _dtype_info, _read
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, byte_view
 from spotrun.errors import CorruptShardError
-from spotrun.manifest import FileRecord, Manifest, TensorRecord
-from spotrun.progress import progress_bar
+from spotrun.checkpoint.manifest import FileRecord, Manifest, TensorRecord
+from spotrun.tools.progress import progress_bar
 from spotrun.storage.base import Storage
 
 
@@ -144,7 +144,7 @@ class ChunkReader:
     Args:
         storage: where the step lies.
         manifest: its manifest (format 4).
-        progress: a :func:`~spotrun.progress.progress_bar` with this description over the
+        progress: a :func:`~spotrun.tools.progress.progress_bar` with this description over the
             bytes of each :meth:`read` (on a terminal, for reads of more than a few seconds);
             ``None``: no bar.
     """

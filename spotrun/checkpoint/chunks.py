@@ -124,7 +124,7 @@ class ChunkLayout:
         """Parse the manifest form.
 
         ``max_cells``: the most cells a grid may have (what the step's files can hold:
-        :class:`spotrun.manifest.Manifest` says), checked before any list of cells or
+        :class:`spotrun.checkpoint.manifest.Manifest` says), checked before any list of cells or
         writers is built.
 
         Raises:

@@ -2,15 +2,16 @@
 
 Every rank calls :func:`claim_incarnation`; rank 0 writes, every rank learns the outcome,
 and a failure is told to all of them, so none waits alone at a collective. A launch whose
-workers were fenced (``fenced.json`` in the control directory, :mod:`spotrun.fence_report`)
+workers were fenced (``fenced.json`` in the control directory, :mod:`spotrun.train.fence_report`)
 claims nothing more: torchrun restarting its workers must not fence the newer copy in turn.
 """
 
 from __future__ import annotations
 
-from spotrun import control, dist
+from spotrun.control import files as control
+from spotrun.tools import dist
 from spotrun.checkpoint import catalog, fencing
-from spotrun.env import WorkerEnv
+from spotrun.control.env import WorkerEnv
 from spotrun.errors import CheckpointSaveError, CommitUnsupportedError, FencedError, SpotrunError, StorageError
 from spotrun.storage.base import Storage
 

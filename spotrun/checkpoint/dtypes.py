@@ -30,7 +30,7 @@ import math
 import torch
 
 from spotrun.errors import CorruptShardError, StateSerializationError
-from spotrun.manifest import STORED_AS_BYTES, TensorRecord
+from spotrun.checkpoint.manifest import STORED_AS_BYTES, TensorRecord
 
 _NATIVE_NAMES = (
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",

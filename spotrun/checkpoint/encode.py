@@ -17,7 +17,7 @@ import torch
 from spotrun.checkpoint.dtypes import dtype_name
 from spotrun.checkpoint.sharded import check_placements, is_dtensor, local_tensor, placement_signature
 from spotrun.errors import StateSerializationError
-from spotrun.state import tree
+from spotrun.checkpoint import tree
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from spotrun.manifest import MANIFEST_NAME
+from spotrun.checkpoint.manifest import MANIFEST_NAME
 
 STEP_DIR_DIGITS = 9
 INCARNATION_DIGITS = 9

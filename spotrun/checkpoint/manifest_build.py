@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from spotrun import __version__
+from spotrun._version import __version__
 from spotrun.checkpoint.chunks import Chunk, ChunkLayout
 from spotrun.checkpoint.dtypes import dtype_name, stored_as
 from spotrun.checkpoint.encode import EncodedState
 from spotrun.checkpoint.sharded import mesh_description, predicted_grid
-from spotrun.manifest import FileRecord, Manifest, SaveTiming, TensorRecord
+from spotrun.checkpoint.manifest import FileRecord, Manifest, SaveTiming, TensorRecord
 
 
 def tensor_fields(tensor: torch.Tensor) -> dict[str, Any]:

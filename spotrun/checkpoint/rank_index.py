@@ -27,7 +27,7 @@ import blake3
 
 from spotrun.checkpoint import strict_json
 from spotrun.errors import CorruptShardError
-from spotrun.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from spotrun.checkpoint.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
 INDEX_FORMAT = "spotrun-rank-index"
 

@@ -29,7 +29,7 @@ from spotrun.checkpoint.dtypes import dtype_from_name, refusal
 from spotrun.checkpoint.shard import SAFETENSORS_MAX_HEADER_BYTES
 from spotrun.checkpoint.stream import CHUNKED_BLAKE3, CHUNKED_SHA256, SAFETENSORS_CODES, ChunkDigests, byte_view, chunk_ranges, copy_bytes
 from spotrun.errors import CorruptShardError, ObjectTooShortError
-from spotrun.manifest import STORED_AS_BYTES, FileRecord, TensorRecord
+from spotrun.checkpoint.manifest import STORED_AS_BYTES, FileRecord, TensorRecord
 from spotrun.storage.base import Storage
 
 #: A chunk holding more tensors than this is read into a scratch buffer and copied from

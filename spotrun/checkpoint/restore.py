@@ -12,7 +12,7 @@ lacks, bytes that do not fit the record) fails verification like a bad checksum:
 ``spotrun verify`` makes (the state skeletons against the tensor records; in format 4 the
 chunks, indexes and headers of what is read, :meth:`ChunkReader.check`), and a state the
 objects then refuse for its content (an RNG state the generator rejects). Local rank 0
-shows a bar of the bytes it reads on a terminal (:mod:`spotrun.progress`; format 4).
+shows a bar of the bytes it reads on a terminal (:mod:`spotrun.tools.progress`; format 4).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from spotrun import dist
+from spotrun.tools import dist
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.chunk_reader import BoxRead, ChunkReader, dtype_of
 from spotrun.checkpoint.sharded import is_dtensor, local_box
@@ -35,7 +35,7 @@ from spotrun.checkpoint.verdict import judge
 from spotrun.checkpoint.layout import REJECTED_PREFIX, file_key
 from spotrun.checkpoint.dtypes import from_stored
 from spotrun.checkpoint.reader import fits, read_shard_into
-from spotrun.gc_pause import gc_paused
+from spotrun.tools.gc_pause import gc_paused
 from spotrun.checkpoint.shard import decode_shard
 from spotrun.checkpoint.step_checks import skeleton_problems
 from spotrun.errors import (
@@ -46,8 +46,8 @@ from spotrun.errors import (
     StateMismatchError,
     StorageError,
 )
-from spotrun.manifest import Manifest
-from spotrun.state import tree
+from spotrun.checkpoint.manifest import Manifest
+from spotrun.checkpoint import tree
 from spotrun.storage.base import Storage
 
 log = logging.getLogger(__name__)

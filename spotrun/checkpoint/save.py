@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from spotrun import dist
+from spotrun.tools import dist
 from spotrun.checkpoint.layout import file_key, index_name, manifest_key, shard_part_name
 from spotrun.checkpoint.manifest_build import build_manifest, tensor_fields
 from spotrun.checkpoint import catalog, fencing
@@ -45,7 +45,7 @@ from spotrun.checkpoint.shard import ShardLimits, sha256_hex, split_into_parts
 from spotrun.checkpoint.sharded import local_box, predicted_box, predicted_grid, writes_chunk
 from spotrun.checkpoint.stream import CHECKSUM_BLOCK_BYTES, CHECKSUM_CHUNK_BYTES, CHUNKED_BLAKE3, ChunkDigests, ShardSource
 from spotrun.checkpoint.staging import StagingBuffers
-from spotrun.gc_pause import gc_paused
+from spotrun.tools.gc_pause import gc_paused
 from spotrun.errors import (
     CheckpointSaveError,
     CommitUnsupportedError,
@@ -54,8 +54,8 @@ from spotrun.errors import (
     SpotrunError,
     StateMismatchError,
 )
-from spotrun.manifest import FileRecord, Manifest
-from spotrun.progress import progress_bar
+from spotrun.checkpoint.manifest import FileRecord, Manifest
+from spotrun.tools.progress import progress_bar
 from spotrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -297,7 +297,7 @@ def commit_save(
     nothing is committed and every rank raises :class:`SaveAbortedError` (unless rank 0
     had already committed, in which case the save succeeds everywhere). ``progress`` is
     updated as bytes are written. ``show_progress``: a bar of the bytes local rank 0 writes, on
-    a terminal (:mod:`spotrun.progress`; not for background saves: it would cut through training output).
+    a terminal (:mod:`spotrun.tools.progress`; not for background saves: it would cut through training output).
 
     Returns:
         The committed manifest (rank 0 only) and the step's size in bytes (every rank,

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 
 from spotrun.errors import ConfigError, CorruptShardError
-from spotrun.manifest import FileRecord
+from spotrun.checkpoint.manifest import FileRecord
 
 #: safetensors refuses to read a file whose JSON header is larger than this.
 SAFETENSORS_MAX_HEADER_BYTES = 100_000_000

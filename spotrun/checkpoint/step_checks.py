@@ -19,7 +19,7 @@ from spotrun.checkpoint.rank_index import RankIndex
 from spotrun.checkpoint.shard import sha256_hex
 from spotrun.checkpoint.stream import WHOLE_SHA256, ChunkDigests
 from spotrun.errors import CorruptShardError
-from spotrun.manifest import FileRecord, Manifest
+from spotrun.checkpoint.manifest import FileRecord, Manifest
 
 _TAGS = ("__tensor__", "__tuple__", "__dict__", "__float__")
 
@@ -102,7 +102,7 @@ def skeleton_problems(manifest: Manifest) -> Iterator[str]:
 
 def _walk(node: Any, path: str, refs: list[str], misplaced: list[str]) -> None:
     """Collect the tensor references under ``node`` (at ``path``), as the save's encoder
-    (:func:`spotrun.state.tree.encode`) named them; a malformed node is left to the decoder.
+    (:func:`spotrun.checkpoint.tree.encode`) named them; a malformed node is left to the decoder.
     Iterative: a skeleton nested deeper than Python's recursion limit is not a crash."""
     stack = [(node, path)]
     while stack:

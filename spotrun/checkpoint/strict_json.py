@@ -26,7 +26,7 @@ from typing import Any
 #: Deepest nesting of arrays and objects in any document: what serde_json (safetensors' own
 #: header parser) allows by default. spotrun's documents nest at most 4 levels besides the
 #: state skeleton (a state nested deeper is refused when it is saved:
-#: :data:`spotrun.state.tree.MAX_SKELETON_DEPTH`); every reader of a skeleton recurses once
+#: :data:`spotrun.checkpoint.tree.MAX_SKELETON_DEPTH`); every reader of a skeleton recurses once
 #: or twice per level, far inside Python's default recursion limit of 1,000.
 MAX_DEPTH = 128
 #: Largest manifest. A manifest grows with the tensors (~100-200 bytes each, the name

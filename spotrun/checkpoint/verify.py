@@ -52,7 +52,7 @@ from spotrun.checkpoint.strict_json import INDEX_MAX_BYTES
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, WHOLE_SHA256, ChunkDigests, chunk_ranges
 from spotrun.checkpoint.verify_tensors import Finding, ShardHeader, check_chunks, check_whole_tensors, read_header
 from spotrun.errors import CorruptShardError, NoCheckpointError, ObjectNotFoundError, ObjectTooShortError
-from spotrun.manifest import FileRecord, Manifest
+from spotrun.checkpoint.manifest import FileRecord, Manifest
 from spotrun.storage.base import Storage
 
 #: The status of a step deleted while it was verified (retention of a live job, ``spotrun gc``):

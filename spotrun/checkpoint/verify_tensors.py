@@ -33,7 +33,7 @@ from spotrun.checkpoint.chunks import Chunk, overlap
 from spotrun.checkpoint.rank_index import RankIndex, chunk_key
 from spotrun.checkpoint.stream import SAFETENSORS_CODES
 from spotrun.errors import CorruptShardError
-from spotrun.manifest import STORED_AS_BYTES, Manifest, TensorRecord
+from spotrun.checkpoint.manifest import STORED_AS_BYTES, Manifest, TensorRecord
 from spotrun.storage.base import Storage
 
 #: (file path or ``None`` for the step as a whole, reason): one problem found.

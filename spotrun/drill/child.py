@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from spotrun.drill.config import DrillConfig
-from spotrun.env import STOP_AT_STEP
+from spotrun.control.env import STOP_AT_STEP
 from spotrun.errors import ConfigError
 from spotrun.supervisor import process
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spotrun.drill.clouds import clouds
-from spotrun.env import DEFAULT_CHECKPOINT_URI
+from spotrun.control.env import DEFAULT_CHECKPOINT_URI
 from spotrun.errors import ConfigError
 from spotrun.storage import StorageLocation, parse_location
 

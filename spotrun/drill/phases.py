@@ -31,7 +31,7 @@ from spotrun.drill.compare import compare_steps
 from spotrun.drill.config import DEFAULT_AFTER_S, DrillConfig
 from spotrun.drill.report import MAX_REPORTED_DIFFERENCES, DrillReport
 from spotrun.drill.scratch import ScratchRoot, copy_step, open_scratch_root
-from spotrun.env import STOP_AT_STEP
+from spotrun.control.env import STOP_AT_STEP
 from spotrun.errors import SpotrunError
 from spotrun.storage import Storage
 from spotrun.supervisor.launch import find_resume_point

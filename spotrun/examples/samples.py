@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-try:  # the library's own definition, once spotrun.data has it
-    from spotrun.data import samples_digest
-except ImportError:  # pragma: no cover - same formula, until spotrun.data provides it
+try:  # the library's own definition, once spotrun.data.loader has it
+    from spotrun.data.loader import samples_digest
+except ImportError:  # pragma: no cover - same formula, until spotrun.data.loader provides it
 
     def samples_digest(indices: Iterable[int]) -> str:
         """First 16 hex characters of SHA-256 over the sorted indices, comma-joined decimal

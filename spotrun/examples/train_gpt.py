@@ -53,7 +53,7 @@ from spotrun.examples.keyed_dropout import SampleKeys
 from spotrun.examples.parallel import Layout, Parallel
 from spotrun.examples.samples import IndexedSamples, global_batch, samples_digest
 from spotrun.examples.stdlib_text import DEFAULT_MAX_BYTES, StdlibText
-from spotrun.logs import configure_logging
+from spotrun.tools.logs import configure_logging
 
 log = logging.getLogger("spotrun.examples.train_gpt")
 

@@ -20,7 +20,7 @@ Every signal whose default action would end the supervisor falls in one of three
 * **faults** (:data:`FAULT_SIGNALS`: SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGTRAP, SIGSYS,
   SIGABRT): they report a broken supervisor, so they keep their default action. The
   supervisor dies; its launch command gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``)
-  and the workers notice it is gone (:mod:`spotrun.supervisor_watch`), so the job stops
+  and the workers notice it is gone (:mod:`spotrun.train.supervisor_watch`), so the job stops
   within the grace period, with an emergency checkpoint when there is time, exactly as
   after a SIGKILL.
 

@@ -3,7 +3,7 @@
 Covers Python's ``random``, NumPy's legacy global generator, torch's CPU generator and
 the generator of every CUDA device (when CUDA is initialised). The captured value is
 a plain nested dict of ints, floats, lists and tensors, so it goes through
-:mod:`spotrun.state.tree` like any other state (no pickle).
+:mod:`spotrun.checkpoint.tree` like any other state (no pickle).
 
 Shapes and dtypes of the captured tensors:
     ``torch_cpu``: uint8, shape (5056,) (whatever ``torch.get_rng_state()`` returns)

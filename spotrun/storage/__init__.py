@@ -1,10 +1,8 @@
-"""Checkpoint storage: one interface, a backend per URI scheme.
+"""Checkpoint storage: one interface (:mod:`.base`), a backend per URI scheme (local directory,
+S3-compatible), chosen by :func:`parse_location` / :func:`open_storage`; the S3 backend is
+imported lazily so that local use never imports boto3.
 
-``open_storage("./checkpoints")`` or ``open_storage("/abs/dir")`` or ``file:///abs/dir``
-gives a :class:`LocalStorage`; ``s3://bucket/prefix`` gives the S3 backend, imported
-lazily so that local use never imports boto3. :func:`parse_location` gives the
-:class:`StorageLocation` of a URI, which answers the questions that depend on the backend
-(its registry, :data:`~spotrun.storage.location.BACKENDS`, maps schemes to backends).
+Torch-free. May import tools and control.
 """
 
 from __future__ import annotations

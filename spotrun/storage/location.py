@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from spotrun import env as spotrun_env
+from spotrun.control import env as spotrun_env
 from spotrun.errors import ConfigError
 from spotrun.storage.base import Storage
 

@@ -9,7 +9,7 @@ import errno
 import uuid
 from typing import Any
 
-from spotrun import env as spotrun_env
+from spotrun.control import env as spotrun_env
 from spotrun.errors import ConfigError, ObjectNotFoundError
 from spotrun.storage.base import Storage
 from spotrun.storage.location import ScratchSibling, StorageLocation

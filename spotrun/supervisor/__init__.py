@@ -1,12 +1,10 @@
-"""The node supervisor: ``spotrun run -- torchrun ...``.
+"""The node supervisor, ``spotrun run -- torchrun ...``: the main loop and exit codes
+(:mod:`.run`), its options (:mod:`.config`, :mod:`.config_file`), each launch (:mod:`.launch`),
+the storage check (:mod:`.preflight`), the process tree (:mod:`.process`), the emergency-save
+estimate, metrics and the supervisor's events.
 
-* :mod:`spotrun.supervisor.run`     the main loop and the exit codes;
-* :mod:`spotrun.supervisor.config`  :class:`SupervisorConfig`, the options;
-* :mod:`spotrun.supervisor.launch`  resume point and environment of each launch;
-* :mod:`spotrun.supervisor.preflight` the storage check before the first launch;
-* :mod:`spotrun.supervisor.process` descendants, stopping the process tree, reaping.
-
-The notices it acts on (signals, cloud metadata servers) come from :mod:`spotrun.notices`.
+Torch-free. May import tools, control, storage, notices, checkpoint (without torch at import)
+and eventlog.
 """
 
 from spotrun.supervisor.config import SupervisorConfig

@@ -1,7 +1,7 @@
 """The options of ``spotrun run``, each defined once: a field of :class:`SupervisorConfig`.
 
 A field made with :func:`option` is an option: its name is the YAML key of ``--config`` files
-(:mod:`spotrun.config_file`) and, with ``-`` for ``_``, the command-line flag
+(:mod:`spotrun.supervisor.config_file`) and, with ``-`` for ``_``, the command-line flag
 (``grace_period_s`` -> ``--grace-period-s``); its type (``float``, ``int``, ``str``, or one of
 them ``| None``; or ``bool``: a flag) is the flag's and the key's; its default is both; its ``help`` is the
 ``--help`` text (``%(default)s`` names the default). Adding an option is one field here, plus
@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from spotrun import env as spotrun_env
+from spotrun.control import env as spotrun_env
 from spotrun.checkpoint.retention import RetentionPolicy
-from spotrun.env import DEFAULT_CHECKPOINT_URI, default_safety_margin_s
+from spotrun.control.env import DEFAULT_CHECKPOINT_URI, default_safety_margin_s
 from spotrun.errors import ConfigError
-from spotrun.logs import LOG_FORMATS, LOG_LEVELS
+from spotrun.tools.logs import LOG_FORMATS, LOG_LEVELS
 from spotrun.notices import SOURCE_NAMES, NoticeOptions, parse_notice_option
 from spotrun.storage import StorageLocation, parse_location
 from spotrun.storage.location import check_endpoint_url
@@ -119,7 +119,7 @@ class SupervisorConfig:
     grace_period_s: float = option(
         30.0, "seconds from a notice to the hard kill (default %(default)s, as Kubernetes); the emergency "
         "checkpoint must commit by notice + grace period - safety margin", metavar="S")
-    # None: computed from the grace period (spotrun.env.default_safety_margin_s); a file gives a number.
+    # None: computed from the grace period (spotrun.control.env.default_safety_margin_s); a file gives a number.
     safety_margin_s: float | None = option(
         None, "seconds kept free before the end of the grace period (default 5, or half the grace period when "
         "that is less)", metavar="S", null_in_file=False)

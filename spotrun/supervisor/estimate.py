@@ -17,8 +17,8 @@ With a background save in flight the workers may also abandon it and save the cu
 asked for when either way fits.
 
 The measurements come from this launch's workers (``saves.json`` in the control directory,
-:mod:`spotrun.control`) or, before this launch saved anything, from the ``timing`` of the
-checkpoint it resumed from (:class:`spotrun.manifest.SaveTiming`: that save's slowest
+:mod:`spotrun.control.files`) or, before this launch saved anything, from the ``timing`` of the
+checkpoint it resumed from (:class:`spotrun.checkpoint.manifest.SaveTiming`: that save's slowest
 shard write, plus :data:`COMMIT_ALLOWANCE_S` for the collectives and the manifest). With
 neither there is no estimate and the supervisor asks for the save anyway (bounded by the
 deadline, as always). A checkpoint saved by more ranks than this launch starts (for an elastic
@@ -32,10 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spotrun.checkpoint.in_flight import Choice, choose
-from spotrun.control import SaveInProgress, SaveStats
-from spotrun.manifest import Manifest
-from spotrun.rank_layout import ranks
-from spotrun.save_meter import full_save_estimate
+from spotrun.control.files import SaveInProgress, SaveStats, full_save_estimate
+from spotrun.checkpoint.manifest import Manifest
+from spotrun.checkpoint.rank_layout import ranks
 
 #: Seconds added to a manifest's recorded shard-write time for the rest of a save (the
 #: collectives, the manifest's conditional put), when no whole save was measured yet.

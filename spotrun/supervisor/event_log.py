@@ -1,4 +1,4 @@
-"""The supervisor's part of the event log (:mod:`spotrun.events`): an observer
+"""The supervisor's part of the event log (:mod:`spotrun.eventlog.records`): an observer
 (:mod:`spotrun.supervisor.observers`) that keeps one object per launch,
 ``events/incarnation-<N>.supervisor-<host>-<id>.jsonl`` (``N``: the incarnation the launch
 planned; ``id``: random per supervisor process).
@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from spotrun.events import CLOSE_TIMEOUT_S, EventLog, supervisor_key
+from spotrun.eventlog.records import CLOSE_TIMEOUT_S, EventLog, supervisor_key
 from spotrun.storage import Storage
 from spotrun.supervisor.config import SupervisorConfig
 
@@ -76,7 +76,7 @@ class EventLogObserver:
             self._current.append(name, **fields)
 
     def close(self) -> None:
-        """Write every launch's object, waiting :data:`~spotrun.events.CLOSE_TIMEOUT_S` in all
+        """Write every launch's object, waiting :data:`~spotrun.eventlog.records.CLOSE_TIMEOUT_S` in all
         at most (the supervisor's exit code must not wait for a slow store)."""
         end_s = time.monotonic() + CLOSE_TIMEOUT_S
         for event_log in self._logs:

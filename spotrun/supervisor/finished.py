@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from spotrun.checkpoint import catalog, strict_json
 from spotrun.checkpoint.catalog import StepInfo
 from spotrun.errors import ObjectNotFoundError, SpotrunError
-from spotrun.logs import utc_iso_ms
+from spotrun.tools.logs import utc_iso_ms
 from spotrun.storage import Storage
 
 log = logging.getLogger(__name__)

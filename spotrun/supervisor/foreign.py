@@ -2,7 +2,7 @@
 
 A job whose ranks run a :class:`~spotrun.Checkpointer` (or poll
 :func:`spotrun.preemption_notice`) announces itself in the control directory
-(:mod:`spotrun.listeners`); such a job reads the request file and gets no signal. A job that
+(:mod:`spotrun.control.listeners`); such a job reads the request file and gets no signal. A job that
 saves with its own framework never announces itself: it is told of a notice by a signal
 sent at once to the worker processes themselves (never their launcher: torch's elastic agent
 treats stop signals as fatal), ``--notify-signal`` (default SIGTERM). The deadline is in
@@ -35,7 +35,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from spotrun.listeners import read_listeners
+from spotrun.control.listeners import read_listeners
 from spotrun.notices.signals import signal_name
 from spotrun.supervisor import process
 from spotrun.supervisor.torchrun_command import is_torchrun

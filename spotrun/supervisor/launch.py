@@ -2,7 +2,7 @@
 
 Before every launch (the first one and each crash restart) the supervisor lists the
 checkpoints again, picks the newest complete step and tells the workers about it through
-the environment variables of :mod:`spotrun.env`.
+the environment variables of :mod:`spotrun.control.env`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import os
 import uuid
 from dataclasses import dataclass
 
-from spotrun import env as spotrun_env
-from spotrun import rank_layout
+from spotrun.control import env as spotrun_env
+from spotrun.checkpoint import rank_layout
 from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.catalog import StepInfo
 from spotrun.storage import Storage, StorageLocation
@@ -118,8 +118,8 @@ def plan_launch(
         base_env: environment to extend; default ``os.environ``.
         supervisor_pid: the supervisor's process id, passed as ``SPOTRUN_SUPERVISOR_PID`` with
             ``SPOTRUN_GRACE_PERIOD_S``: the workers stop when it is gone
-            (:mod:`spotrun.supervisor_watch`); ``None`` leaves both out.
-        log_format: passed as ``SPOTRUN_LOG_FORMAT`` (:mod:`spotrun.logs`); ``None``: as in
+            (:mod:`spotrun.train.supervisor_watch`); ``None`` leaves both out.
+        log_format: passed as ``SPOTRUN_LOG_FORMAT`` (:mod:`spotrun.tools.logs`); ``None``: as in
             ``base_env``.
         retention: ``SPOTRUN_KEEP_LAST``/``SPOTRUN_KEEP_EVERY`` for the workers
             (:meth:`~spotrun.supervisor.config.SupervisorConfig.retention_env`); a variable

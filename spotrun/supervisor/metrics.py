@@ -4,10 +4,10 @@
 (:mod:`spotrun.supervisor.observers`) and a Prometheus collector in a registry of its own
 (no global state). The events give notices, decisions, launches, restarts and the exit;
 the workers' measurements that local rank 0 publishes in the launch's control directory
-(``saves.json``, :mod:`spotrun.control`) give the saves and the restore, read again by
+(``saves.json``, :mod:`spotrun.control.files`) give the saves and the restore, read again by
 :meth:`SupervisorMetrics.refresh` (the exporter calls it every second), at every collection
 (a scrape, a textfile write) and at the end of each launch. A committed save is counted
-once; ``saves.json`` remembers the last :data:`~spotrun.control.RECENT_SAVES` saves, so saves
+once; ``saves.json`` remembers the last :data:`~spotrun.control.files.RECENT_SAVES` saves, so saves
 are missed only when more than that commit between two reads.
 :mod:`spotrun.supervisor.metrics_export` serves the registry over HTTP or writes it to a file.
 
@@ -62,7 +62,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
-from spotrun import control
+from spotrun.control import files as control
 from spotrun.errors import SpotrunError
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ observer is logged once per event name and the supervision goes on). Events and 
 ``start``          ``host``, ``pid``, ``command`` (list), ``grace_period_s``, ``checkpoint_uri``
 ``launch``         ``attempt`` (0 first), ``incarnation``, ``run_id``, ``resumed_step`` (None: fresh),
                    ``resumed_world_size``, ``resumed_created_unix_s`` (when the resumed step was saved),
-                   ``control_dir`` (this launch's, :mod:`spotrun.control`: the workers' save measurements)
+                   ``control_dir`` (this launch's, :mod:`spotrun.control.files`: the workers' save measurements)
 ``notice``         ``source`` (signal, aws, gcp, azure, file), ``kind``, ``deadline_unix_s``, ``stop`` (bool)
 ``decision``       ``save`` (bool: an emergency save was asked for), ``message``
 ``command_exit``   ``code``, ``incarnation``

@@ -1,7 +1,7 @@
 """What the workers reported when a launch ended, and which checkpoint the job resumes from.
 
 Helpers of :mod:`spotrun.supervisor.run` that read the control channel's reports
-(:mod:`spotrun.control`) and the checkpoint catalog after the launch command exited; they
+(:mod:`spotrun.control.files`) and the checkpoint catalog after the launch command exited; they
 log what they find, for the supervisor to choose its exit code.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import os
 
-from spotrun import control
+from spotrun.control import files as control
 from spotrun.checkpoint import catalog, fencing
-from spotrun.env import STOP_AT_STEP
+from spotrun.control.env import STOP_AT_STEP
 from spotrun.errors import SpotrunError
 from spotrun.storage import Storage
 
@@ -112,7 +112,7 @@ def workers_stopped_without_save(control_dir: str) -> bool:
 
 
 def fenced(control_dir: str) -> str | None:
-    """What the workers' fence report says (:mod:`spotrun.fence_report`), as the supervisor's
+    """What the workers' fence report says (:mod:`spotrun.train.fence_report`), as the supervisor's
     log line; ``None`` when they were not fenced. An unreadable report still means fenced."""
     try:
         report = control.read_fence_report(control_dir)

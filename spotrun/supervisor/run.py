@@ -6,13 +6,13 @@ resume point in its environment (:mod:`~spotrun.supervisor.launch`). A notice (a
 signal to the supervisor or a cloud notice, through :class:`~spotrun.notices.inbox.Inbox`)
 never reaches torchrun as a signal (it treats those as fatal): the supervisor writes a save
 request with the deadline ``notice + grace period - safety margin`` into the control
-directory (:mod:`spotrun.control`), signals only workers that save by themselves
+directory (:mod:`spotrun.control.files`), signals only workers that save by themselves
 (:mod:`~spotrun.supervisor.foreign`), and waits. At the deadline it stops the whole process
 tree (SIGTERM, then SIGKILL, every process gone by the end of the grace period). When the
 estimated save (:mod:`~spotrun.supervisor.estimate`) does not fit in the time left, it asks
 the workers to stop without saving instead and says which checkpoint the job resumes from.
 If the supervisor dies, the command gets SIGTERM (``PR_SET_PDEATHSIG``) and every worker,
-watching it (:mod:`spotrun.supervisor_watch`), saves and ends itself.
+watching it (:mod:`spotrun.train.supervisor_watch`), saves and ends itself.
 
 Exit codes:
     0    the command exited 0 and no emergency checkpoint was taken: training finished
@@ -46,10 +46,10 @@ import subprocess
 import tempfile
 import time
 
-from spotrun import control
+from spotrun.control import files as control
 from spotrun.checkpoint import catalog
 from spotrun.errors import ConfigError, SpotrunError
-from spotrun.manifest import Manifest
+from spotrun.checkpoint.manifest import Manifest
 from spotrun.notices import Inbox, Notice, NoticeWatch, is_stop, parse_notice_option, start_sources
 from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal
 from spotrun.notices.signals import describe as describe_signals

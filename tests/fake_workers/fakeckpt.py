@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from spotrun.checkpoint.layout import file_key, manifest_key, shard_name
-from spotrun.manifest import FileRecord, Manifest
+from spotrun.checkpoint.manifest import FileRecord, Manifest
 from spotrun.storage import LocalStorage, open_storage
 
 

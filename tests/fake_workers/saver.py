@@ -23,7 +23,9 @@ import time
 
 from fakeckpt import write_step
 
-from spotrun import control, env, listeners
+from spotrun.control import files as control
+from spotrun.control import env
+from spotrun.control import listeners
 
 
 def main() -> int:

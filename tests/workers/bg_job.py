@@ -31,7 +31,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import spotrun
-from spotrun import control
+from spotrun.control import files as control
 from spotrun.checkpoint import save as save_module
 from spotrun.storage import LocalStorage
 from spotrun.storage.s3 import S3Storage

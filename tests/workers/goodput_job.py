@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import spotrun
-from spotrun import control
+from spotrun.control import files as control
 
 parser = argparse.ArgumentParser()
 parser.add_argument("ckpt_uri")

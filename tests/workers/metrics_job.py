@@ -1,6 +1,6 @@
 """Worker for tests/test_metrics.py and tests/test_log_format.py: one process (no torchrun)
 training a tiny model with spotrun's Checkpointer and synchronous periodic saves, logging
-through spotrun.logs (the format the supervisor passes in $SPOTRUN_LOG_FORMAT).
+through spotrun.tools.logs (the format the supervisor passes in $SPOTRUN_LOG_FORMAT).
 
 Usage: python metrics_job.py OUT_DIR [--interval K] [--crash-after-save]
 Runs until the supervisor asks for a save (then saves, exits 0). Writes OUT_DIR/step (the
@@ -19,7 +19,7 @@ import time
 import torch
 
 import spotrun
-from spotrun.logs import configure_logging
+from spotrun.tools.logs import configure_logging
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out_dir", type=pathlib.Path)

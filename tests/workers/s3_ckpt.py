@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 import spotrun
-from spotrun import control
-from spotrun.env import CONTROL_DIR
+from spotrun.control import files as control
+from spotrun.control.env import CONTROL_DIR
 from spotrun.errors import CheckpointSaveError
 from spotrun.storage import open_storage
 from exit_without_teardown import exit_without_teardown

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import spotrun
-from spotrun.env import WorkerEnv
+from spotrun.control.env import WorkerEnv
 from spotrun.storage import LocalStorage
 from exit_without_teardown import exit_without_teardown
 

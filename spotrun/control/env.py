@@ -1,0 +1,132 @@
+"""Environment variables through which the supervisor talks to the training workers.
+
+The supervisor (``spotrun run``) sets these for the launch command; torchrun passes
+them on to every worker unchanged. A training script started without the
+supervisor simply sees none of them and runs with the defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from spotrun.tools import logs
+
+#: Root URI of the checkpoints (a local directory or ``s3://bucket/prefix``).
+CHECKPOINT_URI = "SPOTRUN_CHECKPOINT_URI"
+#: Step of the newest complete checkpoint the supervisor found; unset for a fresh start.
+RESUME_STEP = "SPOTRUN_RESUME_STEP"
+#: Directory (local to this node) of the control channel: save requests and commit reports.
+CONTROL_DIR = "SPOTRUN_CONTROL_DIR"
+#: Identifier shared by every incarnation of one training job.
+RUN_ID = "SPOTRUN_RUN_ID"
+#: 0 for the first start of a job, +1 for every later start that resumes it.
+INCARNATION = "SPOTRUN_INCARNATION"
+#: Step at which :meth:`spotrun.Checkpointer.end_of_step` takes an emergency checkpoint and
+#: tells the loop to stop, as if a save request had arrived; unset: no such stop. Not set by
+#: ``spotrun run`` itself (it passes it on when its own environment has it); ``spotrun drill``
+#: sets it to end its restart and its reference run at an exact step.
+STOP_AT_STEP = "SPOTRUN_STOP_AT_STEP"
+#: Process id of the ``spotrun run`` supervisor that launched this job on this node. A worker
+#: watches it (:mod:`spotrun.train.supervisor_watch`): when it is gone, the worker stops as on a
+#: notice, and ends itself after :data:`GRACE_PERIOD_S` at the latest.
+SUPERVISOR_PID = "SPOTRUN_SUPERVISOR_PID"
+#: The supervisor's grace period in seconds (``--grace-period-s``).
+GRACE_PERIOD_S = "SPOTRUN_GRACE_PERIOD_S"
+#: Log line format, ``text`` or ``json`` (``--log-format``): ``spotrun run`` sets it for the launch
+#: command to its own format; :func:`spotrun.tools.logs.configure_logging` reads it. Read by every
+#: ``spotrun`` subcommand too when ``--log-format`` is not given.
+LOG_FORMAT = logs.LOG_FORMAT  # the log set-up reads it too, and tools sit below control
+
+#: Retention of the workers' checkpoints (``spotrun run --keep-last N``): keep the N newest
+#: complete steps; unset: keep every step. A ``Checkpointer(keep_last=...)`` argument wins.
+KEEP_LAST = "SPOTRUN_KEEP_LAST"
+#: ``spotrun run --keep-every M``: also keep every step divisible by M (with ``KEEP_LAST``).
+KEEP_EVERY = "SPOTRUN_KEEP_EVERY"
+
+DEFAULT_CHECKPOINT_URI = "./checkpoints"
+#: Default bound of one save's storage operations (``Checkpointer(save_timeout_s=...)``), in
+#: seconds; ``spotrun gc`` relies on it to tell a running save from a dead one.
+DEFAULT_SAVE_TIMEOUT_S = 300.0
+#: The safety margin when the grace period is long enough for it, in seconds.
+DEFAULT_SAFETY_MARGIN_S = 5.0
+
+
+def default_safety_margin_s(grace_period_s: float) -> float:
+    """The safety margin kept before the end of a grace period when none is given, in seconds.
+
+    :data:`DEFAULT_SAFETY_MARGIN_S` (5 s), or half the grace period when that is less
+    (30 s -> 5 s, 10 s -> 5 s, 6 s -> 3 s, 2 s -> 1 s): a grace period of 5 s or less is not
+    refused, and one of 10 s or more keeps the 5 s.
+    """
+    return min(DEFAULT_SAFETY_MARGIN_S, grace_period_s / 2)
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What the supervisor told this worker, read from the environment.
+
+    Attributes:
+        checkpoint_uri: root URI of the checkpoints; ``None`` if unset.
+        resume_step: step the supervisor chose to resume from; ``None`` for "find it yourself".
+        control_dir: local control-channel directory; ``None`` when no supervisor runs.
+        run_id: job identifier; ``None`` if unset.
+        incarnation: start count of this job (0 = first start).
+        stop_at_step: stop with an emergency checkpoint at the first step boundary whose
+            step is >= this; ``None``: no such stop.
+        supervisor_pid: process id of the supervisor of this node; ``None`` without one.
+        grace_period_s: the supervisor's grace period in seconds; ``None`` if unset.
+        keep_last, keep_every: the retention the supervisor was given; ``None`` if unset.
+    """
+
+    checkpoint_uri: str | None
+    resume_step: int | None
+    control_dir: str | None
+    run_id: str | None
+    incarnation: int
+    stop_at_step: int | None = None
+    supervisor_pid: int | None = None
+    grace_period_s: float | None = None
+    keep_last: int | None = None
+    keep_every: int | None = None
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> "WorkerEnv":
+        """Read the variables; raises :class:`~spotrun.errors.ConfigError` on a malformed number."""
+        from spotrun.errors import ConfigError
+
+        env = os.environ if environ is None else environ
+
+        def _int(name: str) -> int | None:
+            raw = env.get(name, "").strip()
+            if not raw:
+                return None
+            try:
+                return int(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{name}={raw!r} is not an integer") from exc
+
+        def _seconds(name: str) -> float | None:
+            raw = env.get(name, "").strip()
+            if not raw:
+                return None
+            try:
+                value = float(raw)
+            except ValueError:
+                value = float("nan")
+            if not value > 0 or value == float("inf"):
+                raise ConfigError(f"{name}={raw!r} is not a number of seconds > 0")
+            return value
+
+        return cls(
+            checkpoint_uri=env.get(CHECKPOINT_URI) or None,
+            resume_step=_int(RESUME_STEP),
+            control_dir=env.get(CONTROL_DIR) or None,
+            run_id=env.get(RUN_ID) or None,
+            incarnation=_int(INCARNATION) or 0,
+            stop_at_step=_int(STOP_AT_STEP),
+            supervisor_pid=_int(SUPERVISOR_PID),
+            grace_period_s=_seconds(GRACE_PERIOD_S),
+            keep_last=_int(KEEP_LAST),
+            keep_every=_int(KEEP_EVERY),
+        )

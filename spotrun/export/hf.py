@@ -1,0 +1,216 @@
+"""``spotrun export --format hf``: a checkpoint step's model weights as Hugging Face sharded
+safetensors, written to a local directory or an ``s3://`` prefix.
+
+What is written is planned from the manifest first (:mod:`spotrun.export.plan`: file names,
+which tensors go where, the index). Then one output file at a time: its tensors are read from
+the checkpoint - in format 4 each tensor is assembled from its chunks, whichever ranks wrote
+them (FSDP2 and tensor-parallel shards included), straight into one new tensor of its global
+shape, every block's checksum verified (:class:`~spotrun.checkpoint.chunk_reader.ChunkReader`);
+formats 1-3 read the rank files that hold them - and the file is streamed to the output
+(:meth:`~spotrun.storage.base.Storage.put_stream`: a hidden temporary file renamed into place
+locally, a multipart upload on S3), after which its tensors are dropped.
+
+Memory: the tensors of one output file (at most ``max_shard_size`` of data, or the one tensor
+that is larger), plus bounded buffers: the reader's scratch for the edges of 1 MiB checksum
+blocks (a few 8 MiB units) and the writer's buffers (three 8 MiB chunks locally; on S3
+``max_concurrency`` parts of 16 MiB). The whole model is never in memory unless it fits in one
+file. Tensors are copied byte for byte: the exported values are bit-identical to the saved ones
+in every dtype safetensors stores (float64/32/16, bfloat16, integers, bool, float8).
+
+Order of writes: an old index is deleted first (with ``overwrite``), then the data files, then
+the new index last, then stale data files of an older export: a reader that finds the index
+finds every file it names complete. The source checkpoint is only read.
+
+A step deleted while it is exported (the retention of a live job, ``spotrun gc``) is told
+from a damaged one by listing it again after a read failed
+(:func:`~spotrun.checkpoint.catalog.deleted_since_listed`); the files written for it are
+deleted. With a step named, that is an error (:class:`~spotrun.errors.StepDeletedError`);
+without, the newest complete step is exported instead, from the start (a user who asks
+for the newest checkpoint's weights gets them), at most :data:`NEWEST_STEP_ATTEMPTS` times.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from dataclasses import dataclass
+
+from spotrun.checkpoint import catalog
+from spotrun.checkpoint.chunk_reader import ChunkReader
+from spotrun.checkpoint.restore import read_whole_tensors
+from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, ShardSource
+from spotrun.errors import (
+    CorruptShardError,
+    ExportError,
+    NoCheckpointError,
+    ObjectNotFoundError,
+    ObjectTooShortError,
+    StepDeletedError,
+)
+from spotrun.export.plan import INDEX_NAME, WEIGHT_FILE_RE, ExportPlan, ExportShard, plan_export
+from spotrun.checkpoint.manifest import Manifest
+from spotrun.tools.progress import progress_bar
+from spotrun.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+#: Format 4: tensors of one output file are read in batches of about this many bytes, so the
+#: progress bar moves and small tensors are read in parallel.
+READ_BATCH_BYTES = 64 * 2**20
+#: Without a step named: how many times the newest complete step is exported when the one being
+#: exported was deleted meanwhile (a live job with ``--keep-last``; each time from the start).
+NEWEST_STEP_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What an export wrote.
+
+    Attributes:
+        plan: the files and the tensors in each.
+        out_uri: where they are.
+        file_sizes: file name -> bytes written, in the order written.
+        removed: stale weight files of an earlier export that were deleted (``overwrite``).
+    """
+
+    plan: ExportPlan
+    out_uri: str
+    file_sizes: dict[str, int]
+    removed: tuple[str, ...] = ()
+
+
+def find_step(storage: Storage, step: int | None) -> catalog.StepInfo:
+    """The complete step ``step``, or the newest complete one when ``step`` is ``None``.
+
+    Raises:
+        ObjectNotFoundError: ``step`` is not complete (absent, incomplete, corrupt, fenced).
+        NoCheckpointError: no complete step at all.
+    """
+    if step is None:
+        info = catalog.newest_complete(storage)
+        if info is None:
+            raise NoCheckpointError(f"no complete step under {storage.uri} (spotrun ls shows what is there)")
+        return info
+    info = catalog.inspect_step(storage, step)
+    if info is not None and info.status == catalog.COMPLETE:
+        return info
+    why = "absent" if info is None else f"{info.status}: {info.problem}"
+    complete = [str(s.step) for s in catalog.list_steps(storage) if s.status == catalog.COMPLETE]
+    raise ObjectNotFoundError(errno.ENOENT, f"step {step} under {storage.uri} is not complete ({why}); "
+                                            f"newest complete steps: {', '.join(complete[-10:]) or 'none'}")
+
+
+def export_hf(source: Storage, out: Storage, *, step: int | None = None, state_name: str = "model",
+              max_shard_size_bytes: int = 5 * 10**9, tied: str = "copy", overwrite: bool = False) -> ExportResult:
+    """Export ``state_name`` of ``step`` under ``source`` as Hugging Face safetensors into ``out``.
+
+    Args:
+        source: the checkpoint root.
+        out: the output root (a directory, or an S3 prefix).
+        step: the step to export; ``None``: the newest complete one.
+        state_name: the top-level state (``Checkpointer(state={"model": ...})``).
+        max_shard_size_bytes: most bytes of tensor data per file.
+        tied: ``"copy"`` (tied keys written each) or ``"drop"`` (once): see
+            :mod:`spotrun.export.plan`.
+        overwrite: replace weight files an earlier export left in ``out`` (other files there,
+            such as ``config.json``, are never touched).
+
+    Raises:
+        ExportError: no such state, an unsupported dtype, ``out`` already holds weight files
+            and not ``overwrite``. Nothing is written.
+        ObjectNotFoundError, NoCheckpointError: the step is not complete, or none is.
+        CorruptShardError: a checkpoint file fails verification (files already written stay;
+            no index names them; with ``overwrite``, the earlier export's index is gone too:
+            logged as an error).
+        StepDeletedError: the step was deleted while it was read (the job's retention, gc);
+            without ``step``, the newest complete step was deleted under each of
+            :data:`NEWEST_STEP_ATTEMPTS` attempts. The files this export wrote are deleted.
+        StorageError: a read or write failed.
+    """
+    info = find_step(source, step)
+    manifest = info.manifest
+    assert manifest is not None  # a complete step has one
+    plan = plan_export(manifest, state_name, max_shard_size_bytes, tied)
+    existing = sorted(o.key for o in out.list("") if "/" not in o.key and WEIGHT_FILE_RE.match(o.key))
+    if existing and not overwrite:
+        shown = ", ".join(existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
+        raise ExportError(f"{out.uri} already holds exported weights ({shown}); pass --overwrite to replace "
+                          "them, or choose another output")
+    if INDEX_NAME in existing:
+        out.delete(INDEX_NAME)  # first: no index may name a half-replaced set of files
+    try:
+        for attempt in range(NEWEST_STEP_ATTEMPTS if step is None else 1):
+            if attempt:  # the newest complete step was deleted under us: export the newest now
+                log.warning("step %d was deleted while exporting it (the job's retention); exporting the newest "
+                            "complete step instead", plan.step)
+                info = find_step(source, None)
+                manifest = info.manifest
+                assert manifest is not None
+                plan = plan_export(manifest, state_name, max_shard_size_bytes, tied)
+            file_sizes: dict[str, int] = {}
+            try:
+                _write_files(source, out, manifest, plan, file_sizes)
+                break
+            except (ObjectNotFoundError, CorruptShardError, ObjectTooShortError):
+                if not catalog.deleted_since_listed(source, info):
+                    raise
+                for name in file_sizes:  # this attempt's files, of a step that is gone
+                    out.delete(name)
+        else:
+            raise StepDeletedError(
+                errno.ENOENT, f"step {plan.step} under {source.uri} was deleted while exporting it (the job's "
+                "retention, --keep-last, or spotrun gc removed it); nothing of it was left in "
+                f"{out.uri}: export again, or a step the job keeps (--keep-every)")
+    except BaseException:
+        if existing:
+            log.error("the earlier export in %s is no longer usable: its index was removed before this export "
+                      "began writing; export again", out.uri)
+        raise
+    removed = tuple(name for name in existing if name not in file_sizes)
+    for name in removed:
+        out.delete(name)
+    return ExportResult(plan=plan, out_uri=out.uri, file_sizes=file_sizes, removed=removed)
+
+
+def _write_files(source: Storage, out: Storage, manifest: Manifest, plan: ExportPlan,
+                 file_sizes: dict[str, int]) -> None:
+    """Write the planned files, the index last; ``file_sizes`` gets each file written."""
+    reader = ChunkReader(source, manifest) if manifest.format_version >= 4 else None
+    with progress_bar(2 * plan.total_size_bytes, f"export step {plan.step}: read + write") as bar:
+        for shard in plan.shards:
+            file_sizes[shard.filename] = _write_shard(source, out, manifest, plan, shard, reader, bar)
+        index = plan.index_json()  # last: it names only files that are whole
+        out.put(INDEX_NAME, index)
+        file_sizes[INDEX_NAME] = len(index)
+
+
+def _write_shard(source: Storage, out: Storage, manifest: Manifest, plan: ExportPlan, shard: ExportShard,
+                 reader: ChunkReader | None, bar) -> int:
+    """Read one output file's tensors, stream the file out, and return its size in bytes."""
+    sizes: dict[str, int] = {}
+    for tensor in shard.tensors:  # a tied pair in one file is read once
+        sizes.setdefault(tensor.source, tensor.size_bytes)
+    values = {}
+    for batch in _batches(sizes, READ_BATCH_BYTES if reader is not None else None):
+        values.update(read_whole_tensors(source, manifest, batch, reader))
+        bar.update(sum(sizes[name] for name in batch))
+    file = ShardSource({t.key: values[t.source] for t in shard.tensors}, plan.metadata())
+    # the bar counted each tensor's bytes twice: a tied copy is read once, and the header is written too
+    bar.total += (sum(sizes.values()) - shard.size_bytes) + (file.size_bytes - shard.size_bytes)
+    out.put_stream(shard.filename, file, chunk_bytes=CHECKSUM_CHUNK_BYTES,
+                   on_chunk=lambda _offset, data: bar.update(len(data)))
+    return file.size_bytes
+
+
+def _batches(sizes: dict[str, int], batch_bytes: int | None) -> list[list[str]]:
+    """Names in order, cut into batches of about ``batch_bytes`` (``None``: one batch; formats
+    1-3 read whole files, so one batch per output file reads each source file once)."""
+    batches: list[list[str]] = [[]]
+    held = 0
+    for name, size in sizes.items():
+        if batch_bytes is not None and batches[-1] and held + size > batch_bytes:
+            batches.append([])
+            held = 0
+        batches[-1].append(name)
+        held += size
+    return [b for b in batches if b]

@@ -1,0 +1,120 @@
+"""Rank 0's part of the event log (:mod:`spotrun.eventlog.records`), fed by the
+:class:`~spotrun.train.checkpointer.Checkpointer`.
+
+Records of ``events/incarnation-<N>.rank-00000.jsonl`` (every record also has ``event`` and
+``time_unix_s``, seconds since the epoch):
+
+=============  =====================================================================================
+``start``      this start claimed incarnation ``incarnation``; ``resumed_step`` (None: fresh, or a
+               save without ``restore()``), ``restore_s`` (seconds in ``restore()``, listing,
+               reading, verifying and claiming), ``restore_bytes_read`` (rank 0's),
+               ``world_size``, ``interval_steps``, ``event_interval_s`` (the progress record's
+               interval), ``launch_incarnation`` (the supervisor's
+               ``$SPOTRUN_INCARNATION``; None without one), ``supervisor_pid``, ``host``, ``pid``.
+               Its time is the end of the restore: training starts then.
+``save``       one save ended: ``step``, ``reason`` (periodic, requested, emergency, final,
+               manual), ``committed`` (bool), ``background`` (bool), ``stall_s`` (seconds
+               training was blocked by it), ``duration_s`` (start to commit), ``size_bytes``
+               (all ranks' shard files; None when it failed). Its time is the end.
+``stop``       the job was told to stop at ``step``; ``saved`` (whether that step was saved).
+``exit``       ``Checkpointer.close()``: ``step``, the last step reached.
+``progress``   ``step``, the newest step reached; its time is when that step ended (the
+               ``end_of_step`` call). One per object, replaced; written at most every
+               ``$SPOTRUN_EVENT_INTERVAL_S`` (default 30 s) and with every other record.
+=============  =====================================================================================
+
+Nothing here may stall or fail training: records are written from the event log's own thread,
+and every failure is logged, never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from spotrun.tools import dist
+from spotrun.control.env import WorkerEnv
+from spotrun.eventlog.records import EventLog, progress_interval_s, rank_key
+from spotrun.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+
+class TrainingEvents:
+    """Rank 0's event records; on every other rank each method does nothing.
+
+    Args:
+        storage: the checkpoint root.
+        env: the worker's environment (the supervisor's incarnation and pid).
+        interval_s: least seconds between two writes of the progress record alone; ``None``:
+            ``$SPOTRUN_EVENT_INTERVAL_S``, else 30.
+        interval_steps: the Checkpointer's periodic save interval in steps (recorded).
+
+    Raises:
+        ConfigError: a bad interval.
+    """
+
+    def __init__(self, storage: Storage, env: WorkerEnv, interval_s: float | None, interval_steps: int) -> None:
+        self._storage = storage
+        self._env = env
+        self._interval_s = progress_interval_s(interval_s)
+        self._interval_steps = interval_steps
+        self._log: EventLog | None = None
+        self._restore_started_s: float | None = None
+
+    def restore_started(self) -> None:
+        """``restore()`` begins (its duration is recorded with the start)."""
+        self._restore_started_s = time.monotonic()
+
+    def started(self, incarnation: int, resumed_step: int | None, restore_bytes_read: int) -> None:
+        """This start claimed ``incarnation`` (after a restore from ``resumed_step``, None:
+        nothing restored): open its object and record the start."""
+        restore_s = 0.0 if self._restore_started_s is None else time.monotonic() - self._restore_started_s
+        self._restore_started_s = None
+        if dist.rank() != 0:  # asked here, not earlier: the process group exists once restore() ran
+            return
+        self.close()  # a second restore() claims another incarnation
+        self._log = EventLog(self._storage, rank_key(incarnation, 0), progress_interval_s=self._interval_s)
+        self._append("start", incarnation=incarnation, resumed_step=resumed_step, restore_s=round(restore_s, 6),
+                     restore_bytes_read=restore_bytes_read, world_size=dist.world_size(),
+                     interval_steps=self._interval_steps, event_interval_s=self._interval_s,
+                     launch_incarnation=self._env.incarnation if self._env.control_dir else None,
+                     supervisor_pid=self._env.supervisor_pid, host=socket.gethostname(), pid=os.getpid())
+
+    def step_reached(self, step: int) -> None:
+        """``step`` ended (called from every ``end_of_step``: an assignment)."""
+        if self._log is not None:
+            self._log.progress(step)
+
+    def save_ended(self, *, step: int, reason: str, committed: bool, background: bool, stall_s: float,
+                   duration_s: float, size_bytes: int | None) -> None:
+        """A save ended (any thread)."""
+        self._append("save", step=step, reason=reason, committed=committed, background=background,
+                     stall_s=round(stall_s, 6), duration_s=round(duration_s, 6), size_bytes=size_bytes)
+
+    def stopped(self, step: int, *, saved: bool) -> None:
+        """The job stops after ``step``, which was saved or not."""
+        self._append("stop", step=step, saved=saved)
+
+    def close(self) -> None:
+        """Record the exit (the last step reached) and write everything (bounded wait)."""
+        if self._log is None:
+            return
+        last = self._log.last_progress
+        self._append("exit", step=last[0] if last else None)
+        try:
+            self._log.close()
+        except Exception as exc:  # noqa: BLE001 - never fail the job's exit
+            log.warning("closing the event log failed: %s", exc)
+        self._log = None
+
+    def _append(self, event: str, **fields: Any) -> None:
+        if self._log is None:
+            return
+        try:
+            self._log.append(event, **fields)
+        except Exception as exc:  # noqa: BLE001 - a record that cannot be made must not stop training
+            log.warning("event %r not recorded: %s", event, exc)
