@@ -17,7 +17,7 @@ that same state (the order rotates every round):
 * the limits: ``dd`` direct write (``oflag=direct conv=fsync``) and direct read of as many
   bytes, and a copy of the state into buffers allocated once (the floor of a stall);
 * peak extra memory of each, measured in a child process per measurement (``VmHWM`` after
-  resetting it, minus ``VmRSS`` before: :mod:`tests.peak_memory`);
+  resetting it, minus ``VmRSS`` before: :mod:`tests.support.peak_memory`);
 * 10,000 tiny tensors (per tensor: spotrun, DCP, safetensors); world size 2 with replicated
   state (torchrun, gloo: spotrun and DCP saves); with ``--s3``, a 384 MiB state on a moto server
   started on 127.0.0.1 against boto3's ``upload_file``/``download_file``.
@@ -49,7 +49,7 @@ sys.path[:0] = [BENCH_DIR, REPO_ROOT]
 import peers  # noqa: E402
 import report  # noqa: E402
 import scenarios  # noqa: E402
-from tests import memory_probe  # noqa: E402
+from tests.support import memory_probe  # noqa: E402
 
 MIB = 2**20
 #: Memory measurements: child action -> {measurement: label in the table}; one child per action.

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from tests.memory_probe import background_saves_available, evict_from_page_cache
-from tests.peak_memory import PeakMemory, measure
+from tests.support.memory_probe import background_saves_available, evict_from_page_cache
+from tests.support.peak_memory import PeakMemory, measure
 
 Timer = Callable[[str, Callable[[], object]], object]
 DD_BLOCK_BYTES = 8 * 2**20
@@ -346,7 +346,7 @@ def _two_async_saves(reuse_stager: bool, name: str) -> Callable[..., dict[str, P
     return action
 
 
-#: Peers' memory measurements, in the form of :data:`tests.memory_probe.ACTIONS`.
+#: Peers' memory measurements, in the form of :data:`tests.support.memory_probe.ACTIONS`.
 MEMORY_ACTIONS: dict[str, Callable[..., dict[str, PeakMemory]]] = {
     "dcp": _save_and_restore(Dcp, "dcp"),
     "dcp-async-save": _two_async_saves(False, "dcp-async-save"),

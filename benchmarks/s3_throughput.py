@@ -44,7 +44,7 @@ from boto3.s3.transfer import TransferConfig  # noqa: E402
 
 from spotrun.storage.s3 import S3Options, S3Storage, make_client  # noqa: E402
 from spotrun.storage.s3_transfer import MemorySource  # noqa: E402
-from tests.s3_server import FAKE_CREDENTIALS, moto_server  # noqa: E402
+from tests.support.s3_server import FAKE_CREDENTIALS, moto_server  # noqa: E402
 
 MIB = 1024 * 1024
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 
 from peers import fsync_path
-from tests.memory_probe import build_training_state, evict_from_page_cache
+from tests.support.memory_probe import build_training_state, evict_from_page_cache
 
 MIB = 2**20
 WORLD2_MARK = "WORLD2-RESULT "
@@ -152,7 +152,7 @@ def s3(size_mib: float, rounds: int) -> dict[str, list[float]]:
     """Against a moto server started here on 127.0.0.1: spotrun ``save``/``restore`` of a
     training state vs boto3's ``upload_file``/``download_file`` of as many bytes (both with
     their default transfer settings)."""
-    from tests.s3_server import FAKE_CREDENTIALS, empty_and_delete_bucket, make_client, moto_server
+    from tests.support.s3_server import FAKE_CREDENTIALS, empty_and_delete_bucket, make_client, moto_server
 
     import spotrun
 

@@ -13,7 +13,7 @@ import time
 import pytest
 from filelock import FileLock
 
-from tests.trainrun import (
+from tests.support.trainrun import (
     REFERENCE_SAVE_INTERVAL,
     REFERENCE_STEPS,
     final_tensors,

@@ -1,1 +1,0 @@
-"""Fake launch commands for the supervisor tests (run as scripts, not imported by spotrun)."""

@@ -1,0 +1,1 @@
+"""Tests of one room of spotrun each (``unit/<room>/``), in one process or a few."""
