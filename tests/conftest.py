@@ -1,4 +1,4 @@
-"""Fixtures shared by the end-to-end tests.
+"""Fixtures shared by the whole suite: S3 servers, `spotrun run` around fake jobs, the reference run.
 
 The suite runs in two processes (pytest-xdist, ``-n 2`` in pyproject.toml): many tests wait on
 clocks (a 36 s save, a deadline, a slow store) rather than on the CPU. Session fixtures run once
@@ -6,6 +6,7 @@ per process, except where they say otherwise (:func:`reference`: once per run, b
 """
 
 import gc
+import pathlib
 import signal
 import threading
 import time
@@ -13,7 +14,14 @@ import time
 import pytest
 from filelock import FileLock
 
-from tests.support.trainrun import (
+# Helpers keep pytest's assertion messages (they were test modules' own functions before).
+pytest.register_assert_rewrite("tests.support")
+
+from tests.support.fake_launch import Spotrun  # noqa: E402
+# The S3 servers and the Ceph gateway, as fixtures for every test (started only when asked for).
+from tests.support.rgw_server import rgw_bucket, rgw_endpoint  # noqa: E402, F401
+from tests.support.s3_server import moto_endpoint, moto_endpoint_enforcing_auth, s3_bucket  # noqa: E402, F401
+from tests.support.trainrun import (  # noqa: E402
     REFERENCE_SAVE_INTERVAL,
     REFERENCE_STEPS,
     final_tensors,
@@ -96,6 +104,30 @@ def processes():
     yield started
     for proc in started:
         kill_tree(proc)
+
+
+@pytest.fixture
+def spotrun_run(tmp_path):
+    """``spotrun_run(options, command)``: a `spotrun run` process (:class:`Spotrun`); any still
+    running at the end are killed with what they started."""
+    started: list[Spotrun] = []
+
+    def start(options, command, **kwargs) -> Spotrun:
+        run = Spotrun(tmp_path, options, command, **kwargs)
+        started.append(run)
+        return run
+
+    yield start
+    for run in started:
+        run.kill_everything()
+
+
+@pytest.fixture
+def state(tmp_path) -> pathlib.Path:
+    """A directory where a fake launch command (tests/jobs) writes what it saw and did."""
+    path = tmp_path / "state"
+    path.mkdir()
+    return path
 
 
 @pytest.fixture(scope="session")

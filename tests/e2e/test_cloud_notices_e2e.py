@@ -22,10 +22,13 @@ import time
 
 import pytest
 
+from spotrun.drill.clouds.aws import FakeAws
+from spotrun.drill.clouds.azure import FakeAzure
+from spotrun.drill.clouds.gcp import FakeGcp
 from tests.support.ckpt_files import manifest_path
-from tests.support.fake_metadata import FakeAws, FakeAzure, FakeGcp
 from tests.support import trainrun
 from tests.support.trainrun import (
+    assert_same_as_reference,
     ls_json,
     read_log,
     start_supervised,
@@ -44,10 +47,6 @@ NOTICE_AT_STEP = 3
 PREEMPTED = 143
 _COMMITTED = re.compile(r"emergency checkpoint of step (\d+) is complete")
 _PROBLEM = re.compile(r" WARNING (\w+ notices: .*)$")
-
-
-def assert_same_as_reference(reference, ck: str, log_file) -> None:
-    trainrun.assert_same_as_reference(*reference[:2], ck, log_file, STEPS)
 
 
 def where_to_look(cloud: str, fake) -> tuple[dict[str, str], list[str]]:

@@ -21,7 +21,6 @@ import sys
 import pytest
 
 from tests.support.crash_campaign import background_supported
-from tests.support.s3_server import moto_endpoint, s3_bucket  # noqa: F401 - fixtures
 from tests.support.paths import REPO
 
 pytestmark = pytest.mark.slow  # each campaign forks two processes per kill point: seconds to a minute

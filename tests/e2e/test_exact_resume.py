@@ -15,6 +15,7 @@ import pytest
 from tests.support.ckpt_files import data_files, manifest_path, shard_path
 from tests.support import trainrun
 from tests.support.trainrun import (
+    assert_same_as_reference,
     ls_json,
     read_log,
     sigterm,
@@ -61,11 +62,6 @@ def run_until_done(
         if codes[-1] == 0:
             return codes
     raise AssertionError(f"not done after {max_launches} launches: exit codes {codes}")
-
-
-def assert_same_as_reference(reference, ck: str, log_file) -> None:
-    ref_losses, ref_tensors, _ = reference
-    trainrun.assert_same_as_reference(ref_losses, ref_tensors, ck, log_file, STEPS)
 
 
 def test_sigterm_once_resumes_exactly(reference, tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.rgw_server import rgw_bucket, rgw_endpoint  # noqa: F401  (fixtures)
 from tests.support.trainrun import preempt_and_resume_exactly
 
 

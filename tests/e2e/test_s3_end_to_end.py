@@ -28,9 +28,10 @@ from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import file_key, shard_name, step_dir
 from tests.support.ckpt_files import shard_key
 from spotrun.storage import open_storage
-from tests.support.s3_server import make_client, moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
+from tests.support.s3_server import make_client
 from tests.support import trainrun
 from tests.support.trainrun import (
+    assert_same_as_reference,
     read_log,
     sigterm,
     start_supervised,
@@ -66,10 +67,6 @@ def flip_last_byte(client, bucket: str, key: str) -> None:
     data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     data[-1] ^= 0xFF
     client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
-
-
-def assert_same_as_reference(reference, uri: str, log_file: pathlib.Path) -> None:
-    trainrun.assert_same_as_reference(*reference[:2], uri, log_file, STEPS)
 
 
 @pytest.mark.slow

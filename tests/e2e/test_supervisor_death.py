@@ -20,7 +20,7 @@ import pytest
 
 from spotrun.supervisor import process
 from tests.support import trainrun
-from tests.unit.supervisor.test_supervisor import FAKE, WAIT_S, spotrun_run  # noqa: F401  (fixture)
+from tests.support.fake_launch import FAKE, WAIT_S
 from tests.support.trainrun import ls_json, start_supervised, torchrun_command, wait_for_step
 
 
@@ -40,13 +40,6 @@ def cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
-
-
-@pytest.fixture
-def state(tmp_path):
-    path = tmp_path / "state"
-    path.mkdir()
-    return path
 
 
 @pytest.fixture

@@ -9,6 +9,11 @@ from spotrun.checkpoint.layout import file_key
 from spotrun.storage import LocalStorage, Storage
 
 
+def storage_at(path: Path | str) -> LocalStorage:
+    """A local root without fsync: a test's checkpoints need not outlive a power cut."""
+    return LocalStorage(str(path), fsync=False)
+
+
 def shard_key(storage: Storage, step: int, rank: int = 0) -> str:
     """Storage key of the (first) shard file that ``rank`` wrote for a complete step."""
     info = catalog.committed(storage, step)

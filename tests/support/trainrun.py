@@ -167,12 +167,12 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
-def assert_same_as_reference(ref_losses: dict[int, float], ref_tensors: dict[str, torch.Tensor],
-                             checkpoint_uri: str, log_file: pathlib.Path, step: int) -> None:
-    """Per-step losses (last run of each step) and every model/optimizer tensor of ``step``
-    are bit-identical to the uninterrupted reference run's."""
+def assert_same_as_reference(reference, checkpoint_uri: str, log_file: pathlib.Path) -> None:
+    """Per-step losses (last run of each step) and every model/optimizer tensor of the last step
+    (REFERENCE_STEPS) are bit-identical to the uninterrupted run of the ``reference`` fixture."""
+    ref_losses, ref_tensors, _ = reference
     assert last_loss_per_step(log_file) == ref_losses
-    got = final_tensors(checkpoint_uri, step)
+    got = final_tensors(checkpoint_uri, REFERENCE_STEPS)
     assert sorted(got) == sorted(ref_tensors)
     for name, tensor in ref_tensors.items():
         assert torch.equal(got[name], tensor), f"{name} differs"
@@ -224,7 +224,7 @@ def preempt_and_resume_exactly(reference, checkpoint_uri: str, tmp_path: pathlib
     assert proc.wait(timeout=wait_s) == 0, (tmp_path / "second.log").read_text()[-3000:]
     resumed = [row["step"] for row in read_log(log_file)[ran_before:]]
     assert resumed == list(range(emergency_step + 1, REFERENCE_STEPS + 1))
-    assert_same_as_reference(*reference[:2], checkpoint_uri, log_file, REFERENCE_STEPS)
+    assert_same_as_reference(reference, checkpoint_uri, log_file)
     return emergency_step
 
 
@@ -237,5 +237,4 @@ def restart_resumes_exactly(reference, tmp_path: pathlib.Path, processes: list, 
     processes.append(proc)
     assert proc.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-3000:]
     assert read_log(log_file)[logged_before_restart]["step"] == resumed_step + 1
-    ref_losses, ref_tensors, _ = reference
-    assert_same_as_reference(ref_losses, ref_tensors, checkpoint_uri, log_file, REFERENCE_STEPS)
+    assert_same_as_reference(reference, checkpoint_uri, log_file)

@@ -17,10 +17,9 @@ from safetensors.torch import load as safetensors_load, save as safetensors_save
 import spotrun
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import file_key, step_dir
-from tests.support.ckpt_files import chunk_files, manifest_path
+from tests.support.ckpt_files import chunk_files, manifest_path, storage_at
 from spotrun.checkpoint.shard import sha256_hex
 from spotrun.errors import StateSerializationError
-from spotrun.storage import LocalStorage
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental",
                                         "ignore:torch.quantize_per_tensor")
@@ -35,10 +34,6 @@ MUST_ROUND_TRIP = [
         "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
     ) if hasattr(torch, name)
 ]
-
-
-def storage_at(path) -> LocalStorage:
-    return LocalStorage(str(path), fsync=False)
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:

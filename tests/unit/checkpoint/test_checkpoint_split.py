@@ -17,12 +17,7 @@ from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import file_key, shard_name, shard_part_name
 from spotrun.checkpoint.shard import SAFETENSORS_MAX_HEADER_BYTES
 from spotrun.errors import ConfigError
-from spotrun.storage import LocalStorage
-from tests.support.ckpt_files import chunk_files
-
-
-def storage_at(path) -> LocalStorage:
-    return LocalStorage(str(path), fsync=False)
+from tests.support.ckpt_files import chunk_files, storage_at
 
 
 def header_bytes(path) -> int:

@@ -21,11 +21,9 @@ from spotrun.checkpoint.retention import Retainer, RetentionPolicy, plan_retenti
 from spotrun.supervisor.config_file import load_run_config
 from spotrun.errors import ConfigError, StorageError
 from spotrun.storage import LocalStorage, open_storage
-from tests.support import s3_server
 from tests.support.trainrun import start_supervised
 from tests.support.paths import JOBS
 
-moto_endpoint, s3_bucket = s3_server.moto_endpoint, s3_server.s3_bucket  # fixtures
 
 WORKER = JOBS / "retention_job.py"
 

@@ -40,7 +40,7 @@ import sys
 import pytest
 
 from tests.support.fault_proxy import FaultProxy
-from tests.support.s3_server import make_client, moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
+from tests.support.s3_server import make_client
 from tests.support.paths import JOBS
 
 pytestmark = pytest.mark.slow

@@ -26,10 +26,8 @@ from spotrun.checkpoint.verify import steps_to_verify, verify_step
 from spotrun.cli import human_size, main
 from spotrun.storage import LocalStorage, open_storage
 from tests.support.ckpt_files import manifest_path, shard_path
-from tests.support import s3_server
 from tests.support.paths import GOLDEN, JOBS, REPO
 
-moto_endpoint, s3_bucket = s3_server.moto_endpoint, s3_server.s3_bucket  # fixtures
 
 DATA = GOLDEN
 GOLDEN = {"v1": (DATA / "golden-v1", 12), "v2": (DATA / "golden-v2", 7),

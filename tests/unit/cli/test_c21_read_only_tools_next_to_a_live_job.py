@@ -32,10 +32,8 @@ from spotrun.cli import verify as verify_command
 from spotrun.errors import StepDeletedError
 from spotrun.export.hf import export_hf
 from spotrun.storage import LocalStorage, open_storage
-from tests.support import s3_server
 from tests.support.paths import JOBS
 
-moto_endpoint, s3_bucket = s3_server.moto_endpoint, s3_server.s3_bucket  # fixtures
 
 WORKER = JOBS / "short_saver_job.py"
 #: Rounds of the tools next to the live job: at least, and at most.

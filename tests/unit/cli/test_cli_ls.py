@@ -11,7 +11,6 @@ import time
 import pytest
 
 from tests.jobs.fakeckpt import write_step
-from tests.support.s3_server import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
 from tests.support.paths import GOLDEN, JOBS
 
 CREATED_UNIX_S = 1_764_488_000.5  # 2025-11-30T07:33:20Z

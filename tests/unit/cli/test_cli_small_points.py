@@ -13,14 +13,7 @@ import time
 
 import pytest
 
-from tests.unit.supervisor.test_supervisor import FAKE, WAIT_S, alive, sigterm_ignored_until_stopped, spotrun_run, steps_on  # noqa: F401  (fixture)
-
-
-@pytest.fixture
-def state(tmp_path):
-    path = tmp_path / "state"
-    path.mkdir()
-    return path
+from tests.support.fake_launch import FAKE, WAIT_S, alive, sigterm_ignored_until_stopped, steps_on
 
 
 @pytest.mark.parametrize("words", [

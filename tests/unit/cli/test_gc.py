@@ -23,11 +23,9 @@ from spotrun.cli import main
 from spotrun.storage import LocalStorage, open_storage
 from tests.support.crash_roots import Scenario, copy_root
 from tests.support.fault_proxy import FaultProxy
-from tests.support import s3_server
 from tests.support.s3_server import make_client
 from tests.support.paths import JOBS
 
-moto_endpoint, s3_bucket = s3_server.moto_endpoint, s3_server.s3_bucket  # fixtures
 
 WORKER = JOBS / "gc_killed.py"
 HOUR_S = 3600.0

@@ -14,7 +14,6 @@ from spotrun.errors import StorageError
 from spotrun.eventlog.records import EventLog, read_events, rank_key
 from spotrun.storage import LocalStorage, open_storage
 from spotrun.supervisor.event_log import EventLogObserver
-from tests.support.s3_server import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
 
 
 def spotrun_cli(*args: str) -> subprocess.CompletedProcess:

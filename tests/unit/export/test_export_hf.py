@@ -31,7 +31,6 @@ from spotrun.examples.train_gpt import parse_args
 from spotrun.export.plan import parse_size, plan_export
 from spotrun.checkpoint.manifest import Manifest, TensorRecord
 from spotrun.storage import open_storage
-from tests.support.s3_server import moto_endpoint, s3_bucket  # noqa: F401
 from tests.support.trainrun import REFERENCE_STEPS, TRAIN_ARGS
 from tests.support.paths import GOLDEN, JOBS, REPO
 

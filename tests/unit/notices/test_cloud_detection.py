@@ -24,8 +24,9 @@ import pytest
 
 from spotrun.notices import DMI_ROOT_ENV, NoticeOptions, cloud_from_dmi, plan_detection, read_dmi
 from spotrun.notices import aws, azure, gcp
-from tests.support.fake_metadata import FakeAws, FakeAzure, FakeGcp
-from tests.support.s3_server import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
+from spotrun.drill.clouds.aws import FakeAws
+from spotrun.drill.clouds.azure import FakeAzure
+from spotrun.drill.clouds.gcp import FakeGcp
 from tests.support.socket_audit import audited_env, read_audit, socket_events
 
 #: Generous bound for one short `spotrun run` on a loaded machine, seconds.

@@ -1,4 +1,4 @@
-"""Notice sources against fake metadata servers on 127.0.0.1 (tests/support/fake_metadata.py)."""
+"""Notice sources against fake metadata servers on 127.0.0.1 (spotrun/drill/clouds/)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ from spotrun.notices.azure import AcknowledgeError, AzureSource
 from spotrun.notices.files import FileSource
 from spotrun.notices.gcp import maintenance_source, preempted_source
 from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal, SignalSource
-from tests.support.fake_metadata import FakeAws, FakeAzure, FakeGcp
+from spotrun.drill.clouds.aws import FakeAws
+from spotrun.drill.clouds.azure import FakeAzure
+from spotrun.drill.clouds.gcp import FakeGcp
 
 FAST = 0.05  # poll period in seconds for threaded tests
 TIMEOUT_S = 10.0  # HTTP timeout of the sources under test: never reached by a working fake

@@ -38,9 +38,8 @@ from spotrun.storage import LocalStorage, open_storage, parse_location
 from spotrun.storage import local as local_backend
 from spotrun.storage.s3 import MAX_SINGLE_PUT_BYTES
 from spotrun.supervisor.preflight import PROBE_PREFIX, check_storage
-from tests.support.fault_proxy import IGNORE_CONDITION, NOT_IMPLEMENTED, FaultProxy, FaultRule, conditional_put
-from tests.support.rgw_server import rgw_bucket, rgw_endpoint  # noqa: F401  (fixtures)
-from tests.support.s3_server import make_client, moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
+from tests.support.fault_proxy import IGNORE_CONDITION, NOT_IMPLEMENTED, FaultRule, conditional_put
+from tests.support.s3_server import make_client
 from tests.support.trainrun import ls_json
 
 MIB = 1024 * 1024
@@ -156,12 +155,6 @@ def test_3_local_root_without_any_no_replace_primitive_fails_preflight(tmp_path,
 
 
 # --- 3: an S3 store answering 501 to the conditional put -------------------------------
-
-
-@pytest.fixture
-def proxy(s3_bucket):
-    with FaultProxy(s3_bucket.endpoint_url) as proxy:
-        yield proxy
 
 
 def test_3_s3_store_answering_501_to_conditional_put_fails_preflight(s3_bucket, proxy, tmp_path):

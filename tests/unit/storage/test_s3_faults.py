@@ -21,23 +21,16 @@ from tests.support.ckpt_files import has_manifest
 from spotrun.checkpoint.restore import load_committed
 from spotrun.storage import open_storage
 from tests.support.fault_proxy import ALL_KINDS, LOST_RESPONSE, SLOW_DOWN, FaultProxy, FaultRule, upload_of
-from tests.support.s3_server import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
 from tests.support.paths import JOBS
 
 pytestmark = pytest.mark.slow
 
 WORKER = JOBS / "s3_ckpt.py"
-SEED = 20251130
+PROXY_SEED = 20251130  # the proxy fixture's (conftest.py)
 #: A hung save or collective shows up as this timeout instead of blocking the suite.
 TORCHRUN_TIMEOUT_S = 240
 #: Field case C10: a failing save must fail on every rank within this bound.
 C10_BOUND_S = 60.0
-
-
-@pytest.fixture
-def proxy(s3_bucket):
-    with FaultProxy(s3_bucket.endpoint_url, seed=SEED) as started:
-        yield started
 
 
 @pytest.fixture

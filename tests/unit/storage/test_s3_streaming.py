@@ -18,8 +18,7 @@ from spotrun.errors import StorageError
 from spotrun.storage.s3 import S3Options, S3Storage, make_client
 from spotrun.storage.s3_transfer import MAX_PARTS, stream_part_size
 from tests.support.byte_sources import BytesSource, ChunkRecorder
-from tests.support.fault_proxy import CUT_REQUEST, DROP, LOST_RESPONSE, SLOW_DOWN, TRUNCATED_BODY, FaultProxy, FaultRule
-from tests.support.s3_server import moto_endpoint, s3_bucket  # noqa: F401 - fixtures are used by name
+from tests.support.fault_proxy import CUT_REQUEST, DROP, LOST_RESPONSE, SLOW_DOWN, TRUNCATED_BODY, FaultRule
 from tests.unit.storage.test_storage_contract import (
     MIB,
     FakeTime,
@@ -242,10 +241,7 @@ def test_object_replaced_during_read_into_is_reported(s3_bucket):
 # --- transfers cut mid-stream (fault proxy) ------------------------------------------
 
 
-@pytest.fixture
-def proxy(s3_bucket):
-    with FaultProxy(s3_bucket.endpoint_url, seed=11) as started:
-        yield started
+PROXY_SEED = 11  # the proxy fixture's (conftest.py)
 
 
 def part_upload(number: int):

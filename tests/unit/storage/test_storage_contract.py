@@ -40,14 +40,7 @@ from spotrun.storage.s3 import S3Options, S3Storage, make_client, parse_s3_uri
 from spotrun.storage.s3_errors import is_retryable, translate
 from spotrun.storage.s3_retry import RetryPolicy
 from tests.support.byte_sources import BytesSource, ChunkRecorder
-from tests.support.rgw_server import rgw_bucket, rgw_endpoint  # noqa: F401 - fixtures are used by name
-from tests.support.s3_server import (  # noqa: F401 - fixtures are used by name
-    failing_http_server,
-    free_loopback_port,
-    moto_endpoint,
-    moto_endpoint_enforcing_auth,
-    s3_bucket,
-)
+from tests.support.s3_server import failing_http_server, free_loopback_port
 
 MIB = 1024 * 1024
 #: Small enough to keep tests fast, large enough to need three 5 MiB parts.

@@ -19,7 +19,7 @@ from spotrun.control import files as control
 from spotrun.checkpoint import catalog
 from spotrun.storage import LocalStorage
 from spotrun.supervisor.metrics import SupervisorMetrics
-from tests.unit.supervisor.test_supervisor import FAST, Spotrun
+from tests.support.fake_launch import FAST, Spotrun
 from tests.support.paths import JOBS
 
 JOB = JOBS / "metrics_job.py"

@@ -16,13 +16,7 @@ from spotrun.supervisor.config import SupervisorConfig
 from spotrun.storage.s3_location import S3_ENDPOINT_URL
 from spotrun.supervisor.launch import plan_launch
 from spotrun.supervisor.preflight import PROBE_PREFIX, check_storage
-from tests.support.s3_server import (  # noqa: F401  (fixtures)
-    free_loopback_port,
-    make_client,
-    moto_endpoint,
-    moto_endpoint_enforcing_auth,
-    s3_bucket,
-)
+from tests.support.s3_server import free_loopback_port, make_client
 
 #: A check that hung would take the default retry deadline (120 s) instead.
 QUICK_S = 30.0

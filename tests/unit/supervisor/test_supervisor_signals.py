@@ -18,7 +18,7 @@ import pytest
 
 from spotrun.notices.signals import parse_notice_signals, signal_name, terminating_signals
 from tests.support import trainrun
-from tests.unit.supervisor.test_supervisor import FAKE, FAST, WAIT_S, spotrun_run, steps_on  # noqa: F401  (fixture)
+from tests.support.fake_launch import FAKE, FAST, WAIT_S, steps_on
 from tests.support.trainrun import ls_json, start_supervised, torchrun_command, wait_for_step
 
 PREEMPTED = 143
@@ -26,13 +26,6 @@ PREEMPTED = 143
 
 def request_reason(state) -> str:
     return json.loads((state / "request.json").read_text())["reason"]
-
-
-@pytest.fixture
-def state(tmp_path):
-    path = tmp_path / "state"
-    path.mkdir()
-    return path
 
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGUSR2], ids=lambda s: s.name)

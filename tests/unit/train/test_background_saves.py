@@ -33,7 +33,6 @@ from spotrun.checkpoint.save import SaveProgress
 from spotrun.errors import CheckpointSaveError, ConfigError, FencedError, StorageError
 from spotrun.train.meter import SaveMeter
 from spotrun.storage import LocalStorage, open_storage
-from tests.support.s3_server import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
 from tests.support.trainrun import kill_tree, start_supervised
 from tests.support.paths import JOBS
 

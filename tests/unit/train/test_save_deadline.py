@@ -16,7 +16,6 @@ from spotrun.checkpoint import catalog
 from spotrun.errors import CheckpointSaveError, ConfigError
 from spotrun.storage import LocalStorage, open_storage
 from tests.support.fault_proxy import FaultProxy, FaultRule
-from tests.support.s3_server import moto_endpoint, s3_bucket  # noqa: F401  (fixtures)
 
 #: Without a save deadline, S3 retries of one request go on for 120 s.
 BOUND_S = 60.0
