@@ -154,10 +154,10 @@ def rank_pids(supervisor_pid: int) -> list[int]:
     return ranks
 
 
-def test_c09_loader_workers_die_first(reference, tmp_path):
-    """num_workers=4, then SIGTERM to each rank's whole process group (the rank and its loader
-    workers), as torchrun or a VM shutdown does: a complete checkpoint is written and the run
-    resumes from it, exactly."""
+def test_sigterm_to_the_ranks_and_their_loader_workers_still_resumes_exactly(reference, tmp_path):
+    """Field case C09: num_workers=4, then SIGTERM to each rank's whole process group (the rank
+    and its loader workers), as torchrun or a VM shutdown does: a complete checkpoint is written
+    and the run resumes from it, exactly."""
     ck, log_file = str(tmp_path / "ck"), tmp_path / "train.jsonl"
     command = torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", "0.05", "--num-workers", "4")
     proc = start_supervised(ck, command)

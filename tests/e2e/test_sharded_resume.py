@@ -309,9 +309,11 @@ def test_tensor_parallel_saved_on_2_ranks_resumes_on_1_rank_and_finishes(fsdp_ru
 # --- 5. a global batch the new world size cannot split ---------------------------------------
 
 
-def test_a_global_batch_that_does_not_divide_by_the_new_world_size_is_refused_and_loses_nothing(
+def test_a_global_batch_not_divisible_by_the_new_world_size_is_refused(
         fsdp_run, tmp_path, processes):
-    """The FSDP2 2-rank checkpoint (global batch 12) resumed under `spotrun run` on 5 ranks:
+    """A global batch that does not divide by the new world size is refused and loses nothing.
+
+    The FSDP2 2-rank checkpoint (global batch 12) resumed under `spotrun run` on 5 ranks:
     refused before any step, the message naming both numbers; the checkpoint root is unchanged
     byte for byte, and a fitting world size (one process) then resumes it and finishes."""
     ck, log_file = fsdp_run.saved_at(CHANGE_STEP, tmp_path / "ck"), tmp_path / "train.jsonl"

@@ -1,5 +1,6 @@
-"""torchrun worker for test_c08: trains a tiny model and takes SLOW_SAVE_S seconds to write
-its shard of every checkpoint (a slow disk or a big model), then reports how it ended.
+"""torchrun worker for test_slow_save_and_torchrun_kill_clock.py (field case C08): trains a
+tiny model and takes SLOW_SAVE_S seconds to write its shard of every checkpoint (a slow disk
+or a big model), then reports how it ended.
 
 Usage: torchrun --nproc-per-node 2 slow_save.py OUT_DIR   (checkpoint URI from the supervisor)
 Each rank writes OUT_DIR/rank-R.json = {"step", "save_s", "exit": 0} just before exiting 0,

@@ -86,7 +86,8 @@ def test_resume_is_bit_exact(tmp_path):
     assert opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
 
 
-def test_c05_tied_weights(tmp_path):
+def test_tied_weights_are_saved_once_and_restored_tied(tmp_path):
+    """Field case C05."""
     model, opt, sched = build()
     train(model, opt, sched, 3)
     checkpointer(tmp_path, model, opt, sched).save(3)
@@ -213,7 +214,8 @@ def shard_bytes(tensors: dict, metadata: dict) -> bytes:
     return bytes(out)
 
 
-def test_c11_metadata_values_are_strings_and_empty_shard_opens(tmp_path):
+def test_shard_metadata_values_are_strings_and_an_empty_shard_opens(tmp_path):
+    """Field case C11."""
     data = shard_bytes({"w": torch.ones(2)}, {"step": 7, "ratio": 0.5, "ok": True})
     path = tmp_path / "a.safetensors"
     path.write_bytes(data)

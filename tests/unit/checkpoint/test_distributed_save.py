@@ -28,7 +28,8 @@ def torchrun(ckpt_dir: pathlib.Path, mode: str) -> list[dict]:
     return [json.loads((out_dir / f"rank-{r}.json").read_text()) for r in range(2)]
 
 
-def test_c11_rank_without_tensors_writes_a_shard_that_opens(tmp_path):
+def test_a_rank_without_tensors_writes_a_shard_that_opens(tmp_path):
+    """Field case C11."""
     ck = tmp_path / "ck"
     torchrun(ck, "save")
     manifest = json.loads(manifest_path(ck, 3).read_text())

@@ -101,8 +101,10 @@ def test_1_zombie_incarnation_cannot_commit_after_a_newer_start(tmp_path):
     assert third.restore() == 15 and torch.equal(third_w["w"], torch.full((32,), 15.5))
 
 
-def test_1_zombie_commit_racing_a_newer_start_is_fenced_and_the_newer_one_commits_the_same_step(tmp_path):
-    """The zombie's check passes, then the newer start claims, then the zombie's manifest
+def test_1_zombie_commit_racing_a_newer_start_is_fenced(tmp_path):
+    """A zombie's commit racing a newer start is fenced, and the newer one commits the same step.
+
+    The zombie's check passes, then the newer start claims, then the zombie's manifest
     lands: readers ignore it (fenced), and the newer incarnation still commits step 15
     under its own names; nothing the newer one committed changes."""
     root = str(tmp_path)
@@ -214,7 +216,7 @@ def test_1_a_fresh_start_fences_later_commits_of_every_older_incarnation(tmp_pat
     assert fencing.read_fences(storage).fenced_by(0, 1) == 1
 
 
-def test_c20_a_fenced_worker_tells_its_supervisor_and_its_launch_claims_no_incarnation_again(tmp_path, monkeypatch):
+def test_a_fenced_worker_tells_its_supervisor_and_its_launch_claims_no_incarnation_again(tmp_path, monkeypatch):
     """C20 (worker side): under `spotrun run` (a control directory), a save that a newer start
     fenced writes `fenced.json` naming that start (number, host, process) before the
     FencedError reaches the script; a restart of the workers within that launch (torchrun's own

@@ -67,7 +67,9 @@ def backdate(path: Path, age_s: float) -> None:
 
 # --- what gc deletes -------------------------------------------------------------------------
 
-def test_gc_deletes_by_the_rule_and_by_age_and_keeps_the_resume_source_young_saves_and_corrupt_steps(tmp_path):
+def test_gc_deletes_by_the_rule_and_by_age_and_keeps_what_must_stay(tmp_path):
+    """gc deletes by the rule and by age, and keeps the resume source, young saves and corrupt
+    steps."""
     root = tmp_path / "ck"
     storage = LocalStorage(str(root))
     save_steps(storage, [10, 20, 30])
@@ -140,9 +142,12 @@ def test_gc_refuses_bad_options_and_deletes_nothing(tmp_path, args, message):
     assert code == 2 and "no such directory" in stderr
 
 
-def test_gc_on_s3_aborts_an_abandoned_upload_and_deletes_an_old_incomplete_step_but_not_an_in_progress_save(
+def test_gc_on_s3_aborts_abandoned_uploads_and_deletes_old_incomplete_steps(
         s3_bucket, monkeypatch):
-    """Through the fault proxy, which gives each upload the time it was initiated (moto
+    """gc on S3 aborts an abandoned upload and deletes an old incomplete step, but not a save in
+    progress.
+
+    Through the fault proxy, which gives each upload the time it was initiated (moto
     answers 2010-11-10 for all of them) and makes step 30's objects and uploads 2 h old."""
     client = make_client(s3_bucket.endpoint_url)
     with FaultProxy(s3_bucket.endpoint_url) as proxy:
@@ -195,9 +200,12 @@ def _killed_gc(points_file: Path, kill_at: int | None, backend: str, where: str,
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
-def test_a_kill_at_any_point_of_a_deletion_leaves_complete_or_clearly_incomplete_steps_and_the_next_start_resumes(
+def test_a_kill_at_any_point_of_a_deletion_leaves_no_corrupt_step(
         tmp_path, request, backend):
-    """``spotrun gc --keep-last 1`` deletes step 10 of (10, 20), SIGKILLed at each persistence
+    """A kill at any point of a deletion leaves complete or clearly incomplete steps, and the next
+    start resumes.
+
+    ``spotrun gc --keep-last 1`` deletes step 10 of (10, 20), SIGKILLed at each persistence
     point in turn (every file-system call under the root; after every S3 request that changes
     the bucket: the states a kill before one leaves are those after the one before, or the
     untouched root), each time on a fresh copy of the root. After each kill: step 20

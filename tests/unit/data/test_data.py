@@ -329,9 +329,11 @@ def test_full_batches_keep_the_order_of_torch_distributed_sampler():
     ids=["4-to-2", "4-to-3", "2-to-4", "4-to-3-workers"],
 )
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_resume_at_another_world_size_consumes_the_rest_of_the_epoch_once_in_the_same_global_batches(
+def test_resume_at_another_world_size_consumes_the_rest_of_the_epoch_once(
     saved_world, new_world, num_workers, drop_last
 ):
+    """A resume at another world size consumes the rest of the epoch once, in the same global
+    batches."""
     kwargs = dict(drop_last=drop_last, num_workers=num_workers)
     per_epoch = 3 if drop_last else 4
     max_steps = 3 * per_epoch

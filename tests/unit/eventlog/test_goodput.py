@@ -179,8 +179,10 @@ def test_starts_within_one_launch_split_its_wall_time():
     assert [r.ended for r in rows] == ["no_exit_recorded", "finished"]
 
 
-def test_a_start_whose_rank_0_recorded_no_end_is_a_lower_bound_even_when_the_supervisor_saw_the_exit():
-    """Rank 0 killed (an OOM, say) after its progress record of step 25, the supervisor records the
+def test_a_start_whose_rank_0_recorded_no_end_is_a_lower_bound():
+    """A start whose rank 0 recorded no end is a lower bound, even when the supervisor saw the exit.
+
+    Rank 0 killed (an OOM, say) after its progress record of step 25, the supervisor records the
     command's exit and restarts it from step 20: the steps trained and lost are lower bounds."""
     ranks, _ = three_starts()
     supervisors = [("supervisor-node-a-00000001", 0, [

@@ -68,7 +68,9 @@ def tensors_in(directory: pathlib.Path) -> dict[str, tuple[str, torch.Tensor]]:
     return held
 
 
-def test_the_example_trainers_checkpoint_loads_with_huggingface_hub_and_safetensors_bit_identically(reference, tmp_path):
+def test_the_example_trainers_export_loads_bit_identically_with_huggingface_hub(reference, tmp_path):
+    """The example trainer's checkpoint, exported, loads with huggingface_hub and safetensors
+    bit-identically."""
     _, saved, checkpoint = reference
     out = tmp_path / "hf"
     proc = spotrun_export(checkpoint, "--format", "hf", out, "--max-shard-size", "40KB")  # the newest step

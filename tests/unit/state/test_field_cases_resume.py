@@ -49,7 +49,8 @@ def c01_run(path, total_steps: int, stop_after: int | None) -> dict[int, list[in
     return ids
 
 
-def test_c01_dataloader_order_after_epoch_0(tmp_path):
+def test_dataloader_order_resumes_exactly_after_epoch_0(tmp_path):
+    """Field case C01."""
     reference = c01_run(tmp_path / "a", 15, None)
     first = c01_run(tmp_path / "b", 15, stop_after=7)
     resumed = c01_run(tmp_path / "b", 15, None)
@@ -93,7 +94,8 @@ def c02_run(path, stop_after: int | None, total_steps: int = 12) -> dict[int, fl
 
 
 @pytest.mark.parametrize("preempt_after", [4, 3], ids=["epoch-boundary", "mid-epoch"])
-def test_c02_rng_at_an_epoch_boundary(tmp_path, preempt_after):
+def test_rng_resumes_exactly_at_an_epoch_boundary_and_mid_epoch(tmp_path, preempt_after):
+    """Field case C02."""
     reference = c02_run(tmp_path / "ref", None)
     c02_run(tmp_path / "run", preempt_after)
     resumed = c02_run(tmp_path / "run", None)
@@ -130,7 +132,8 @@ def c03_run(path, stop_after: int | None) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("preempt_after", [4, 6, 7], ids=["after-epoch-1", "after-epoch-2", "mid-epoch-3"])
-def test_c03_lr_scheduler_after_resume(tmp_path, preempt_after):
+def test_lr_schedule_resumes_exactly(tmp_path, preempt_after):
+    """Field case C03."""
     expected = [100.0] * 8 + [10.0] * 4
     reference = c03_run(tmp_path / "ref", None)
     assert [reference[s] for s in range(1, 13)] == pytest.approx(expected)

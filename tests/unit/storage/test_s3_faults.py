@@ -116,8 +116,10 @@ def test_save_fails_within_its_deadline_on_every_rank_when_every_request_fails(p
 @pytest.mark.parametrize(
     "failures, succeeds", [(6, True), (50, False)], ids=["6-slowdowns-succeeds", "50-slowdowns-fails"]
 )
-def test_c10_throttling_on_one_rank(proxy, uri, tmp_path, failures, succeeds):
-    """Rank 1's uploads get 503 SlowDown ``failures`` times during an emergency save whose
+def test_slowdowns_on_one_rank_are_retried_until_the_emergency_deadline(proxy, uri, tmp_path, failures, succeeds):
+    """Field case C10.
+
+    Rank 1's uploads get 503 SlowDown ``failures`` times during an emergency save whose
     deadline (as the supervisor writes it) is 25 s away: 30 s grace - 5 s margin."""
     proxy.set_rule(FaultRule(count=failures, kinds=(SLOW_DOWN,), match=upload_of("rank-00001.")))
     control_dir = tmp_path / "control"

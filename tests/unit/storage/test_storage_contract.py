@@ -367,7 +367,7 @@ def failing_part(number: int, error: BaseException, uploaded: list[int]):
 
 
 @pytest.mark.parametrize("max_concurrency", [1, 4])
-def test_c07_partial_object_on_exception(s3_bucket, max_concurrency):
+def test_a_put_whose_source_raises_mid_way_leaves_no_object_and_no_open_upload(s3_bucket, max_concurrency):
     """C07: 3 of 5 chunks written, then the 4th raises -> no object, no open upload."""
     uploaded: list[int] = []
     storage = s3_storage(

@@ -63,8 +63,9 @@ def start_job(spotrun_run, tmp_path, options: list[str], job_options: list[str] 
                        [sys.executable, JOB, out, "--interval", str(SAVE_INTERVAL), *job_options])
 
 
-def test_scraped_while_running_it_shows_the_newest_step_and_the_restart_and_after_a_notice_the_textfile_names_the_exit_the_source_and_the_saves(
-        spotrun_run, tmp_path):
+def test_metrics_while_running_and_the_textfile_after_a_notice(spotrun_run, tmp_path):
+    """Scraped while running, the metrics show the newest step and the restart; after a notice
+    the textfile names the exit, the source and the saves."""
     textfile = tmp_path / "spotrun.prom"
     run = start_job(spotrun_run, tmp_path, ["--metrics-port", "0", "--metrics-address", "127.0.0.1",
                                             "--metrics-textfile", str(textfile),

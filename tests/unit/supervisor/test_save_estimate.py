@@ -205,7 +205,8 @@ def background(step: int, started_unix_s: float, **progress) -> control.SaveInPr
                                   **progress)
 
 
-def test_a_background_save_in_flight_counts_what_its_writer_published_and_overlaps_the_boundary():
+def test_a_background_save_in_flight_counts_what_its_writer_published():
+    """A background save in flight counts what its writer published, and overlaps the boundary."""
     now = 5000.0
     stats = control.SaveStats(
         in_progress=background(400, now - 3.0, bytes_total=40 * MiB, bytes_done=10 * MiB, remaining_s=9.0,

@@ -130,7 +130,8 @@ def in_thread(fn) -> threading.Thread:
 # --- exact resume -------------------------------------------------------------------------
 
 
-def test_exact_resume_from_a_background_checkpoint_staged_while_training_changed_the_parameters(tmp_path):
+def test_exact_resume_from_a_background_checkpoint_staged_while_training(tmp_path):
+    """Exact resume from a background checkpoint staged while training changed the parameters."""
     storage = GatedStorage(tmp_path, gate_step=3)
     model, opt = build()
     ckpt = checkpointer(storage, model, opt, interval_steps=3)
@@ -173,8 +174,10 @@ def test_staging_buffers_are_allocated_once_and_reused(tmp_path):
 # --- failures, policies, close ------------------------------------------------------------
 
 
-def test_failed_background_save_is_reported_at_the_next_end_of_step_and_counts_as_a_failed_periodic_save(
+def test_a_failed_background_save_is_reported_at_the_next_end_of_step(
         tmp_path, caplog):
+    """A failed background save is reported at the next end of step and counts as a failed
+    periodic save."""
     storage = GatedStorage(tmp_path)
     storage.fail = True
     model, opt = build()
@@ -473,7 +476,8 @@ def _out_dir(tmp_path: Path, ranks: int) -> Path:
     return out
 
 
-def test_sigkill_in_the_middle_of_a_background_write_leaves_the_previous_step_as_the_resume_point(tmp_path):
+def test_sigkill_mid_background_write_leaves_the_previous_step_as_the_resume_point(tmp_path):
+    """SIGKILL in the middle of a background write leaves the previous step as the resume point."""
     out, ck = _out_dir(tmp_path, 1), tmp_path / "ck"
     # small files: every save writes many parts; the first of step 4 is written, the second held
     proc = subprocess.Popen([sys.executable, WORKER, str(ck), str(out), "--steps", "1000", "--interval", "2",

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("target", ["supervisor", "every-process"])
-def test_c08_torchrun_kill_clock(tmp_path, target):
+def test_a_slow_emergency_save_is_not_cut_by_torchruns_kill_clock(tmp_path, target):
+    """Field case C08."""
     out = tmp_path / "out"
     out.mkdir()
     ck = tmp_path / "ck"

@@ -1,7 +1,7 @@
-"""C21: the read-only tools (``verify``, ``ls``, ``export``, ``report``) next to a live job whose
-retention (``--keep-last``) deletes steps while they read them. A step deleted during the read is
-gone, not damaged: no exit 1, no traceback; a step that still exists with a file missing is
-still damaged.
+"""Field case C21: the read-only tools (``verify``, ``ls``, ``export``, ``report``) next to a live
+job whose retention (``--keep-last``) deletes steps while they read them. A step deleted during
+the read is gone, not damaged: no exit 1, no traceback; a step that still exists with a file
+missing is still damaged.
 
 The interleavings are made exact with :class:`DeletesAtFirstRead`, a real local root that runs
 the real deletion (:func:`~spotrun.checkpoint.retention.delete_step`) just before the first read
@@ -197,8 +197,10 @@ def test_a_step_whose_manifest_was_deleted_after_the_listing_counts_as_deleted(t
 
 # --- export ---------------------------------------------------------------------------------
 
-def test_export_of_a_named_step_deleted_while_exporting_fails_with_one_clear_error_and_leaves_nothing(tmp_path):
-    """C21: ``export --step N`` of a step retention deletes mid-way: StepDeletedError (exit 2),
+def test_export_of_a_named_step_deleted_mid_way_fails_and_leaves_nothing(tmp_path):
+    """Export of a named step deleted while exporting fails with one clear error and leaves nothing.
+
+    C21: ``export --step N`` of a step retention deletes mid-way: StepDeletedError (exit 2),
     and the files written for it are removed."""
     root, out = tmp_path / "ck", tmp_path / "out"
     save_steps(root, [1, 2])

@@ -11,7 +11,7 @@ import sys
 import time
 from tests.support.paths import JOBS
 
-WORKER = JOBS / "c06_writer.py"
+WORKER = JOBS / "stalled_shard_writer.py"
 
 
 def wait_for(path: pathlib.Path, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
@@ -30,7 +30,8 @@ def ls_json(ckpt_dir: pathlib.Path) -> list[dict]:
     return json.loads(out.stdout)
 
 
-def test_c06_kill_in_the_middle_of_a_write(tmp_path):
+def test_sigkill_in_the_middle_of_a_shard_write_leaves_the_previous_step(tmp_path):
+    """Field case C06."""
     ckpt_dir, marker = tmp_path / "ck", tmp_path / "half-written"
     proc = subprocess.Popen([sys.executable, str(WORKER), str(ckpt_dir), str(marker)])
     try:

@@ -1,4 +1,4 @@
-"""C22: ``spotrun report``'s clock starts when spotrun starts, not when the process that
+"""Field case C22: ``spotrun report``'s clock starts when spotrun starts, not when the process that
 exec'd it did (``bash -c "pip install ... && exec spotrun run ..."``, a container's ``sh -c``
 entrypoint: exec keeps the pid, and with it the start time in ``/proc``)."""
 

@@ -1,8 +1,9 @@
-"""Worker for test_c06: commit step 100, then stall half-way through step 200's shard.
+"""Worker for test_kill_mid_shard_write.py (field case C06): commit step 100, then stall
+half-way through step 200's shard.
 
-Usage: c06_writer.py CKPT_DIR MARKER_FILE  -> saves 100, starts 200, writes MARKER_FILE
+Usage: stalled_shard_writer.py CKPT_DIR MARKER_FILE  -> saves 100, starts 200, writes MARKER_FILE
        when half of the shard bytes are on disk, then waits to be SIGKILLed.
-       c06_writer.py CKPT_DIR --resume     -> prints the restored step.
+       stalled_shard_writer.py CKPT_DIR --resume     -> prints the restored step.
 """
 
 import os
