@@ -1,8 +1,6 @@
 """A real Ceph RADOS Gateway (S3) on 127.0.0.1 for tests: a second S3 implementation.
 
-Fixtures (import them explicitly into a test module, they are not in conftest.py)::
-
-    from tests.support.rgw_server import rgw_bucket, rgw_endpoint  # noqa: F401
+Fixtures (tests/conftest.py registers them: a test asks for them by name)::
 
     def test_something(rgw_bucket):
         storage = open_storage(rgw_bucket.uri)   # AWS_ENDPOINT_URL and keys point at RGW

@@ -1,8 +1,6 @@
 """A real moto S3 server on 127.0.0.1 for tests and benchmarks.
 
-Fixtures (import them explicitly into a test module, they are not in conftest.py)::
-
-    from tests.support.s3_server import moto_endpoint, s3_bucket  # noqa: F401
+Fixtures (tests/conftest.py registers them: a test asks for them by name)::
 
     def test_something(s3_bucket):
         storage = open_storage(s3_bucket.uri)   # AWS_ENDPOINT_URL points at moto
