@@ -18,6 +18,7 @@ from filelock import FileLock
 pytest.register_assert_rewrite("tests.support")
 
 from tests.support.fake_launch import Spotrun  # noqa: E402
+
 # The S3 servers and the Ceph gateway, as fixtures for every test (started only when asked for).
 from tests.support.rgw_server import rgw_bucket, rgw_endpoint  # noqa: E402, F401
 from tests.support.s3_server import moto_endpoint, moto_endpoint_enforcing_auth, s3_bucket  # noqa: E402, F401

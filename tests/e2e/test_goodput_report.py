@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from spotrun.supervisor.process import descendants
-from tests.support.trainrun import start_supervised
 from tests.support.paths import JOBS
+from tests.support.trainrun import start_supervised
 
 WORKER = JOBS / "goodput_job.py"
 STEPS, INTERVAL, STEP_S = 40, 10, 0.05

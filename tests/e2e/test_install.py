@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+
 from tests.support.paths import REPO
 
 pytestmark = pytest.mark.slow

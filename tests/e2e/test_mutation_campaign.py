@@ -15,6 +15,7 @@ import sys
 from collections import defaultdict
 
 import pytest
+
 from tests.support.paths import REPO
 
 pytestmark = pytest.mark.slow  # two saves (one under torchrun) and ~140 forked children

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tests.support.paths import REPO
 
 README = REPO / "README.md"

@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 import time
+
 from tests.support.paths import JOBS, REPO
 
 WORKER = JOBS / "short_saver_job.py"

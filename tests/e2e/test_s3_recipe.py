@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from tests.support.s3_server import moto_server
 from tests.support.paths import REPO
+from tests.support.s3_server import moto_server
 
 RECIPE = REPO / "docs" / "s3.md"
 #: The port the recipe names; the test's own server listens on a free one instead.

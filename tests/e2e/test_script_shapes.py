@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from tests.support.paths import REPO
 from tests.support.trainrun import (
     final_tensors,
     ls_json,
@@ -26,7 +27,6 @@ from tests.support.trainrun import (
     torchrun_command,
     wait_for_step,
 )
-from tests.support.paths import REPO
 
 pytestmark = pytest.mark.slow
 

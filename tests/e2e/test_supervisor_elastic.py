@@ -22,6 +22,7 @@ import uuid
 import pytest
 
 from tests.jobs.fakeckpt import write_step
+from tests.support.paths import JOBS
 from tests.support.trainrun import (
     TRAIN_ARGS,
     final_tensors,
@@ -34,7 +35,6 @@ from tests.support.trainrun import (
     start_supervised,
     wait_for_step,
 )
-from tests.support.paths import JOBS
 
 STEPS = 16
 SAVE_INTERVAL = 5

@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 import time
+
 from tests.support.paths import REPO
 
 EXAMPLES = REPO / "examples"

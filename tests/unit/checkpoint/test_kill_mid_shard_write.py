@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+
 from tests.support.paths import JOBS
 
 WORKER = JOBS / "stalled_shard_writer.py"

@@ -27,6 +27,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tests.support.paths import REPO
 
 REPO_ROOT = str(REPO)

@@ -33,6 +33,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tests.support.paths import JOBS, REPO
 
 WORKER = JOBS / "sharded_memory_job.py"

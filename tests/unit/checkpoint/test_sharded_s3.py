@@ -40,8 +40,8 @@ import sys
 import pytest
 
 from tests.support.fault_proxy import FaultProxy
-from tests.support.s3_server import make_client
 from tests.support.paths import JOBS
+from tests.support.s3_server import make_client
 
 pytestmark = pytest.mark.slow
 

@@ -12,6 +12,9 @@ import time
 
 import pytest
 
+from spotrun.drill.clouds.aws import FakeAws
+from spotrun.drill.clouds.azure import FakeAzure
+from spotrun.drill.clouds.gcp import FakeGcp
 from spotrun.errors import ConfigError
 from spotrun.notices import (
     REBALANCE,
@@ -32,9 +35,6 @@ from spotrun.notices.azure import AcknowledgeError, AzureSource
 from spotrun.notices.files import FileSource
 from spotrun.notices.gcp import maintenance_source, preempted_source
 from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal, SignalSource
-from spotrun.drill.clouds.aws import FakeAws
-from spotrun.drill.clouds.azure import FakeAzure
-from spotrun.drill.clouds.gcp import FakeGcp
 
 FAST = 0.05  # poll period in seconds for threaded tests
 TIMEOUT_S = 10.0  # HTTP timeout of the sources under test: never reached by a working fake

@@ -30,8 +30,8 @@ import pytest
 from spotrun.storage import local as local_backend
 from spotrun.storage import parse_location
 from spotrun.supervisor.preflight import check_storage
-from tests.unit.storage.test_commit_primitive import error_line, spotrun_cli
 from tests.support.trainrun import preempt_and_resume_exactly
+from tests.unit.storage.test_commit_primitive import error_line, spotrun_cli
 
 #: The Debian package of libfuse 3 (mfusepy, a test extra, binds it with ctypes).
 LIBFUSE3_PACKAGE = "libfuse3-3"

@@ -12,8 +12,8 @@ import subprocess
 import sys
 
 from spotrun.supervisor.finished import command_digest
-from tests.support.trainrun import ls_json
 from tests.support.paths import JOBS
+from tests.support.trainrun import ls_json
 
 NOISY_JOB = str(JOBS / "noisy_job.py")
 
