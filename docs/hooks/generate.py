@@ -17,6 +17,7 @@ import sys
 
 CLI_MARKER = "<!-- generated: cli -->"
 CONFIG_MARKER = "<!-- generated: configuration -->"
+USAGE_WIDTH = 100
 
 
 def on_config(config):
@@ -48,6 +49,13 @@ def subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argpars
             helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
             found += [(name, helps.get(name, ""), sub) for name, sub in action.choices.items()]
     return found
+
+
+def usage(parser: argparse.ArgumentParser) -> str:
+    """``parser``'s usage, wrapped at a fixed width: the terminal's would make each build differ."""
+    formatter = parser.formatter_class(prog=parser.prog, width=USAGE_WIDTH)
+    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups)
+    return formatter.format_help().strip()
 
 
 def _md(text: str) -> str:
@@ -95,7 +103,7 @@ def cli_reference() -> str:
         out += [f"## spotrun {name}", ""]
         if summary:
             out += [_md(summary[0].upper() + summary[1:]) + ".", ""]
-        out += ["```text", sub.format_usage().strip(), "```", ""]
+        out += ["```text", usage(sub), "```", ""]
         if sub.description:
             out += [_md(sub.description), ""]
         arguments = [a for a in sub._actions
