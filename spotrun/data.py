@@ -98,6 +98,23 @@ def _positive_int(name: str, value: Any) -> int:
         raise ConfigError(f"{name} must be a positive int, got {value!r}")
     return value
 
+def _batch_size(batch_size: int | None, global_batch_size: int | None, num_replicas: int) -> int:
+    """Samples per rank per batch, from ``batch_size`` (per rank, default 1) or
+    ``global_batch_size`` (over all ``num_replicas`` ranks); never both."""
+    if global_batch_size is None:
+        return _positive_int("batch_size", 1 if batch_size is None else batch_size)
+    if batch_size is not None:
+        raise ConfigError(
+            f"give batch_size (per rank, {batch_size!r}) or global_batch_size "
+            f"({global_batch_size!r}), not both"
+        )
+    _positive_int("global_batch_size", global_batch_size)
+    if global_batch_size % num_replicas:
+        raise ConfigError(
+            f"global batch {global_batch_size} does not divide by world size {num_replicas}"
+        )
+    return global_batch_size // num_replicas
+
 
 class ResumableDistributedSampler(Sampler[int]):
     """Indices of one rank's share of an epoch, starting from any position in it.
@@ -265,20 +282,7 @@ class ResumableDataLoader(DataLoader):
                 "ResumableDataLoader needs a map-style dataset with __len__ and __getitem__"
             )
         num_replicas, rank = _world(num_replicas, rank)
-        if global_batch_size is None:
-            batch_size = _positive_int("batch_size", 1 if batch_size is None else batch_size)
-        elif batch_size is not None:
-            raise ConfigError(
-                f"give batch_size (per rank, {batch_size!r}) or global_batch_size "
-                f"({global_batch_size!r}), not both"
-            )
-        else:
-            _positive_int("global_batch_size", global_batch_size)
-            if global_batch_size % num_replicas:
-                raise ConfigError(
-                    f"global batch {global_batch_size} does not divide by world size {num_replicas}"
-                )
-            batch_size = global_batch_size // num_replicas
+        batch_size = _batch_size(batch_size, global_batch_size, num_replicas)
         sampler = ResumableDistributedSampler(
             len(dataset), num_replicas, rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
             batch_size=batch_size,
