@@ -1,33 +1,11 @@
-"""The ``spotrun`` command line.
+"""The ``spotrun`` command line: ``run``, ``drill``, ``ls``, ``preflight``, ``gc``, ``verify``,
+``export`` and ``report`` (``spotrun --help``; the larger subcommands have a module in
+:mod:`spotrun.commands`).
 
-    spotrun run [options] -- LAUNCH_COMMAND...   supervise a training command (see
-                                                 :mod:`spotrun.supervisor.run` for exit codes)
-    spotrun drill [options] -- LAUNCH_COMMAND... rehearse a preemption (fake cloud notice) and a
-                                                 restart on your own job, compare with an
-                                                 uninterrupted run; report the phases
-                                                 (:mod:`spotrun.commands.drill`)
-    spotrun ls URI [--json]                      list the checkpoints under URI: status, layout
-                                                 (world size, mesh shapes), size, time
-    spotrun preflight URI                        check that URI can be written, read,
-                                                 listed and deleted (``run`` does it first)
-    spotrun gc URI [--keep-last N] [--dry-run]   delete old steps, dead saves and abandoned
-                                                 uploads (:mod:`spotrun.commands.gc`)
-    spotrun verify URI [--step N | --all]        re-read a step's files, check sizes, digests
-                                                 and tensors (:mod:`spotrun.commands.verify`)
-    spotrun export URI --format hf OUT           a step's model as Hugging Face safetensors
-                                                 (:mod:`spotrun.commands.export`)
-    spotrun report URI [--json]                  goodput per incarnation from the event log
-                                                 (:mod:`spotrun.commands.report`)
-
-Every subcommand that reads a root takes ``--s3-endpoint-url URL`` for an S3-compatible
-store (MinIO, R2, ...); without it boto3's standard AWS settings apply.
-
-Errors of spotrun itself (:class:`~spotrun.errors.SpotrunError`: a bad option, URI or
-storage failure) print one line ``spotrun: error: ...`` (a JSON log record with
-``--log-format json``) and exit 2. Logging is configured here only, never at import time:
-on stderr, timestamped lines prefixed ``spotrun:``, or with ``--log-format json`` (every
-subcommand; default ``$SPOTRUN_LOG_FORMAT``, else text) one JSON object per line
-(:mod:`spotrun.logs`), which ``run`` passes on to the launch command.
+Logging is configured here only, never at import time; an error of spotrun itself
+(:class:`~spotrun.errors.SpotrunError`) prints one line ``spotrun: error: ...`` and exits 2.
+The subcommands, ``--s3-endpoint-url`` and ``--log-format``:
+``docs/design/internals.md`` (CLI and configuration).
 """
 
 from __future__ import annotations

@@ -1,38 +1,10 @@
 """Goodput accounting from the event log (:mod:`spotrun.events`): pure computation, no I/O.
 
-An *incarnation* here is one start of the training job: rank 0's object
-``events/incarnation-<N>.rank-00000.jsonl`` (:mod:`spotrun.training_events`), joined with the
-supervisor launch that started it (:mod:`spotrun.supervisor.event_log`; same host, the
-launch's planned incarnation equal to the worker's ``$SPOTRUN_INCARNATION``, the latest such
-launch that began before the training start). A launch that never started training is an
-incarnation of its own, without a number and without steps.
-
-Definitions (times in seconds; every figure from the records, none guessed):
-
-* **wall time**: a supervised incarnation runs from its launch - for a supervisor's first
-  launch, from the moment the ``spotrun`` process began - to the next launch of the same
-  supervisor, or to its last record (the supervisor's ``exit``). Without a supervisor: from
-  the start of ``restore()`` to rank 0's last record. An incarnation killed without notice
-  (SIGKILL, a lost machine) ends at its last stored record: the progress record is written
-  at most every ``$SPOTRUN_EVENT_INTERVAL_S`` (default 30 s), so up to that much of its end
-  is not counted. Time between incarnations (no process of the job running) is not wall
-  time; ``elapsed_s`` is first start to last record, with it.
-* **resumed step** ``R``: the step the start restored (the incarnation records of
-  :mod:`spotrun.checkpoint.fencing`, else the start record); **last step** ``L``: the newest
-  step that reached ``end_of_step`` (the progress record), at time ``t_L``.
-* **steps trained** ``L - R``; **steps lost** ``max(0, L - R')`` with ``R'`` the resumed step
-  of the next incarnation (steps trained and then trained again); **steps kept** the rest.
-* **training time**: from the end of the restore (the start record) to ``t_L``, less the
-  time training was blocked by saves of steps before ``L`` (their ``stall_s``: a background
-  save's staging copy and any wait for the save before it, a synchronous save's whole
-  duration). **step time**: training time / steps trained.
-* **useful time**: steps kept x step time - the time spent training steps that were kept.
-  **lost time**: steps lost x step time. **goodput** = total useful time / total wall time.
-* **start-up**: launch to the start of ``restore()`` (process start, ``torchrun``, imports,
-  process group, building the model and the data); **restore**: ``restore()`` (read, verify,
-  claim); **save stall**: as above;
-  **notice to exit**: the supervisor's first stop notice to its exit (the emergency save and
-  the shutdown).
+Joins rank 0's records of each incarnation (one start of the training job) with the
+supervisor launch that started it, and counts wall time, steps trained, kept and lost,
+training, start-up, restore and save-stall time, and goodput (useful time / wall time), every
+figure from the records, none guessed. The definitions: ``docs/design/internals.md``
+(Event log and goodput).
 """
 
 from __future__ import annotations

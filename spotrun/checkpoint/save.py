@@ -1,23 +1,11 @@
-"""Saving one step: stage (copy to CPU), write this rank's shard, commit with a manifest.
+"""Saving one step on every rank: prepare (encode, pick this rank's tensors, stage them), then
+commit in three phases, each ending in one collective: agree (same structure, the step may be
+saved), write this rank's shard, commit (rank 0 writes the manifest with ``put_if_absent``).
 
-Sequence on every rank (all ranks call :func:`commit_save` for the same step)::
-
-    encode state -> check every rank has the same replicated structure (1 gather)
-    -> plan who writes which replicated tensor -> stage: copy own tensors to CPU
-    -> write own shard (one file, or several when it passes ShardLimits)
-    -> gather file records and per-rank state (1 gather)
-    -> rank 0 checks no newer incarnation started, writes manifest.i<N>.json with
-    put_if_absent -> broadcast the outcome
-
-A failure on any rank is reported through the gathers, so every rank raises
-:class:`~spotrun.errors.CheckpointSaveError` for the same step and no rank waits at a
-collective that others skipped; no manifest is written, so the step never commits and
-the previous complete step stays the resume point.
-
-Preparing (:func:`prepare_save`: encode, pick this rank's tensors, copy them into staging
-buffers for a background save) and committing (:func:`commit_save`: the collectives, the
-write, the manifest) are separate, so the commit can run on a background thread, with its
-own process group, while training continues.
+A failure on any rank is reported through the collectives, so every rank raises for the same
+step and no rank waits alone; without a manifest the step never commits. Preparing and
+committing are separate so that the commit can run on a background thread. The sequence:
+``docs/design/internals.md`` (Checkpoint engine).
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Preemption notices: the supervisor's signals, AWS, GCP, Azure metadata servers, a drill file.
 
-* :mod:`~spotrun.notices.base`      :class:`Notice`, the :class:`NoticeSource` interface, polled sources;
-* :mod:`~spotrun.notices.inbox`     :class:`Inbox`, where every source delivers and the main loop reads;
-* :mod:`~spotrun.notices.signals`   the signal source (always on) and ``--notice-signals``;
-* :mod:`~spotrun.notices.aws`, :mod:`~spotrun.notices.gcp`, :mod:`~spotrun.notices.azure`,
-  :mod:`~spotrun.notices.files`     one source each;
-* :mod:`~spotrun.notices.registry`  every source by its ``--notice`` name;
-* :mod:`~spotrun.notices.detect`    which sources run (``--notice auto``: DMI facts, probes);
-* :mod:`~spotrun.notices.options`   :class:`NoticeOptions`, where and how often the sources look.
-
-Typical use in the supervisor::
-
-    with Inbox() as inbox, NoticeWatch(inbox) as watch:
-        start_sources(parse_notice_option("auto"), NoticeOptions(...), watch)  # main thread
-        events = inbox.wait(timeout_s)                                          # Notice, ...
+Every source (:mod:`~spotrun.notices.base`) delivers to one :class:`Inbox`
+(:mod:`~spotrun.notices.inbox`) that the supervisor's main loop reads;
+:mod:`~spotrun.notices.detect` chooses which sources run (``--notice``). The modules and the
+typical use: ``docs/design/internals.md`` (Notices).
 """
 
 from spotrun.notices.base import (
