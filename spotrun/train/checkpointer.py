@@ -1,28 +1,16 @@
-"""The training-loop API: periodic and emergency checkpoints, and exact resume.
+"""The training-loop API: periodic and emergency checkpoints, and exact resume (the loop: see the README).
 
-Typical use inside a ``torchrun`` worker (see the README for the whole loop)::
-
-    ckpt = spotrun.Checkpointer(
-        state={"model": model, "optimizer": opt, "scheduler": sched, "data": loader},
-        interval_steps=100,
-    )
-    step = ckpt.restore()              # 0 on a fresh start
-    ...
-        step += 1
-        if ckpt.end_of_step(step):     # True: stop now (an emergency checkpoint committed,
-            return                     # unless the supervisor found no time for one)
-
-The Checkpointer holds its settings (:class:`~spotrun.train.options.CheckpointerOptions`) and parts
+:class:`Checkpointer` holds its settings (:class:`~spotrun.train.options.CheckpointerOptions`) and parts
 that own their state: the saves (:class:`~spotrun.train.saving.Saves`), the run id and incarnation
-(:class:`~spotrun.train.identity.Identity`), the restore (:func:`~spotrun.train.restoring.restore_state`),
-the stop path (:mod:`spotrun.train.stopping`); "when to save" is :func:`spotrun.train.decision.decide`.
+(:class:`~spotrun.train.identity.Identity`), the restore (:func:`~spotrun.train.restoring.restore_state`)
+and the stop path (:mod:`spotrun.train.stopping`); "when to save" is :func:`spotrun.train.decision.decide`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 from spotrun.checkpoint.background import BackgroundSaver
@@ -30,32 +18,26 @@ from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HE
 from spotrun.control import files as control
 from spotrun.control import listeners
 from spotrun.control.env import DEFAULT_CHECKPOINT_URI, DEFAULT_SAVE_TIMEOUT_S, WorkerEnv
-from spotrun.errors import ConfigError, FencedError
+from spotrun.errors import FencedError
 from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState
 from spotrun.state.optimizer import pair_optimizers
 from spotrun.state.rng import RNGState
 from spotrun.storage import Storage, open_storage
 from spotrun.tools import dist
 from spotrun.tools.gc_pause import gc_paused
+from spotrun.train.apply import check_state_names
 from spotrun.train.decision import Action, StepContext, decide
 from spotrun.train.events import TrainingEvents
 from spotrun.train.fence_report import reports_fence
 from spotrun.train.identity import Identity
 from spotrun.train.meter import SaveMeter
-from spotrun.train.options import ON_SAVE_IN_FLIGHT, CheckpointerOptions  # noqa: F401 (importable from here, as before)
+from spotrun.train.options import ON_SAVE_IN_FLIGHT, CheckpointerOptions, option_attribute  # noqa: F401 (as before)
 from spotrun.train.requests import StopRequests
 from spotrun.train.restoring import Restored, restore_state
 from spotrun.train.saving import Saves
 from spotrun.train.stopping import report_stop, stop
 
 log = logging.getLogger("spotrun.checkpointer")  # the name its log lines always had, for filters
-
-
-def _option(name: str) -> property:
-    """``options.<name>`` as an attribute, settable as before (that replaces the options, checked again)."""
-    return property(lambda self: getattr(self.options, name),
-                    lambda self, value: self._use(replace(self.options, **{name: value})),
-                    doc=f"``options.{name}`` (:class:`~spotrun.train.options.CheckpointerOptions`).")
 
 
 class Checkpointer:
@@ -101,17 +83,9 @@ class Checkpointer:
         keep_last: int | None = None,
         keep_every: int | None = None,
     ) -> None:
-        if not isinstance(state, dict) or not state:
-            raise ConfigError("Checkpointer(state=...) needs a non-empty dict of name -> object")
-        for reserved in ("rng", NUMERICS_STATE_NAME):
-            if reserved in (rank_state or {}):
-                raise ConfigError(f"rank_state name {reserved!r} is reserved for the state spotrun saves itself")
-        self.options = options = CheckpointerOptions(
-            uri=uri, interval_steps=interval_steps, check_interval_steps=check_interval_steps,
-            handle_signals=handle_signals, max_failed_periodic_saves=max_failed_periodic_saves,
-            save_timeout_s=save_timeout_s, max_file_size_bytes=max_file_size_bytes, max_header_bytes=max_header_bytes,
-            background_saves=background_saves, on_save_in_flight=on_save_in_flight,
-            event_interval_s=event_interval_s, keep_last=keep_last, keep_every=keep_every)
+        check_state_names(state, rank_state)
+        arguments = locals()  # the settings are named as the options' fields (tests/test_checkpointer_options.py)
+        self.options = options = CheckpointerOptions(**{f.name: arguments[f.name] for f in fields(CheckpointerOptions)})
         # optimizers keyed by parameter name (DCP's state_dict helpers): any layout loads them
         self._state = pair_optimizers(dict(state))
         self._rank_state = {**(rank_state or {}), NUMERICS_STATE_NAME: NumericsState(), "rng": RNGState()}
@@ -127,19 +101,19 @@ class Checkpointer:
         self._identity = Identity(self._storage, env, self._events)
         self._meter = SaveMeter(env.control_dir, publishes=dist.local_rank() == 0,
                                 check_interval_steps=check_interval_steps, on_save_ended=self._events.save_ended)
-        self._saves = Saves(options, env, storage=self._storage, meter=self._meter, identity=self._identity,
-                            state=self._state, rank_state=self._rank_state)
+        self._saves = Saves(options, env, self._storage, self._meter, self._identity, self._state, self._rank_state)
         self.preempted = False
         self._requests = StopRequests(env, handle_signals=handle_signals)
 
-    interval_steps = _option("interval_steps")
-    check_interval_steps = _option("check_interval_steps")
-    max_failed_periodic_saves = _option("max_failed_periodic_saves")
-    save_timeout_s = _option("save_timeout_s")
-    background_saves = _option("background_saves")
-    on_save_in_flight = _option("on_save_in_flight")
+    # the settings that were attributes of the Checkpointer stay so (setting one replaces the options)
+    interval_steps = option_attribute("interval_steps")
+    check_interval_steps = option_attribute("check_interval_steps")
+    max_failed_periodic_saves = option_attribute("max_failed_periodic_saves")
+    save_timeout_s = option_attribute("save_timeout_s")
+    background_saves = option_attribute("background_saves")
+    on_save_in_flight = option_attribute("on_save_in_flight")
 
-    def _use(self, options: CheckpointerOptions) -> None:
+    def _use(self, options: CheckpointerOptions) -> None:  # by option_attribute's setter
         self.options = self._saves.options = options
 
     @property
@@ -204,8 +178,8 @@ class Checkpointer:
                 so the first save does not fail hours later).
             NoCheckpointError: complete steps exist but none of them loads.
         """
-        restored = restore_state(self._storage, self._env, self._state, self._rank_state,
-                                 run_id=self._identity.run_id, meter=self._meter, events=self._events)
+        restored = restore_state(self._storage, self._env, self._state, self._rank_state, self._identity.run_id,
+                                 self._meter, self._events)
         self._restored = restored
         self._identity.claimed(restored.run_id, restored.incarnation)
         if restored.manifest is not None:

@@ -7,7 +7,7 @@ settings: they stay arguments of the Checkpointer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES
 from spotrun.control.env import DEFAULT_SAVE_TIMEOUT_S
@@ -70,3 +70,11 @@ class CheckpointerOptions:
         if self.on_save_in_flight not in ON_SAVE_IN_FLIGHT:
             raise ConfigError(f"on_save_in_flight must be one of {ON_SAVE_IN_FLIGHT}, "
                               f"got {self.on_save_in_flight!r}")
+
+
+def option_attribute(name: str) -> property:
+    """``options.<name>`` as an attribute of the object holding ``options``; setting it replaces them
+    (checked again) through the holder's ``_use(options)``."""
+    return property(lambda self: getattr(self.options, name),
+                    lambda self, value: self._use(replace(self.options, **{name: value})),
+                    doc=f"``options.{name}`` (:class:`CheckpointerOptions`).")

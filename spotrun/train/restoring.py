@@ -47,7 +47,7 @@ class Restored:
     meshes: list[dict[str, Any]] = field(default_factory=list)
 
 
-def restore_state(storage: Storage, env: WorkerEnv, state: dict[str, Any], rank_state: dict[str, Any], *,
+def restore_state(storage: Storage, env: WorkerEnv, state: dict[str, Any], rank_state: dict[str, Any],
                   run_id: str, meter: SaveMeter, events: TrainingEvents) -> Restored:
     """Load the newest loadable complete step into ``state`` and ``rank_state``, then claim this
     start's incarnation (see :meth:`spotrun.train.checkpointer.Checkpointer.restore`).

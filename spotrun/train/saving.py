@@ -42,7 +42,7 @@ class Saves:
         state, rank_state: the Checkpointer's objects, read at each save.
     """
 
-    def __init__(self, options: CheckpointerOptions, env: WorkerEnv, *, storage: Storage, meter: SaveMeter,
+    def __init__(self, options: CheckpointerOptions, env: WorkerEnv, storage: Storage, meter: SaveMeter,
                  identity: Identity, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
         self.options = options
         self.saver = BackgroundSaver(meter, after_commit=self._retain)
@@ -171,7 +171,8 @@ class Saves:
         return ({name: state_of(obj) for name, obj in self._state.items()},
                 {name: state_of(obj) for name, obj in self._rank_state.items()})
 
-    def _context_of(self, step: int, reason: str, replicated: dict[str, Any], rank_local: dict[str, Any]) -> SaveContext:
+    def _context_of(self, step: int, reason: str, replicated: dict[str, Any], rank_local: dict[str, Any]
+                    ) -> SaveContext:
         return self._identity.save_context(step, reason, replicated, rank_local, self._meter.step_time_s)
 
     def _retain(self, step: int, reason: str) -> None:  # on global rank 0; an emergency save's grace is the save's
