@@ -8,7 +8,6 @@ and the stop path (:mod:`spotrun.train.stopping`); "when to save" is :func:`spot
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import fields, replace
 from typing import Any
@@ -36,9 +35,6 @@ from spotrun.train.requests import StopRequests
 from spotrun.train.restoring import Restored, restore_state
 from spotrun.train.saving import Saves
 from spotrun.train.stopping import report_stop, stop
-
-log = logging.getLogger("spotrun.checkpointer")  # the name its log lines always had, for filters
-
 
 class Checkpointer:
     """Saves and restores the whole training state of every rank.

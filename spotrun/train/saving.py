@@ -72,7 +72,7 @@ class Saves:
         return self._last_saved_step
 
     def saved(self, step: int) -> None:
-        """``step`` was committed (or restored): the newest step a save of it would repeat."""
+        """``step`` was committed (or restored): the newest saved step, which a due save skips."""
         self._last_saved_step = step
 
     @gc_paused()
