@@ -63,7 +63,7 @@ class InFlightSave:
             before the staging copy.
         stall_s: seconds training was blocked by it (the staging copy, and any wait for the
             save before it).
-        progress: bytes this rank wrote so far (:class:`~spotrun.checkpoint.save.SaveProgress`).
+        progress: bytes this rank wrote so far (:class:`~spotrun.checkpoint.shard_write.SaveProgress`).
         abort: set to abandon the save (on every rank): it then commits nothing
             (:class:`~spotrun.errors.SaveAbortedError`), unless rank 0 had already committed.
         done: set by the worker thread once ``saved`` or ``error`` is final.

@@ -1,23 +1,9 @@
 """Which steps exist under a checkpoint root, and which of them are complete.
 
-A step is
-
-* ``complete``   - its manifest parses and every file it lists exists with the recorded size;
-* ``incomplete`` - files exist but no manifest (a save that never committed, e.g. a kill
-  in the middle of a write);
-* ``corrupt``    - a manifest exists but does not parse, or a listed file is missing or has
-  the wrong size, or the step holds something the storage refuses to open (locally: a
-  symbolic link, the step directory itself one, or a FIFO; ``ObjectInfo.refused``) (a step whose deletion has begun is ``incomplete``, being deleted, instead:
-  retention or gc removing it, not damage; :func:`deleted_since_listed`);
-* ``fenced``     - its only manifests were committed by an older incarnation after a newer
-  one had started from an earlier step (a zombie's work; see
-  :mod:`spotrun.checkpoint.fencing`).
-
-A step directory may hold manifests of several incarnations; at most one of them is valid
-under the fencing rule, and that one decides the step's status.
-
-Only ``complete`` steps are ever resumed from. Checksums are not read here (that needs
-the whole file); they are verified while loading, see :mod:`spotrun.checkpoint.read`.
+A step is ``complete``, ``incomplete``, ``corrupt`` or ``fenced``, decided by the one valid
+manifest under the fencing rule; only ``complete`` steps are ever resumed from. Checksums are
+not read here; they are verified while loading. The statuses: ``docs/design/internals.md``
+(Checkpoint engine).
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Reading boxes of global tensors out of the chunks that hold them, whatever layout wrote
 them (format 4): the resharding restore.
 
-Each rank asks for the box of every tensor it holds now (its local shard's offsets and
-lengths; all of it for a replicated tensor) and a contiguous CPU tensor to receive it.
-For each box the chunk layout in the manifest says which chunks overlap it; the writers'
-index files say where those chunks lie in their files. The overlap of a box and a chunk is
-a set of byte runs in the chunk (contiguous bytes of its row-major order) that map one to one
-onto runs of the box: each run is read straight into the receiving tensor's memory (scatter
-reads, ``Storage.read_into``; ranged GETs on S3, ``preadv`` locally). Nothing of a tensor
-is ever assembled in full unless the rank holds all of it.
-
-Verification: before a byte is read into any tensor, :meth:`ChunkReader.check` makes the checks
-``spotrun verify`` makes of what the reads rely on (the tensor's chunks cover it exactly once;
-each chunk read is in its writer's index, itself checked against the manifest, and in its
-file's safetensors header with the recorded dtype, shape and bytes, at the bytes the index
-says): a step that disagrees with itself fails like a bad checksum, however its digests were
-made to match. Then every byte read is checked. Files are hashed in blocks
-(:data:`~spotrun.checkpoint.stream.CHECKSUM_BLOCK_BYTES`, 1 MiB), whose BLAKE3 digests the
-writer's index records (and whose digest of digests the manifest records); a read covers
-the whole blocks around what it needs - the bytes this rank does not need go to a scratch
-buffer and are hashed only - so a rank reads at most one block more on each side of each
-range. Reads run in parallel, in units of up to
-:data:`~spotrun.checkpoint.stream.CHECKSUM_CHUNK_BYTES`.
+Each rank reads the box of every tensor it holds now straight into that tensor's memory
+(scatter reads), never assembling a tensor it does not hold in full. Before a byte is read,
+:meth:`ChunkReader.check` makes the checks ``spotrun verify`` makes; then every byte read is
+verified in 1 MiB blocks. Details: ``docs/design/internals.md`` (Checkpoint engine).
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Chunks of a global tensor: boxes in its index space, who wrote each, and which bytes
 of a chunk a box of another layout needs.
 
-A *chunk* is the part of a global tensor one rank wrote: per-dimension ``offsets`` and
-``lengths`` in the global shape, stored contiguously in row-major order. A replicated
-tensor is one chunk (offsets all 0, lengths = shape); a sharded one (FSDP2, tensor
-parallel) many. A restore on another layout needs, for each tensor it holds, a box of
-the global tensor (its own local shard's offsets and lengths): :func:`overlap` and
-:func:`byte_runs` say which chunks hold which parts of it and which byte ranges of each.
-
-In a manifest (format 4) a tensor's chunks are written in one of two forms
-(:class:`ChunkLayout`): a *grid* - the tensor cut into ``grid[d]`` equal parts along each
-dimension ``d`` as ``torch.chunk`` cuts it (parts of ``ceil(size / parts)``, the last ones
-shorter or empty), cells numbered in row-major order, each cell written by
-``writers[cell]`` - which describes FSDP2 and tensor-parallel shardings in a few bytes
-whatever the number of ranks; or an explicit list ``[[offsets], [lengths], writer]`` for
-anything else. Writers are ranks; a list of writers that is an arithmetic progression is
-written ``{"first": a, "step": s}``, so the manifest of a 1,024-rank FSDP job stays small.
+A *chunk* is the part of a global tensor one rank wrote (offsets and lengths, row-major). A
+restore on another layout asks :func:`overlap` and :func:`byte_runs` which chunks hold which
+bytes of the box it needs. A manifest stores a tensor's chunks as a grid or a list
+(:class:`ChunkLayout`), so it stays small at any rank count. The forms:
+``docs/design/internals.md`` (Checkpoint engine).
 """
 
 from __future__ import annotations

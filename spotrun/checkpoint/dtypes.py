@@ -1,25 +1,10 @@
 """Which tensor dtypes a checkpoint stores, and how they are written and read back.
 
-Every dtype of the installed torch falls in exactly one of three classes:
-
-* **native**: safetensors stores it under its own dtype code, readable by every
-  safetensors release this project accepts (>= 0.4.3): float64/32/16, bfloat16,
-  int64/32/16/8, uint8, bool, float8_e4m3fn, float8_e5m2.
-* **bytes**: every other dtype that torch can copy - complex32/64/128, uint16/32/64,
-  float8_e4m3fnuz, float8_e5m2fnuz, float8_e8m0fnu, float4_e2m1fn_x2, bits8/16/1x8/2x4/4x2,
-  and any dtype a newer torch adds. The shard holds the tensor's bytes as a 1-D uint8
-  tensor (in memory order: little-endian on x86-64 and aarch64); the manifest's tensor record names the real dtype and shape and says
-  ``"stored_as": "bytes"``; a reader reinterprets them with ``.view(dtype)``. This is
-  bit-exact (NaN payloads, ``-0.0``, padding bits of packed types) and does not depend on
-  which dtypes the installed safetensors knows (safetensors 0.8's torch wrapper writes
-  ``F8_E8M0`` but cannot read it back).
-* **refused** (:class:`~spotrun.errors.StateSerializationError` naming the key and dtype,
-  raised while encoding the state: at ``Checkpointer.restore()`` before training starts,
-  and at every save before anything is written): quantized dtypes (qint8, quint8, qint32,
-  quint4x2, quint2x4: their scale and zero point are not in the tensor's bytes; save
-  ``int_repr()`` and the parameters instead), and dtypes torch itself cannot copy (in torch
-  2.13 the shell dtypes int1..int7 and uint1..uint7: ``clone``/``copy_`` are not
-  implemented, so no module could load them back either).
+Every dtype of the installed torch is **native** (safetensors' own dtype code), **bytes** (the
+tensor's bytes as 1-D uint8, the manifest naming the real dtype: bit-exact, and independent of
+the installed safetensors) or **refused** (:class:`~spotrun.errors.StateSerializationError`
+before anything is written: quantized dtypes, dtypes torch cannot copy). The lists:
+``docs/design/internals.md`` (Checkpoint engine).
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Incarnation records: a newer start of the job fences every older writer.
 
-Every start of the job (every ``Checkpointer.restore()``, or the first save without one)
-claims the next incarnation number by writing ``incarnations/incarnation-<N>.json`` with
-the storage's commit primitive (``put_if_absent``), so no two starts get the same number.
-The record says which step that start resumed from (``null``: a fresh start).
-
-The rule that fences older writers follows from those records alone, not from clocks:
-a manifest committed by incarnation ``k`` for step ``S`` is valid only if ``S`` is at most
-the resumed step of every incarnation ``j > k`` (a fresh start counts as -1). Whatever an
-older incarnation commits after a newer one started beyond the step the newer one resumed
-from belongs to an abandoned history (a zombie's), is listed as ``fenced`` and never
-resumed from. Writers also check before they commit, so a zombie stops with
-:class:`~spotrun.errors.FencedError` instead of committing; the reader's rule makes the
-outcome the same when the two race.
-
-Each record repeats the resumed steps of every earlier incarnation (``resumed``), so a
-reader lists ``incarnations/`` and reads only the newest record. It also names where that
-start ran (host, the claiming process, its ``spotrun run``), so that a fenced copy of the
-job can say which start fenced it (:func:`newest_claim`).
+Every start claims the next incarnation number with ``put_if_absent``
+(``incarnations/incarnation-<N>.json``, naming the step it resumed from). A manifest committed
+by incarnation ``k`` for step ``S`` is valid only if ``S`` is at most the resumed step of every
+newer incarnation: a zombie's later commits are ``fenced``, never resumed from, and writers check
+before committing (:class:`~spotrun.errors.FencedError`). The rule and the records:
+``docs/design/internals.md`` (Checkpoint engine).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """What to do with a background save in flight when the job must stop before a deadline.
 
-Two places decide it with the same rule (:func:`choose`): the supervisor when a notice
-arrives (whether to ask for an emergency save at all, :mod:`spotrun.supervisor.estimate`),
-and the workers at the step boundary where they stop (:func:`decide` on rank 0, from every
-rank's progress; :func:`spotrun.checkpoint.background.settle` gathers, broadcasts and acts,
-so every rank does the same). In order of preference:
-
-1. finish the save in flight, then also save the current step, when both fit before the deadline;
-2. else finish the save in flight if it fits (the current step is not saved);
-3. else abandon it (every rank sets its abort event: nothing commits, unless rank 0 had
-   already committed) and save the current step, if that fits;
-4. else finish the save in flight anyway (its step may still commit; the current one is lost).
-
-When the workers are told to stop *without* saving (the supervisor found no time for a save),
-the save in flight is finished if it fits, else abandoned so that they stop at once.
-Figures that are unknown (nothing measured yet) count as fitting, as the supervisor's do.
-Nothing here imports torch: the supervisor uses it.
+One rule (:func:`choose`) serves the supervisor when a notice arrives
+(:mod:`spotrun.supervisor.estimate`) and the workers at the step boundary where they stop
+(:func:`decide`), so both decide alike: finish the save in flight and save the current step
+when both fit, else the best of the two that fits. Nothing here imports torch. The order of
+preference: ``docs/design/internals.md`` (Checkpoint engine).
 """
 
 from __future__ import annotations

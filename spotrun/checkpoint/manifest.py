@@ -1,54 +1,8 @@
 """The checkpoint manifest: versioned JSON, written last, whose presence commits a step.
 
-Format version 3 (``manifest.i<incarnation>.json`` inside ``step-NNNNNNNNN/``; one line of JSON)::
-
-    {
-      "format": "spotrun-checkpoint", "format_version": 3,
-      "step": 200, "reason": "periodic",
-      "created_unix_s": 1764488000.5, "world_size": 2,
-      "run_id": "...", "incarnation": 1, "spotrun_version": "0.1.0", "torch_version": "2.13.0",
-      "files":   [{"path": "rank-00000.i000000001.safetensors", "rank": 0, "size_bytes": 123,
-                   "algorithm": "blake3-chunks", "chunk_bytes": 8388608, "digest": "..."},
-                  {"path": "rank-00000.i000000001.part-00001.safetensors", "rank": 0, ...}],
-      "tensors": {"model/w": {"file": "rank-00000.safetensors", "dtype": "float32",
-                              "shape": [4, 4], "offsets": null},
-                  "model/scales": {"file": "rank-00000.part-00001.safetensors",
-                                   "dtype": "float8_e8m0fnu", "shape": [8],
-                                   "offsets": null, "stored_as": "bytes"}},
-      "aliases": {"model/head.weight": "model/emb.weight"},
-      "state": {...skeleton of the replicated state...},
-      "rank_state": [{...skeleton of rank 0's own state...}, ...],
-      "timing": {"write_s": 1.9, "step_time_s": 0.41},
-      "meshes": [{"shape": [2, 4], "dim_names": ["dp_replicate", "dp_shard"]}]
-    }
-
-``offsets`` is ``null`` for whole tensors (the only kind written so far); it is reserved
-for shards of one global tensor. ``stored_as`` (new in format 2; absent in format 1, which
-stored every tensor natively) is absent or ``null`` when the shard holds the tensor under its own
-safetensors dtype, or ``"bytes"`` when it holds the tensor's bytes as a 1-D ``uint8``
-tensor of ``numel * itemsize`` elements, to be viewed as ``dtype`` and reshaped to
-``shape`` (see :mod:`spotrun.checkpoint.dtypes`). A rank's tensors may be split over
-several files (format 1 readers already read any number of files per rank; the format
-changed for ``stored_as``). ``timing`` (optional, may be ``null``; added in spotrun
-0.1 without a format change, older manifests lack it) records how long the slowest rank
-took to stage and write its shard and how long a training step took: the supervisor of a
-restarted job estimates an emergency save from it before the job has saved again. Readers refuse a newer ``format_version`` with a clear
-error instead of guessing.
-
-Format 4 (sharded state, :mod:`spotrun.checkpoint.chunks`): a tensor record holds ``dtype``,
-``shape`` and its chunks - ``"grid": [parts per dimension], "writers": [...] | {"first", "step"}``
-or ``"chunks": [[offsets], [lengths], writer], ...]`` - instead of ``file``/``offsets``; every
-rank also writes an index file (``rank-RRRRR.iN.index.json``, listed in ``files`` with its
-SHA-256: :mod:`spotrun.checkpoint.rank_index`) saying where its chunks lie and each 1 MiB
-block's digest; data files are hashed in 1 MiB blocks (``chunk_bytes``); ``meshes`` lists the
-device meshes of the step's DTensors.
-
-Format 3 changed only the file checksum: formats 1 and 2 record ``"sha256"`` (of the whole
-file); format 3 records ``"algorithm": "blake3-chunks"``, ``"chunk_bytes"`` and ``"digest"``
-(BLAKE3 over the BLAKE3 digests of the file's chunks, so that writers hash chunks in
-parallel while writing and readers verify them in parallel while reading;
-``"sha256-chunks"``, the same with SHA-256, is also read: :mod:`spotrun.checkpoint.stream`).
-Every format is still read.
+Builds, writes and parses format 4 (sharded tensors as chunk layouts) and reads formats 1 to 3.
+The format specification, every field and what changed in each version:
+docs/reference/checkpoint-format.md.
 """
 
 from __future__ import annotations

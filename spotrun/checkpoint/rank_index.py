@@ -1,22 +1,10 @@
 """The index each rank writes next to its shard files (format 4).
 
-One small JSON object per rank and step, ``rank-RRRRR.i<incarnation>.index.json``, listed in
-the manifest with its size and SHA-256 like any file, so the manifest itself stays small
-however many chunks the job has (a 1,024-rank FSDP job writes millions)::
-
-    {"format": "spotrun-rank-index", "format_version": 4, "step": 200, "rank": 1,
-     "files": [{"path": "rank-00001.i000000002.safetensors", "size_bytes": 123,
-                "block_bytes": 1048576, "block_digests": ["<BLAKE3 hex of block 0>", ...]}],
-     "chunks": {"model/w@4,0": [0, 128, 4224], "model/b": [0, 4224, 4240]}}
-
-``chunks`` maps each chunk this rank wrote to ``[file index, begin, end)``: its bytes in the
-file (safetensors data, row-major). A chunk's key is the tensor's name, followed by
-``@`` and its offsets in the global tensor when it is not the whole tensor
-(:func:`chunk_key`); the same key names it in the safetensors header. ``block_digests``
-are the BLAKE3 digests of the file's consecutive ``block_bytes`` blocks: a reader that needs
-part of a file (another layout's share) reads the blocks around it and verifies each; the
-BLAKE3 of the concatenated digests is the file's digest in the manifest
-(:mod:`spotrun.checkpoint.stream`), so the index is checked against the manifest too.
+One small JSON object per rank and step (``rank-RRRRR.i<incarnation>.index.json``, listed in
+the manifest with its digest like any file) says where each chunk lies in the rank's files and
+holds the BLAKE3 digest of every block, so the manifest stays small however many chunks a job
+writes and a reader can verify part of a file. The format: ``docs/design/internals.md``
+(Checkpoint engine).
 """
 
 from __future__ import annotations

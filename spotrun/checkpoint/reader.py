@@ -141,10 +141,34 @@ def read_shard_into(
     size = record.size_bytes
     chunk_bytes = record.chunk_bytes or size
     header, head = read_header(storage, key, size, where=where)
-    data_start = len(head)
+    tensors, pieces = _plan_pieces(header, len(head), size, wanted, destinations, where=where)
+    if record.algorithm not in (CHUNKED_BLAKE3, CHUNKED_SHA256):
+        raise CorruptShardError(f"{where}: checksum algorithm {record.algorithm!r} is not a chunked one")
+    digests = ChunkDigests(size, chunk_bytes, record.algorithm)
+    read_chunk = _ChunkReader(storage, key, head, pieces, digests, where)
+    ranges = chunk_ranges(size, chunk_bytes)
+    if len(ranges) <= 1:
+        for start, stop in ranges:
+            read_chunk(start, stop)
+    else:
+        with ThreadPoolExecutor(max_workers=min(storage.read_concurrency, len(ranges)),
+                                thread_name_prefix="spotrun-read") as pool:
+            for future in [pool.submit(read_chunk, a, b) for a, b in ranges]:
+                future.result()
+    if digests.hexdigest() != record.digest:
+        raise CorruptShardError(f"{where}: checksum ({record.algorithm}) does not match the manifest's "
+                                f"{record.digest}")
+    return tensors
 
-    # the checks spotrun verify makes of a header, before any destination is touched
-    # (imported here: verify_tensors reads headers through this module)
+
+def _plan_pieces(
+    header: dict, data_start: int, size: int, wanted: dict[str, TensorRecord],
+    destinations: dict[str, torch.Tensor], *, where: str,
+) -> tuple[dict[str, torch.Tensor], list[_Piece]]:
+    """Check the header as ``spotrun verify`` does, then allocate (or take from
+    ``destinations``) the ``wanted`` tensors; returns them and the file's data as pieces
+    sorted by offset, each with its destination bytes (``None``: not wanted)."""
+    # imported here: verify_tensors reads headers through this module
     from spotrun.checkpoint.verify_tensors import entry_problem, parse_header
 
     parsed = parse_header(header, data_start, size)
@@ -166,27 +190,29 @@ def read_shard_into(
             target = byte_view(tensor) if nbytes else None
         if entry.end > entry.begin:
             pieces.append(_Piece(entry.begin, entry.end, target))
+    return tensors, pieces
 
-    if record.algorithm not in (CHUNKED_BLAKE3, CHUNKED_SHA256):
-        raise CorruptShardError(f"{where}: checksum algorithm {record.algorithm!r} is not a chunked one")
-    digests = ChunkDigests(size, chunk_bytes, record.algorithm)
 
-    def read_chunk(start: int, stop: int) -> None:
+class _ChunkReader:
+    """Reads one checksum chunk ``[start, stop)`` of a file into its pieces' destinations and
+    hashes it (called from several threads at once, one chunk each)."""
+
+    def __init__(self, storage: Storage, key: str, head: bytes, pieces: list[_Piece], digests: ChunkDigests,
+                 where: str) -> None:
+        self.storage, self.key, self.where = storage, key, where
+        self.head = head  # the file's bytes before its data (header length and JSON), already read
+        self.pieces = pieces
+        self.digests = digests
+
+    def __call__(self, start: int, stop: int) -> None:
+        data_start = len(self.head)
         held: list[memoryview | bytes] = []
         if start < data_start:
-            held.append(head[start:min(stop, data_start)])
+            held.append(self.head[start:min(stop, data_start)])
         begin = max(start, data_start)
-        overlapping = _overlapping(pieces, begin, stop)
+        overlapping = _overlapping(self.pieces, begin, stop)
         if len(overlapping) > _SCATTER_MAX_PIECES:
-            # many small tensors: one read into a scratch chunk, then a copy into each
-            scratch = bytearray(stop - begin)
-            _read(storage, key, begin, [memoryview(scratch)], where)
-            digests.add(start, held + [memoryview(scratch)])
-            source = torch.frombuffer(scratch, dtype=torch.uint8)
-            for piece in overlapping:
-                if piece.target is not None:
-                    a, b = max(begin, piece.start), min(stop, piece.stop)
-                    copy_bytes(piece.target[a - piece.start : b - piece.start], source[a - begin : b - begin])
+            self._read_via_scratch(start, begin, stop, held, overlapping)
             return
         views: list[memoryview] = []
         for piece in overlapping:
@@ -197,23 +223,20 @@ def read_shard_into(
                 view = memoryview(piece.target[a - piece.start : b - piece.start].numpy())
             views.append(view)
         if views:
-            _read(storage, key, begin, views, where)
-        digests.add(start, held + views)
+            _read(self.storage, self.key, begin, views, self.where)
+        self.digests.add(start, held + views)
 
-    ranges = chunk_ranges(size, chunk_bytes)
-    if len(ranges) <= 1:
-        for start, stop in ranges:
-            read_chunk(start, stop)
-    else:
-        with ThreadPoolExecutor(max_workers=min(storage.read_concurrency, len(ranges)),
-                                thread_name_prefix="spotrun-read") as pool:
-            for future in [pool.submit(read_chunk, a, b) for a, b in ranges]:
-                future.result()
-    if digests.hexdigest() != record.digest:
-        raise CorruptShardError(f"{where}: checksum ({record.algorithm}) does not match the manifest's "
-                                f"{record.digest}")
-    return tensors
-
+    def _read_via_scratch(self, start: int, begin: int, stop: int, held: list[memoryview | bytes],
+                          overlapping: list[_Piece]) -> None:
+        """Many small tensors: one read into a scratch chunk, then a copy into each."""
+        scratch = bytearray(stop - begin)
+        _read(self.storage, self.key, begin, [memoryview(scratch)], self.where)
+        self.digests.add(start, held + [memoryview(scratch)])
+        source = torch.frombuffer(scratch, dtype=torch.uint8)
+        for piece in overlapping:
+            if piece.target is not None:
+                a, b = max(begin, piece.start), min(stop, piece.stop)
+                copy_bytes(piece.target[a - piece.start : b - piece.start], source[a - begin : b - begin])
 
 def _overlapping(pieces: list[_Piece], start: int, stop: int) -> list[_Piece]:
     """The pieces that overlap ``[start, stop)`` (``pieces`` are sorted and back to back)."""

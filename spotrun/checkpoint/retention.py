@@ -1,27 +1,11 @@
 """Retention: which complete steps to keep, and deleting a step so that every state on the
 way is valid.
 
-The rule (:func:`plan_retention`, a pure function): with ``keep_last=N`` the ``N`` newest
-complete steps are kept, with ``keep_every=M`` also every complete step whose number is
-divisible by ``M``; never deleted are the newest complete step and the steps the caller
-protects (the step the incarnation resumed from). Only *complete* steps are ever planned
-for deletion: a step without a valid manifest may be a save still being written, and
-incomplete, fenced or corrupt steps are the business of ``spotrun gc``
-(:func:`plan_gc`, which also takes those, by age).
-
-Deleting a step (:func:`delete_step`) goes in this order:
-
-1. the marker ``deleting.json`` is written into the step directory;
-2. every manifest of the step is deleted (the step is no longer ``complete`` from here on:
-   it lists as ``incomplete``, "being deleted");
-3. the step's other objects are deleted (in parallel);
-4. the marker is deleted last.
-
-A kill at any point leaves either the complete step (before 2; the marker alone changes
-nothing) or an incomplete step that no start resumes from and that ``spotrun gc``
-finishes deleting (:attr:`~spotrun.checkpoint.catalog.StepInfo.being_deleted`).
-
-:class:`Retainer` applies the rule in a training job, on global rank 0, after each commit.
+:func:`plan_retention` (pure) keeps the ``keep_last`` newest complete steps, those whose number
+divides by ``keep_every``, the newest one and the steps the caller protects; only complete steps
+are ever planned for deletion. :func:`delete_step` goes marker, manifests, files, marker, so a
+kill leaves a complete step or one no start resumes from. :class:`Retainer` applies the rule in
+a training job. Details: ``docs/design/internals.md`` (Checkpoint engine).
 """
 
 from __future__ import annotations

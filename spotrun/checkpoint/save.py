@@ -1,23 +1,11 @@
-"""Saving one step: stage (copy to CPU), write this rank's shard, commit with a manifest.
+"""Saving one step on every rank: prepare (encode, pick this rank's tensors, stage them), then
+commit in three phases, each ending in one collective: agree (same structure, the step may be
+saved), write this rank's shard, commit (rank 0 writes the manifest with ``put_if_absent``).
 
-Sequence on every rank (all ranks call :func:`commit_save` for the same step)::
-
-    encode state -> check every rank has the same replicated structure (1 gather)
-    -> plan who writes which replicated tensor -> stage: copy own tensors to CPU
-    -> write own shard (one file, or several when it passes ShardLimits)
-    -> gather file records and per-rank state (1 gather)
-    -> rank 0 checks no newer incarnation started, writes manifest.i<N>.json with
-    put_if_absent -> broadcast the outcome
-
-A failure on any rank is reported through the gathers, so every rank raises
-:class:`~spotrun.errors.CheckpointSaveError` for the same step and no rank waits at a
-collective that others skipped; no manifest is written, so the step never commits and
-the previous complete step stays the resume point.
-
-Preparing (:func:`prepare_save`: encode, pick this rank's tensors, copy them into staging
-buffers for a background save) and committing (:func:`commit_save`: the collectives, the
-write, the manifest) are separate, so the commit can run on a background thread, with its
-own process group, while training continues.
+A failure on any rank is reported through the collectives, so every rank raises for the same
+step and no rank waits alone; without a manifest the step never commits. Preparing and
+committing are separate so that the commit can run on a background thread. The sequence:
+``docs/design/internals.md`` (Checkpoint engine).
 """
 
 from __future__ import annotations
@@ -33,17 +21,17 @@ from typing import Any
 import torch
 
 from spotrun.tools import dist
-from spotrun.checkpoint.layout import file_key, index_name, manifest_key, shard_part_name
+from spotrun.checkpoint.layout import manifest_key
 from spotrun.checkpoint.manifest_build import build_manifest, tensor_fields
 from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.dtypes import to_stored
 from spotrun.checkpoint.encode import EncodedState, encode_state, structure_digest
 from spotrun.checkpoint.plan import assign_by_bytes
-from spotrun.checkpoint.rank_index import IndexedFile, RankIndex, chunk_key
+from spotrun.checkpoint.rank_index import chunk_key
 from spotrun.checkpoint.restore import reject_step
-from spotrun.checkpoint.shard import ShardLimits, sha256_hex, split_into_parts
+from spotrun.checkpoint.shard import ShardLimits, split_into_parts
 from spotrun.checkpoint.sharded import local_box, predicted_box, predicted_grid, writes_chunk
-from spotrun.checkpoint.stream import CHECKSUM_BLOCK_BYTES, CHECKSUM_CHUNK_BYTES, CHUNKED_BLAKE3, ChunkDigests, ShardSource
+from spotrun.checkpoint.shard_write import SaveProgress, write_index, write_shard
 from spotrun.checkpoint.staging import StagingBuffers
 from spotrun.tools.gc_pause import gc_paused
 from spotrun.errors import (
@@ -54,43 +42,11 @@ from spotrun.errors import (
     SpotrunError,
     StateMismatchError,
 )
-from spotrun.checkpoint.manifest import FileRecord, Manifest
+from spotrun.checkpoint.manifest import Manifest
 from spotrun.tools.progress import progress_bar
 from spotrun.storage.base import Storage
 
 log = logging.getLogger(__name__)
-
-
-class SaveProgress:
-    """Bytes written so far by this rank's part of a save (read by another thread to
-    estimate when a save in flight will commit); ``on_add(nbytes)`` is also called at each add.
-
-    Attributes:
-        bytes_total: bytes this rank writes (0 until known).
-        bytes_done: bytes written so far.
-        started_monotonic_s: when the write began (``time.monotonic``), ``None`` before.
-    """
-
-    def __init__(self, on_add: Callable[[int], object] | None = None) -> None:
-        self.bytes_total = 0
-        self.bytes_done = 0
-        self.started_monotonic_s: float | None = None
-        self._on_add = on_add
-        self._lock = threading.Lock()
-
-    def add(self, nbytes: int) -> None:
-        with self._lock:
-            self.bytes_done += nbytes
-            if self._on_add is not None:
-                self._on_add(nbytes)
-
-    def remaining_s(self) -> float | None:
-        """Seconds the rest of the write should take at the rate seen so far; ``None``
-        before any byte was written."""
-        if self.started_monotonic_s is None or self.bytes_done <= 0:
-            return None
-        elapsed_s = time.monotonic() - self.started_monotonic_s
-        return max(0.0, (self.bytes_total - self.bytes_done) * elapsed_s / self.bytes_done)
 
 
 @dataclass
@@ -169,64 +125,6 @@ def prepare_save(
     if staging is not None:
         mine = staging.stage(mine)
     return PreparedSave(step, rank, world_size, encoded, mine, chunks=chunks, reported=reported)
-
-
-def write_shard(storage: Storage, prepared: PreparedSave, incarnation: int, parts: list[list[str]],
-                *, abort: threading.Event | None = None,
-                progress: SaveProgress | None = None) -> tuple[list[FileRecord], RankIndex]:
-    """Stream this rank's shard into storage, one file per part, one file at a time.
-
-    Each file's bytes go from the tensors' memory through the backend's bounded buffer
-    (:meth:`~spotrun.storage.base.Storage.put_stream`), hashed block by block
-    (:data:`~spotrun.checkpoint.stream.CHECKSUM_BLOCK_BYTES`) as they pass.
-
-    Args:
-        parts: chunk keys of ``prepared.tensors``, one list per file
-            (:func:`~spotrun.checkpoint.shard.split_into_parts`).
-        abort: when set, the write stops at the next chunk (:class:`SaveAbortedError`).
-        progress: updated as bytes are written.
-
-    Returns:
-        The manifest records of the files, in the order of ``parts``, and this rank's index
-        (where each chunk lies, each block's digest), not yet written.
-    """
-    records = []
-    indexed: list[IndexedFile] = []
-    located: dict[str, tuple[int, int, int]] = {}
-    for part, names in enumerate(parts):
-        if abort is not None and abort.is_set():
-            raise SaveAbortedError(f"save of step {prepared.step} abandoned")
-        path = shard_part_name(prepared.rank, incarnation, part)
-        with gc_paused():
-            source = ShardSource(
-                {n: prepared.tensors[n] for n in names},
-                {"format": "spotrun-checkpoint", "step": prepared.step, "rank": prepared.rank, "part": part},
-                abort=abort,
-            )
-        digests = ChunkDigests(source.size_bytes, CHECKSUM_BLOCK_BYTES)
-
-        def on_chunk(offset: int, data: memoryview, digests: ChunkDigests = digests) -> None:
-            digests.add_span(offset, data)
-            if progress is not None:
-                progress.add(len(data))
-
-        storage.put_stream(file_key(prepared.step, path), source, chunk_bytes=CHECKSUM_CHUNK_BYTES,
-                           on_chunk=on_chunk)
-        records.append(FileRecord(path=path, rank=prepared.rank, size_bytes=source.size_bytes,
-                                  digest=digests.hexdigest(), algorithm=CHUNKED_BLAKE3,
-                                  chunk_bytes=CHECKSUM_BLOCK_BYTES))
-        indexed.append(IndexedFile(path=path, size_bytes=source.size_bytes, block_bytes=CHECKSUM_BLOCK_BYTES,
-                                   block_digests=digests.chunk_hexdigests()))
-        located.update({n: (part, *source.ranges[n]) for n in names})
-    return records, RankIndex(step=prepared.step, rank=prepared.rank, files=indexed, chunks=located)
-
-
-def write_index(storage: Storage, index: RankIndex, incarnation: int) -> FileRecord:
-    """Write a rank's index (after its shard files) and return its manifest record."""
-    data = index.to_json()
-    path = index_name(index.rank, incarnation)
-    storage.put(file_key(index.step, path), data)
-    return FileRecord(path=path, rank=index.rank, size_bytes=len(data), digest=sha256_hex(data))
 
 
 @dataclass(frozen=True)
@@ -310,17 +208,26 @@ def commit_save(
         SaveAbortedError: ``abort`` was set; nothing committed.
         CheckpointSaveError: writing or committing failed on some rank; nothing committed.
     """
-    rank, world_size = prepared.rank, prepared.world_size
-    step = prepared.step
+    _agree(storage, prepared, context, group)
+    reports = _write(storage, prepared, context, limits, group=group, abort=abort, progress=progress,
+                     show_progress=show_progress)
+    manifest = _commit(storage, prepared, context, reports, group=group, abort=abort)
+    return SavedStep(manifest=manifest,
+                     size_bytes=sum(f["size_bytes"] for rep in reports for f in rep["files"]))
+
+
+def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group: Any) -> None:
+    """Phase 1 (1 gather): every rank encoded its state, rank 0 may save the step, and the
+    replicated structure is the same everywhere; otherwise every rank raises."""
+    rank, world_size, step = prepared.rank, prepared.world_size, prepared.step
     local_error: SpotrunError | None = prepared.error
     first: dict[str, Any]
     if local_error is not None:
         first = {"error": f"{type(local_error).__name__}: {local_error}", "fenced": False}
     else:
-        encoded = prepared.encoded
-        assert encoded is not None
+        assert prepared.encoded is not None
         # compared between ranks; one rank has nothing to compare
-        first = {"digest": structure_digest(encoded) if world_size > 1 else ""}
+        first = {"digest": structure_digest(prepared.encoded) if world_size > 1 else ""}
         if rank == 0:
             try:
                 first["committed"] = _clear_the_way(storage, step, context.incarnation)
@@ -342,11 +249,8 @@ def commit_save(
             f"step {step} is already committed under {storage.uri} ({firsts[0]['committed']}); "
             "not overwriting it - nothing was written"
         )
-    errors = {r: f["error"] for r, f in enumerate(firsts) if "error" in f}
-    if errors:
-        raise CheckpointSaveError(
-            f"save of step {step} refused: " + "; ".join(f"rank {r}: {e}" for r, e in errors.items())
-        )
+    _raise_if_failed(firsts, lambda failed: f"save of step {step} refused: "
+                     + "; ".join(f"rank {r}: {e}" for r, e in failed.items()))
     digests = [f["digest"] for f in firsts]
     if len(set(digests)) != 1:
         differing = [r for r, d in enumerate(digests) if d != digests[0]]
@@ -354,6 +258,14 @@ def commit_save(
             f"replicated state differs in structure between rank 0 and rank(s) {differing}; "
             "state passed to Checkpointer(state=...) must be identical on every rank (as in DDP)"
         )
+
+
+def _write(storage: Storage, prepared: PreparedSave, context: SaveContext, limits: ShardLimits | None, *,
+           group: Any, abort: threading.Event | None, progress: SaveProgress | None,
+           show_progress: bool) -> list[dict[str, Any]]:
+    """Phase 2 (1 gather): write this rank's shard and index; returns every rank's report
+    (its file records and rank state), or raises on every rank when one failed."""
+    step, encoded = prepared.step, prepared.encoded
     assert encoded is not None
     report: dict[str, Any] = {"ok": True}
     write_error: Exception | None = None
@@ -383,23 +295,26 @@ def commit_save(
         write_error, report = exc, {"ok": False, "error": _describe(exc),
                                     "aborted": isinstance(exc, SaveAbortedError)}
         if not isinstance(exc, SaveAbortedError):
-            log.error("rank %d failed to write its shard of step %d: %s", rank, step, report["error"])
+            log.error("rank %d failed to write its shard of step %d: %s", prepared.rank, step, report["error"])
     reports = dist.all_gather_json(report, group=group)
-    failed = {r: rep["error"] for r, rep in enumerate(reports) if not rep["ok"]}
-    if failed:
-        error = SaveAbortedError if all(rep.get("aborted") for rep in reports if not rep["ok"]) \
-            else CheckpointSaveError
-        raise error(
-            f"save of step {step} failed on rank(s) {sorted(failed)}: "
-            + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
-            + " - nothing was committed"
-        ) from write_error
+    _raise_if_failed(reports, lambda failed: f"save of step {step} failed on rank(s) {sorted(failed)}: "
+                     + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+                     + " - nothing was committed", cause=write_error)
+    return reports
+
+
+def _commit(storage: Storage, prepared: PreparedSave, context: SaveContext, reports: list[dict[str, Any]], *,
+            group: Any, abort: threading.Event | None) -> Manifest | None:
+    """Phase 3 (1 broadcast): rank 0 writes the manifest unless fenced or abandoned; returns
+    it on rank 0 (``None`` elsewhere), or raises on every rank when the commit failed."""
+    step = prepared.step
     outcome: dict[str, Any] = {"ok": True}
     manifest = None
-    if rank == 0:
+    if prepared.rank == 0:
+        assert prepared.encoded is not None
         try:
             with gc_paused():
-                manifest = build_manifest(step, encoded, reports, context, world_size)
+                manifest = build_manifest(step, prepared.encoded, reports, context, prepared.world_size)
                 manifest_json = manifest.to_json()
             fencing.check_not_fenced(storage, context.incarnation)
             if abort is not None and abort.is_set():  # the last moment an abandon takes effect
@@ -410,13 +325,31 @@ def commit_save(
                        "aborted": isinstance(exc, SaveAbortedError),
                        "retryable": not isinstance(exc, (FencedError, CommitUnsupportedError))}
     outcome = dist.broadcast_json(outcome, group=group)
-    if not outcome["ok"]:
-        error = FencedError if outcome.get("fenced") else SaveAbortedError if outcome.get("aborted") \
-            else CheckpointSaveError
-        raise error(f"commit of step {step} failed on rank 0: {outcome['error']}",
-                    retryable=outcome["retryable"])
-    return SavedStep(manifest=manifest,
-                     size_bytes=sum(f["size_bytes"] for rep in reports for f in rep["files"]))
+    _raise_if_failed([outcome], lambda failed: f"commit of step {step} failed on rank 0: {failed[0]}")
+    return manifest
+
+
+def _raise_if_failed(reports: list[dict[str, Any]], message: Callable[[dict[int, str]], str],
+                     cause: BaseException | None = None) -> None:
+    """Raise on every rank alike the error that a phase's gathered ``reports`` carry (a failed
+    rank's report has an ``error``); ``message`` builds the text from {failed rank: error}.
+
+    The error is a :class:`FencedError` when a failed rank was fenced, a
+    :class:`SaveAbortedError` when every failed rank was abandoned, else a
+    :class:`CheckpointSaveError`; ``retryable`` comes from the reports where they say it.
+    """
+    failed = {r: rep for r, rep in enumerate(reports) if "error" in rep}
+    if not failed:
+        return
+    if any(rep.get("fenced") for rep in failed.values()):
+        error: type[CheckpointSaveError] = FencedError
+    elif all(rep.get("aborted") for rep in failed.values()):
+        error = SaveAbortedError
+    else:
+        error = CheckpointSaveError
+    said = [rep["retryable"] for rep in failed.values() if "retryable" in rep]
+    raise error(message({r: rep["error"] for r, rep in failed.items()}),
+                retryable=all(said) if said else None) from cause
 
 
 def _clear_the_way(storage: Storage, step: int, incarnation: int) -> str | None:

@@ -1,24 +1,11 @@
 """Writing a shard file as a stream: the safetensors header computed up front, the tensors'
 bytes copied out of their own memory chunk by chunk, a checksum built while they pass.
 
-A shard file is a safetensors file (``8-byte little-endian header length``, the JSON
-header, then every tensor's bytes back to back, in the header's order). Nothing builds the
-file in memory: :class:`ShardSource` serves any byte range of it straight from the
-tensors (:class:`~spotrun.storage.base.ByteSource`), and a storage backend pulls the
-ranges it writes into its own bounded buffer (one O_DIRECT bounce buffer per chunk on a
-local disk, one buffer per part on S3).
-
-The checksum of a file (:data:`CHUNKED_BLAKE3`, written since format 3) is the BLAKE3
-digest of the concatenated BLAKE3 digests of the file's consecutive ``chunk_bytes`` chunks
-(the last one may be shorter; an empty file has no chunks). Each chunk is hashed by the
-thread that filled it, while its bytes are in cache, so hashing runs in parallel across
-chunks, and a reader verifies a file chunk by chunk, in parallel, as it reads. BLAKE3 (the
-``blake3`` package, the BLAKE3 team's own bindings) is a 256-bit cryptographic hash like
-SHA-256 - any changed byte changes its chunk's digest and so the file's, accidental or
-deliberate - and 2.5 times faster per core here (4.5 GB/s against SHA-256's 1.8 GB/s with
-the CPU's SHA instructions; measured on this 2-core machine), which is what lets a save keep
-pace with the disk. :data:`CHUNKED_SHA256` (the same construction with SHA-256) and whole-file
-SHA-256 (formats 1 and 2) are still verified.
+Nothing builds the file in memory: :class:`ShardSource` serves any byte range of it straight
+from the tensors, and a storage backend pulls ranges into its own bounded buffer. The checksum
+(:data:`CHUNKED_BLAKE3`) is the BLAKE3 of the BLAKE3 digests of the file's chunks, so writers and
+readers hash chunks in parallel. Why BLAKE3, and the older checksums still verified:
+``docs/design/internals.md`` (Checkpoint engine).
 """
 
 from __future__ import annotations

@@ -2,19 +2,9 @@
 indexes, safetensors headers, incarnation records): a checkpoint is input from outside the
 process, so a document must never make a reader recurse, grow or guess.
 
-* **size**: a document longer than its kind's limit is refused before it is decoded;
-* **nesting depth**: measured by a linear scan of the brackets outside strings, *before*
-  ``json`` sees the document, so a document of 100,000 ``[`` never reaches json's recursion
-  (a ``RecursionError``, or a crash where C recursion is not checked);
-* **repeated keys**: an object that names a key twice is refused - ``json`` keeps the last,
-  other readers (safetensors' serde, jq) may keep the first: two readers would see two
-  different checkpoints;
-* **NaN / Infinity**: not JSON; spotrun never writes them (a non-finite float in a state is
-  the tagged ``{"__float__": "nan"}``).
-
-Every refusal is a :class:`StrictJSONError` (a ``ValueError``) with a one-line reason; each
-caller turns it into its corrupt-step error (``ManifestError``, ``CorruptShardError``) with
-the file's name, as it already does for a document that is not JSON.
+Size, nesting depth, repeated keys and NaN/Infinity are refused with a
+:class:`StrictJSONError` (a ``ValueError``) and a one-line reason, which each caller turns into
+its corrupt-step error. Why each: ``docs/design/internals.md`` (Checkpoint engine).
 """
 
 from __future__ import annotations

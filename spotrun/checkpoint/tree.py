@@ -1,22 +1,10 @@
 """Split a nested state (``state_dict()`` output) into a JSON skeleton and named tensors.
 
-A checkpoint stores non-tensor state as JSON and tensors in safetensors files. This
-module converts between a nested Python value and that pair:
-
-``encode(value, prefix)`` -> ``(skeleton, tensors)`` where ``skeleton`` is JSON-ready and
-every tensor is replaced by ``{"__tensor__": name}``; ``decode(skeleton, tensors)``
-rebuilds the value. Types survive the round trip: dicts with ``int`` keys (optimizer
-state), tuples (``betas``), non-finite floats. Anything else - a function, a numpy
-array, a ``torch.dtype``, a tensor of a dtype that cannot be checkpointed (quantized,
-see :mod:`spotrun.checkpoint.dtypes`) - raises
-:class:`~spotrun.errors.StateSerializationError` naming its key, so a save fails before a
-single byte is written.
-
-Skeleton tags (a dict with exactly one of these keys is a tagged value):
-    ``{"__tensor__": name}``      a tensor stored under ``name``
-    ``{"__tuple__": [...]}``      a tuple
-    ``{"__dict__": [[k, v], ...]}`` a dict whose keys are not all plain strings
-    ``{"__float__": "nan"|"inf"|"-inf"}`` a non-finite float
+``encode(value, prefix)`` -> ``(skeleton, tensors)``, every tensor replaced by
+``{"__tensor__": name}``; ``decode(skeleton, tensors)`` rebuilds the value, types included
+(``int`` keys, tuples, non-finite floats). Anything else raises
+:class:`~spotrun.errors.StateSerializationError` naming its key, before a byte is written.
+The skeleton tags: ``docs/design/internals.md`` (State).
 """
 
 from __future__ import annotations

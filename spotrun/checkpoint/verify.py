@@ -1,28 +1,10 @@
 """Checking committed steps against their manifests without loading them into a training job
 (``spotrun verify``). Nothing is written.
 
-For each step, with its valid manifest as :mod:`spotrun.checkpoint.catalog` finds it:
-
-1. every file the manifest lists exists with the recorded size;
-2. every file's digest, by the algorithm the manifest records for it, with the digest code the
-   writers and readers use (:mod:`spotrun.checkpoint.stream`): whole-file SHA-256 (``"sha256"``:
-   the data files of formats 1-2, the rank index files of format 4), or since format 3 the
-   chunked digest (``"blake3-chunks"``, also ``"sha256-chunks"``: the hash of the digests of
-   the file's consecutive ``chunk_bytes`` chunks). In format 4 each rank's index records the
-   BLAKE3 digest of every 1 MiB block (and is itself checked against the manifest), so a
-   mismatch is reported with the byte range of the blocks that differ; format 3 records only
-   the file's digest;
-3. every tensor the manifest lists is in its file with the recorded dtype and shape, and in
-   format 4 its chunks cover it exactly once, each in its writer's index at the bytes its
-   file's header gives it (:mod:`spotrun.checkpoint.verify_tensors`; only the safetensors
-   headers are read for this); each index is the one of its rank and step, with the manifest's
-   sizes and block sizes; the state skeletons refer to exactly the tensors the manifest lists
-   (:mod:`spotrun.checkpoint.step_checks`). A restore makes the same checks of what it reads.
-
-Data files are read in units of at most :data:`READ_UNIT_BYTES` (whole checksum chunks) by a
-pool of ``storage.read_concurrency`` threads, each reusing one buffer: the memory held is
-bounded by that, whatever the checkpoint's size. Rank index files (small JSON) are read whole,
-as a restore reads them.
+Per step: every listed file exists with its size, every file's digest matches (in format 4 a
+mismatch names the byte range of the bad blocks), every tensor is in its file with the recorded
+dtype and shape. Memory is bounded whatever the checkpoint's size. The checks in full:
+``docs/design/internals.md`` (Checkpoint engine).
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """The tensor half of ``spotrun verify``: is every tensor the manifest lists in its file, with
 the recorded dtype, shape and bytes?
 
-A shard file is a safetensors file (8-byte little-endian header length, a JSON header, the
-tensors' bytes back to back). Only the header is read here (two small reads: the length, then
-the JSON); the bytes themselves are checked by their digests (:mod:`spotrun.checkpoint.verify`).
-
-* Formats 1-3: each tensor record names its ``file``; the header must hold the tensor's name
-  with the safetensors dtype code and shape it is stored under (for ``stored_as: "bytes"``, a
-  1-D ``U8`` tensor of ``numel * itemsize`` elements) and that many bytes. A format-3 restore
-  checks each file it reads with the same functions (:func:`parse_header`, :func:`entry_problem`;
-  :func:`spotrun.checkpoint.reader.read_shard_into`).
-* Format 4: each tensor is one or more chunks, which must cover it exactly once; the writer's
-  rank index maps each chunk's key (:func:`~spotrun.checkpoint.rank_index.chunk_key`) to
-  ``[file index, begin, end)``. The key must be in the index, and in that file's header with
-  the chunk's dtype code and lengths, at exactly those bytes. A restore makes these checks of
-  every chunk it reads (:meth:`spotrun.checkpoint.chunk_reader.ChunkReader.check`), with the
-  same functions, before it reads a byte into a live tensor.
-
-Every header must also describe a valid safetensors file: entries with a dtype, a shape and
-data offsets, back to back from the start of the data to the file's recorded end (what
-safetensors' own loader demands, and so whoever reads the checkpoint without spotrun).
+Only safetensors headers are read here (the bytes are checked by their digests,
+:mod:`spotrun.checkpoint.verify`); restores check each file or chunk they read with the same
+functions (:func:`parse_header`, :func:`entry_problem`). The checks per format:
+``docs/design/internals.md`` (Checkpoint engine).
 """
 
 from __future__ import annotations

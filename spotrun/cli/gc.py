@@ -1,27 +1,10 @@
 """``spotrun gc URI``: delete what a checkpoint root no longer needs, offline.
 
-    spotrun gc URI [--keep-last N] [--keep-every M] [--incomplete-older-than-s S] [--dry-run]
-
-1. Complete steps: the retention rule of ``--keep-last``/``--keep-every``
-   (:func:`spotrun.checkpoint.retention.plan_retention`), keeping the newest complete step and
-   the step the newest start of the job resumed from. Without ``--keep-last`` every complete
-   step is kept.
-2. Incomplete and fenced steps whose newest object is at least ``--incomplete-older-than-s``
-   old (default 1 h), and interrupted deletions at once.
-3. Unfinished writes under the root at least as old: abandoned S3 multipart uploads (their
-   parts are billed until aborted), hidden temporary files of killed local writers.
-
-**How it knows that a save is not running.** A save's storage operations are bounded by the
-job's ``Checkpointer(save_timeout_s=...)`` (default 300 s): every object and upload of a save
-that is still running was created less than that long ago. So a step whose newest object, or
-an upload that was initiated, at least the threshold ago (default 3600 s, well above 300 s)
-belongs to no running save; a younger one may, and is kept. The threshold must stay above
-the job's ``save_timeout_s``, and the clocks of this machine and of the store must agree to
-within the difference. Corrupt steps are reported, never deleted.
-
-A deletion goes marker, manifests, files, marker (:func:`~spotrun.checkpoint.retention.delete_step`):
-``gc`` killed at any point leaves complete steps and steps that list as incomplete, never a
-half-deleted step that a start would resume from; the next ``gc`` finishes it.
+Old complete steps (by ``--keep-last``/``--keep-every``), incomplete and fenced steps older than
+``--incomplete-older-than-s`` (default 1 h), and unfinished writes as old. A save still running
+is never touched because its objects are younger than the threshold (which must stay above the
+job's ``save_timeout_s``); a killed ``gc`` never leaves a half-deleted step that a start would
+resume from. The rules: ``docs/design/internals.md`` (CLI and configuration).
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """``spotrun verify URI [--step N | --all] [--json]``: re-read a checkpoint's files and check
 them against the manifest (sizes, digests, every tensor's dtype and shape) without loading it.
 
-Which steps: by default the newest complete step (the one a restart resumes from) and any newer
-step that committed but is corrupt (which a restart skips); ``--step N`` that step; ``--all``
-every step directory. Exit code 0 when every step checked is sound, 1 when
-anything is wrong (one line per problem: step, file, reason), 2 on an error of spotrun itself
-(a bad URI, storage that cannot be read, no such step, by default no committed step at all).
-
-A step deleted while it is read (``--keep-last`` of a live job next to the check, or
-``spotrun gc``) is told from a damaged one by listing it again after a read failed: its manifest
-gone, or its deletion marker there, make it ``deleted`` (gone: no problem); only a step whose
-manifest is still there, with no deletion begun, is damaged. By default the newest complete
-step is then chosen again (at most :data:`DEFAULT_MODE_ROUNDS` times); a step named with
-``--step`` that is deleted, or being deleted, is an error (exit 2, as for an absent step).
-
-Under ``--all`` an incomplete step (a save that never committed) and a fenced one (an older
-incarnation's orphaned commit) are listed as not verified and are no problem: neither was ever
-a checkpoint a restart would use. A corrupt step is a problem (a committed checkpoint whose
-files are wrong, or one a restore already rejected). A step named with ``--step`` must be a
-committed checkpoint: an incomplete or fenced one is a problem there.
+By default the newest complete step and any newer corrupt one; exit 0 when every step checked
+is sound, 1 when anything is wrong (one line per problem), 2 on an error of spotrun itself. A
+step deleted while it is read is told from a damaged one. Which steps count as problems:
+``docs/design/internals.md`` (CLI and configuration).
 """
 
 from __future__ import annotations

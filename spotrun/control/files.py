@@ -1,38 +1,10 @@
 """The control channel between the supervisor and the workers of one node.
 
-torchrun treats SIGTERM, SIGINT, SIGHUP and SIGQUIT as fatal (it forwards them and
-SIGKILLs the workers after ``--shutdown-timeout``), so the supervisor never signals the
-launcher to ask for a save. Instead it writes a small JSON file into a node-local
-directory (``$SPOTRUN_CONTROL_DIR``) that every worker checks at each step boundary -
-one ``stat`` call, no signal, nothing torchrun notices.
-
-Files (all written atomically by rename):
-    ``save-request.json``      supervisor -> workers: {"reason", "requested_unix_s", "deadline_unix_s",
-                               "save"}: stop at the next step boundary; with ``"save": true`` (the
-                               default) take an emergency checkpoint of that step first, with
-                               ``false`` stop without one (the supervisor found no time for it).
-    ``emergency-commit.json``  workers -> supervisor: {"step", "committed_unix_s"}, written by
-                               local rank 0 of each node after the emergency step committed.
-    ``stopped-without-save.json`` workers -> supervisor: {"step", "stopped_unix_s"}, written by local
-                               rank 0 of each node when the workers stopped without saving because
-                               a supervisor (maybe another node's) found no time for a save.
-    ``fenced.json``            workers -> supervisor: {"incarnation", "newer_incarnation", "newer_host",
-                               "newer_pid", "newer_supervisor_pid", "message", "fenced_unix_s"}, written
-                               by local rank 0 of each node when a save or claim of this launch
-                               raised ``FencedError`` (a newer start of the job owns the root): the
-                               supervisor stops instead of restarting, whatever the exit code, and a
-                               claim within this launch (torchrun restarting its workers) is refused.
-    ``checkpoint-request.json`` supervisor -> workers: {"seq", "reason", "requested_unix_s"}:
-                               take an ordinary checkpoint soon and keep training (e.g. an AWS
-                               rebalance recommendation); each new ``seq`` asks once.
-    ``saves.json``             workers -> supervisor: the save now in progress (for a background
-                               save: its progress, bytes written and seconds left) and the last few
-                               committed saves (bytes, seconds, time training was blocked), the
-                               step time, and this launch's restore (seconds, bytes read): what the
-                               supervisor estimates an emergency save from and reports as metrics.
-                               Written by local rank 0 of each node after its restore, when a save
-                               starts and ends, and about once a second while a background save is
-                               in flight.
+torchrun treats SIGTERM, SIGINT, SIGHUP and SIGQUIT as fatal, so the supervisor never signals
+the launcher to ask for a save. Instead it writes small JSON files, atomically, into a
+node-local directory (``$SPOTRUN_CONTROL_DIR``) that every worker checks at each step boundary
+(one ``stat``), and the workers answer there. The files and their fields:
+``docs/design/internals.md`` (Supervisor and control channel).
 """
 
 from __future__ import annotations

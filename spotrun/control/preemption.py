@@ -1,26 +1,10 @@
 """The preemption notice for scripts that save by their own means (no :class:`~spotrun.Checkpointer`).
 
-Under ``spotrun run``, a notice (a cloud's preemption notice, a signal to the supervisor)
-becomes the file ``save-request.json`` in ``$SPOTRUN_CONTROL_DIR`` (:mod:`spotrun.control.files`).
-:func:`preemption_notice` reads it: ``None`` while there is none (one failed ``open``, a few
-microseconds: cheap enough for every step), else the reason and the deadline by which the
-script's own checkpoint must be written. The first call also tells the supervisor that this
-process listens (:func:`spotrun.control.listeners.announce`, kind ``"poll"``), so the notice need not
-come as a signal. Without ``spotrun run`` it always returns ``None``.
-
-Every rank must act on the same step. Ranks see the file at slightly different moments (and
-only the ranks of the node that got the notice see it at all), so turn each rank's answer
-into one decision with a single all-reduce at the step boundary::
-
-    notice = spotrun.preemption_notice()
-    flag = torch.tensor([1 if notice else 0], device=device)  # gloo: CPU; nccl: CUDA
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item():
-        save_checkpoint(step)  # every rank, the same step
-        sys.exit(0)
-
-The tensor must live where the process group's backend works: a CPU tensor for gloo, a CUDA
-tensor (on this rank's device) for nccl. One element per step costs one small collective.
+Under ``spotrun run`` a notice becomes ``save-request.json`` in ``$SPOTRUN_CONTROL_DIR``;
+:func:`preemption_notice` reads it (a few microseconds: cheap enough for every step) and returns
+the reason and deadline, or ``None``. Every rank must act on the same step: turn the answers
+into one decision with a single all-reduce at the step boundary, as in the example in
+``docs/design/internals.md`` (Supervisor and control channel).
 """
 
 from __future__ import annotations

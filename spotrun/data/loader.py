@@ -2,42 +2,10 @@
 
 :class:`ResumableDataLoader` is a :class:`torch.utils.data.DataLoader` over a map-style dataset
 that shards the samples over ranks like :class:`~torch.utils.data.DistributedSampler` and counts
-the batches it has handed to the training loop. Its ``state_dict()`` records the *global*
-position (epoch and samples consumed on all ranks together, plus the settings that fix the
-order; see :mod:`spotrun.data.state`); it is plain JSON and identical on every rank, so a
-checkpoint stores it once as replicated state. After ``load_state_dict()`` the next global batch
-is exactly the one an uninterrupted run would have seen next, at the same or another world size.
-
-How the order is made: epoch ``e`` is ``torch.randperm(dataset_len)`` drawn from a private
-generator seeded with ``seed + e`` (the same permutation ``DistributedSampler`` draws). It is
-padded (repeating from the epoch's start) or, with ``drop_last``, cut to a whole number of
-*global batches* of ``G = batch_size * world_size`` samples. Global batch ``k`` is
-``order[k*G:(k+1)*G]``, and rank ``r`` of ``W`` takes its positions ``r, r+W, r+2W, ...``. The
-global batches therefore depend on ``G`` only, never on ``W``: a resume at another world size
-with the same ``G`` deals the rest of the epoch out to the new ranks, every sample consumed
-exactly once, in the same global batches. For every full batch this is the order of
-``DistributedSampler`` (``order[r::W]``, batched); only the tail of an epoch changed from
-spotrun's first data order: without ``drop_last`` the last global batch is now filled up from
-the epoch's start, so every rank's last batch has ``batch_size`` samples (before, the ranks were
-padded only to a multiple of ``W`` and the last batch could be smaller). With ``drop_last`` the
-order is unchanged. ``len(loader)`` is unchanged. A resume skips the consumed samples in the
-sampler, so nothing is loaded twice. The global torch RNG is never used, so iterating does not
-shift the training's own random numbers.
-
-Limits:
-    * Random augmentations inside loader workers are not resumed. Worker seeds come from a
-      generator seeded with ``seed + epoch`` when the epoch's iterator starts (the same on every
-      rank), so after a mid-epoch resume the workers' random streams restart from the epoch's
-      seeds and the remaining samples get different random augmentations than they would have
-      without the interruption. Deterministic datasets resume bit-exactly.
-    * With ``persistent_workers=True`` the workers keep the seeds of the epoch they started in.
-    * The global batch size, dataset length, seed, shuffle and drop_last must stay the same
-      across a resume (``load_state_dict`` refuses otherwise with
-      :class:`~spotrun.errors.StateMismatchError`); the world size may change when the global
-      batch divides by the new one.
-    * One iterator at a time: starting a new ``iter(loader)`` ends the previous one.
-
-Loader workers ignore stop signals that their parent did not send: see :mod:`spotrun.data.workers`.
+the batches it has handed out. Its ``state_dict()`` is the *global* position (plain JSON, the
+same on every rank, :mod:`spotrun.data.state`), so after ``load_state_dict()`` the next global
+batch is the one an uninterrupted run would have seen, at the same or another world size.
+How the order is made, and its limits: ``docs/design/internals.md`` (Data).
 """
 
 from __future__ import annotations
@@ -97,6 +65,23 @@ def _positive_int(name: str, value: Any) -> int:
     if type(value) is not int or value < 1:
         raise ConfigError(f"{name} must be a positive int, got {value!r}")
     return value
+
+def _batch_size(batch_size: int | None, global_batch_size: int | None, num_replicas: int) -> int:
+    """Samples per rank per batch, from ``batch_size`` (per rank, default 1) or
+    ``global_batch_size`` (over all ``num_replicas`` ranks); never both."""
+    if global_batch_size is None:
+        return _positive_int("batch_size", 1 if batch_size is None else batch_size)
+    if batch_size is not None:
+        raise ConfigError(
+            f"give batch_size (per rank, {batch_size!r}) or global_batch_size "
+            f"({global_batch_size!r}), not both"
+        )
+    _positive_int("global_batch_size", global_batch_size)
+    if global_batch_size % num_replicas:
+        raise ConfigError(
+            f"global batch {global_batch_size} does not divide by world size {num_replicas}"
+        )
+    return global_batch_size // num_replicas
 
 
 class ResumableDistributedSampler(Sampler[int]):
@@ -265,20 +250,7 @@ class ResumableDataLoader(DataLoader):
                 "ResumableDataLoader needs a map-style dataset with __len__ and __getitem__"
             )
         num_replicas, rank = _world(num_replicas, rank)
-        if global_batch_size is None:
-            batch_size = _positive_int("batch_size", 1 if batch_size is None else batch_size)
-        elif batch_size is not None:
-            raise ConfigError(
-                f"give batch_size (per rank, {batch_size!r}) or global_batch_size "
-                f"({global_batch_size!r}), not both"
-            )
-        else:
-            _positive_int("global_batch_size", global_batch_size)
-            if global_batch_size % num_replicas:
-                raise ConfigError(
-                    f"global batch {global_batch_size} does not divide by world size {num_replicas}"
-                )
-            batch_size = global_batch_size // num_replicas
+        batch_size = _batch_size(batch_size, global_batch_size, num_replicas)
         sampler = ResumableDistributedSampler(
             len(dataset), num_replicas, rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
             batch_size=batch_size,

@@ -1,30 +1,9 @@
 """The saved form of a data loader's position: parsing, checking and converting it.
 
-:meth:`spotrun.data.loader.ResumableDataLoader.state_dict` writes version 2, which records the
-*global* position of the data order, so that a run can resume at another world size:
-
-============================ =================================================================
-field                        meaning
-============================ =================================================================
-``version``                  ``2``
-``epoch``                    current epoch (0-based)
-``global_samples_consumed``  samples of the current epoch handed out on all ranks together;
-                             a multiple of ``global_batch_size`` (whole global batches)
-``seed``                     the order's seed (epoch ``e`` is drawn from ``seed + e``)
-``global_batch_size``        samples per step on all ranks together (per-rank batch * world size)
-``dataset_len``              number of samples in the dataset
-``shuffle``                  whether each epoch is a permutation
-``drop_last``                whether the tail that does not fill a global batch is dropped
-``world_size``               the world size at the save (informational: not checked on load)
-============================ =================================================================
-
-Version 1 (spotrun before the global order: ``epoch``, ``batches_consumed`` per rank,
-``num_replicas``, per-rank ``batch_size`` and the same order settings) is converted on load:
-``global_samples_consumed = batches_consumed * batch_size * num_replicas`` and
-``global_batch_size = batch_size * num_replicas``. The conversion is always exact: version 1
-counted whole batches on every rank, and its batch ``k`` on every rank together is the
-global batch ``k`` of this order (only the padded tail of an epoch differs, see
-:class:`spotrun.data.loader.ResumableDistributedSampler`).
+:meth:`spotrun.data.loader.ResumableDataLoader.state_dict` writes version 2, the *global* position of
+the data order, so that a run can resume at another world size; version 1 (per-rank batches)
+is converted on load, always exactly. The fields and the conversion:
+``docs/design/internals.md`` (Data).
 """
 
 from __future__ import annotations

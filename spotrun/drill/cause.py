@@ -20,8 +20,8 @@ from spotrun.state.numerics import NUMERICS_STATE_NAME
 #: orders of magnitude; a state that is not restored differs by far more.
 ROUNDING_RELATIVE_DIFF = 1e-4
 
-#: Where the README explains when a resume is bit-exact.
-_README_SECTION = 'README, "When a resume is bit-exact"'
+#: The page that explains when a resume is bit-exact.
+_EXACT_RESUME_PAGE = "docs/guide/exact-resume.md"
 
 
 def likely_cause(differences: list[Difference], start_step: int | None) -> str:
@@ -38,7 +38,8 @@ def likely_cause(differences: list[Difference], start_step: int | None) -> str:
     if settings:
         named = "; ".join(f"{d.key.replace(f'/{NUMERICS_STATE_NAME}/', ' ')}: {d.what}" for d in settings)
         return (f"the two runs computed with different settings ({named}; the resumed run's value first): "
-                f"a resume is bit-exact only with the same thread count, torch, CPU type and GPUs ({_README_SECTION})")
+                "a resume is bit-exact only with the same thread count, torch, CPU type and GPUs "
+                f"(see {_EXACT_RESUME_PAGE})")
     only_rngs = all(d.key.startswith("rank ") and "/rng/" in d.key for d in differences)
     if only_rngs and start_step is None:
         return ("only RNG states differ and both runs started fresh: the job likely does not seed every "
@@ -49,7 +50,7 @@ def likely_cause(differences: list[Difference], start_step: int | None) -> str:
                 "else (data position, RNG states, step counters) is identical: both runs did the same steps "
                 "but rounded differently although they recorded the same settings: some kernel's result "
                 "depends on timing (on GPUs: torch.use_deterministic_algorithms(True) and "
-                f"CUBLAS_WORKSPACE_CONFIG=:4096:8; {_README_SECTION})")
+                f"CUBLAS_WORKSPACE_CONFIG=:4096:8; see {_EXACT_RESUME_PAGE})")
     return "the job has state spotrun does not save and restore, or is not deterministic"
 
 

@@ -1,38 +1,10 @@
 """Goodput accounting from the event log (:mod:`spotrun.eventlog.records`): pure computation, no I/O.
 
-An *incarnation* here is one start of the training job: rank 0's object
-``events/incarnation-<N>.rank-00000.jsonl`` (:mod:`spotrun.train.events`), joined with the
-supervisor launch that started it (:mod:`spotrun.supervisor.event_log`; same host, the
-launch's planned incarnation equal to the worker's ``$SPOTRUN_INCARNATION``, the latest such
-launch that began before the training start). A launch that never started training is an
-incarnation of its own, without a number and without steps.
-
-Definitions (times in seconds; every figure from the records, none guessed):
-
-* **wall time**: a supervised incarnation runs from its launch - for a supervisor's first
-  launch, from the moment the ``spotrun`` process began - to the next launch of the same
-  supervisor, or to its last record (the supervisor's ``exit``). Without a supervisor: from
-  the start of ``restore()`` to rank 0's last record. An incarnation killed without notice
-  (SIGKILL, a lost machine) ends at its last stored record: the progress record is written
-  at most every ``$SPOTRUN_EVENT_INTERVAL_S`` (default 30 s), so up to that much of its end
-  is not counted. Time between incarnations (no process of the job running) is not wall
-  time; ``elapsed_s`` is first start to last record, with it.
-* **resumed step** ``R``: the step the start restored (the incarnation records of
-  :mod:`spotrun.checkpoint.fencing`, else the start record); **last step** ``L``: the newest
-  step that reached ``end_of_step`` (the progress record), at time ``t_L``.
-* **steps trained** ``L - R``; **steps lost** ``max(0, L - R')`` with ``R'`` the resumed step
-  of the next incarnation (steps trained and then trained again); **steps kept** the rest.
-* **training time**: from the end of the restore (the start record) to ``t_L``, less the
-  time training was blocked by saves of steps before ``L`` (their ``stall_s``: a background
-  save's staging copy and any wait for the save before it, a synchronous save's whole
-  duration). **step time**: training time / steps trained.
-* **useful time**: steps kept x step time - the time spent training steps that were kept.
-  **lost time**: steps lost x step time. **goodput** = total useful time / total wall time.
-* **start-up**: launch to the start of ``restore()`` (process start, ``torchrun``, imports,
-  process group, building the model and the data); **restore**: ``restore()`` (read, verify,
-  claim); **save stall**: as above;
-  **notice to exit**: the supervisor's first stop notice to its exit (the emergency save and
-  the shutdown).
+Joins rank 0's records of each incarnation (one start of the training job) with the
+supervisor launch that started it, and counts wall time, steps trained, kept and lost,
+training, start-up, restore and save-stall time, and goodput (useful time / wall time), every
+figure from the records, none guessed. The definitions: ``docs/design/internals.md``
+(Event log and goodput).
 """
 
 from __future__ import annotations
@@ -236,54 +208,67 @@ def account(rank_objects: Mapping[int, Sequence[dict[str, Any]]], supervisor_lau
 
     owners = {n: _match(starts[n], list(supervisor_launches)) for n in numbers}
     rows: list[Incarnation] = []
-    periodic: list[dict[str, Any]] = []
     for index, n in enumerate(numbers):
-        records, start, launch = rank_objects[n], starts[n], owners[n]
+        launch = owners[n]
         sharing = [m for m in numbers if owners[m] is launch] if launch is not None else [n]
         position = sharing.index(n)
-        restore_s = float(start.get("restore_s") or 0.0)
-        restore_began = start["time_unix_s"] - restore_s
-        began = launch.began_unix_s if launch is not None and position == 0 else restore_began
-        if launch is not None and position + 1 < len(sharing):
-            nxt = starts[sharing[position + 1]]
-            ended = nxt["time_unix_s"] - (nxt.get("restore_s") or 0.0)
-        else:
-            ended = max([_last_time(records)] + ([launch.ended_unix_s] if launch is not None else []))
-        resumed = resumed_of(n)
-        last, last_s = _reached(records, resumed)
-        ending = _ending(launch, records, position + 1 == len(sharing))
+        next_start = starts[sharing[position + 1]] if position + 1 < len(sharing) else None
         following = resumed_of(numbers[index + 1]) if index + 1 < len(numbers) else None
-        lost = max(0, last - following) if following is not None else 0
-        kept = max(0, (min(last, following) if following is not None else last) - resumed)
-        saves = [r for r in records if r["event"] == "save"]
-        stall_s = sum(float(r.get("stall_s") or 0.0) for r in saves if r.get("step", last) < last)
-        periodic += [r for r in saves if r.get("reason") in _PERIODIC and r.get("committed")]
-        trained = last - resumed
-        training_s = max(0.0, (last_s or start["time_unix_s"]) - start["time_unix_s"] - stall_s)
-        step_time_s = training_s / trained if trained > 0 and training_s > 0 else None
-        rows.append(Incarnation(
-            number=n, host=start.get("host"), began_unix_s=began, ended_unix_s=max(ended, began),
-            wall_s=max(0.0, ended - began), resumed_step=resumed, last_step=last, steps_trained=trained,
-            steps_kept=kept, steps_lost=lost,
-            startup_s=max(0.0, restore_began - began) if position == 0 and launch is not None else None,
-            restore_s=restore_s, save_stall_s=stall_s, saves=len(saves), training_s=training_s,
-            step_time_s=step_time_s, useful_s=kept * (step_time_s or 0.0), lost_s=lost * (step_time_s or 0.0),
-            notice_to_exit_s=_notice_to_exit_s(launch) if position + 1 == len(sharing) else None,
-            ended=ending, interval_steps=start.get("interval_steps"), event_interval_s=start.get("event_interval_s"),
-            end_recorded=_first(records, "exit") is not None or _first(records, "stop") is not None))
+        rows.append(_incarnation_row(n, rank_objects[n], starts[n], launch, first_of_launch=position == 0,
+                                     next_start=next_start, resumed=resumed_of(n), following=following))
+    periodic = [r for n in numbers for r in rank_objects[n]
+                if r["event"] == "save" and r.get("reason") in _PERIODIC and r.get("committed")]
     owned = {id(launch) for launch in owners.values() if launch is not None}
     for launch in supervisor_launches:  # launches that never started training
         if id(launch) in owned or _overlaps_training(launch, rows):
             continue
-        rows.append(Incarnation(
-            number=None, host=launch.host, began_unix_s=launch.began_unix_s, ended_unix_s=launch.ended_unix_s,
-            wall_s=launch.ended_unix_s - launch.began_unix_s, resumed_step=0, last_step=0, steps_trained=0,
-            steps_kept=0, steps_lost=0, startup_s=None, restore_s=0.0, save_stall_s=0.0, saves=0, training_s=0.0,
-            step_time_s=None, useful_s=0.0, lost_s=0.0, notice_to_exit_s=_notice_to_exit_s(launch),
-            ended=_ending(launch, (), True), interval_steps=None))
+        rows.append(_idle_launch_row(launch))
     rows.sort(key=lambda row: row.began_unix_s)
     return Accounting(tuple(rows), _totals(rows), tuple(periodic))
 
+
+def _incarnation_row(n: int, records: Sequence[dict[str, Any]], start: dict[str, Any], launch: Launch | None, *,
+                     first_of_launch: bool, next_start: dict[str, Any] | None, resumed: int,
+                     following: int | None) -> Incarnation:
+    """The row of incarnation ``n`` (rank 0's ``records``, its ``start`` record, the launch
+    that started it). ``next_start``: the start record of the next incarnation of the same
+    launch, where this one ends; ``following``: the step the next incarnation resumed."""
+    restore_s = float(start.get("restore_s") or 0.0)
+    restore_began = start["time_unix_s"] - restore_s
+    began = launch.began_unix_s if launch is not None and first_of_launch else restore_began
+    if next_start is not None:
+        ended = next_start["time_unix_s"] - (next_start.get("restore_s") or 0.0)
+    else:
+        ended = max([_last_time(records)] + ([launch.ended_unix_s] if launch is not None else []))
+    last, last_s = _reached(records, resumed)
+    lost = max(0, last - following) if following is not None else 0
+    kept = max(0, (min(last, following) if following is not None else last) - resumed)
+    saves = [r for r in records if r["event"] == "save"]
+    stall_s = sum(float(r.get("stall_s") or 0.0) for r in saves if r.get("step", last) < last)
+    trained = last - resumed
+    training_s = max(0.0, (last_s or start["time_unix_s"]) - start["time_unix_s"] - stall_s)
+    step_time_s = training_s / trained if trained > 0 and training_s > 0 else None
+    return Incarnation(
+        number=n, host=start.get("host"), began_unix_s=began, ended_unix_s=max(ended, began),
+        wall_s=max(0.0, ended - began), resumed_step=resumed, last_step=last, steps_trained=trained,
+        steps_kept=kept, steps_lost=lost,
+        startup_s=max(0.0, restore_began - began) if first_of_launch and launch is not None else None,
+        restore_s=restore_s, save_stall_s=stall_s, saves=len(saves), training_s=training_s,
+        step_time_s=step_time_s, useful_s=kept * (step_time_s or 0.0), lost_s=lost * (step_time_s or 0.0),
+        notice_to_exit_s=_notice_to_exit_s(launch) if next_start is None else None,
+        ended=_ending(launch, records, next_start is None), interval_steps=start.get("interval_steps"),
+        event_interval_s=start.get("event_interval_s"),
+        end_recorded=_first(records, "exit") is not None or _first(records, "stop") is not None)
+
+
+def _idle_launch_row(launch: Launch) -> Incarnation:
+    """The row of a launch that never started training: wall time, no steps."""
+    return Incarnation(
+        number=None, host=launch.host, began_unix_s=launch.began_unix_s, ended_unix_s=launch.ended_unix_s,
+        wall_s=launch.ended_unix_s - launch.began_unix_s, resumed_step=0, last_step=0, steps_trained=0,
+        steps_kept=0, steps_lost=0, startup_s=None, restore_s=0.0, save_stall_s=0.0, saves=0, training_s=0.0,
+        step_time_s=None, useful_s=0.0, lost_s=0.0, notice_to_exit_s=_notice_to_exit_s(launch),
+        ended=_ending(launch, (), True), interval_steps=None)
 
 def _overlaps_training(launch: Launch, rows: Sequence[Incarnation]) -> bool:
     """Whether ``launch`` ran while a counted incarnation did (another node's supervisor of

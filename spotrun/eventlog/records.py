@@ -1,24 +1,10 @@
 """The event log kept with the checkpoints: what each start of the job did, for ``spotrun report``.
 
-Under the checkpoint root, every writer keeps one small JSON-lines object per incarnation
-(one start of the job, :mod:`spotrun.checkpoint.fencing`)::
-
-    events/incarnation-000000003.rank-00000.jsonl            rank 0 of the training job
-    events/incarnation-000000003.supervisor-<host>-<id>.jsonl  one launch of `spotrun run`
-
-Each line is one record ``{"event": NAME, "time_unix_s": T, ...}``. Object stores cannot
-append, so :class:`EventLog` keeps its records in memory and rewrites the whole object
-(:meth:`~spotrun.storage.base.Storage.put`, atomic) from a thread of its own whenever a
-record was added; the caller never waits for storage. A ``progress`` record (the newest
-step reached and when) is kept once per object and replaced, not appended, and is written at
-most every ``progress_interval_s``: after a kill without notice, the steps trained are known
-up to the last record stored. A failing write is logged and tried again at the next flush;
-it never reaches the caller.
-
-The supervisor's object's ``<id>`` is random per supervisor process, so two supervisors on the
-same host (a Kubernetes pod restarted under the same name, both PID 1) never share an object.
-The records of each writer are listed in :mod:`spotrun.train.events` (rank 0) and
-:mod:`spotrun.supervisor.observers` (the supervisor).
+Every writer (rank 0 of the training job, each ``spotrun run`` launch) keeps one small
+JSON-lines object per incarnation under ``events/``. Object stores cannot append, so
+:class:`EventLog` keeps its records in memory and rewrites the object from a thread of its own;
+the caller never waits for storage and never sees a failure. Object names and the ``progress``
+record: ``docs/design/internals.md`` (Event log and goodput).
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """How the example GPT is spread over the ranks: DDP, FSDP2, tensor parallel, or FSDP2 + TP.
 
-The ranks form a (dp, tp) grid, row-major: rank ``r`` is data-parallel coordinate
-``r // tp`` and tensor-parallel coordinate ``r % tp``, so the ranks of one tensor-parallel
-group are neighbours (one node). Ranks of one tensor-parallel group compute on the same
-batch; the data loader deals the samples over the ``dp`` data-parallel coordinates.
-
-* ``tp == 1``, no FSDP: DDP over all ranks (nothing on one rank).
-* ``--fsdp``: FSDP2 (``fully_shard``) on each transformer block, then on the root, over the
-  ``dp`` mesh dimension. The token embedding and the output head share one weight; both live
-  in the root unit, so the tie survives sharding.
-* ``--tp N``: in every block, ``q``, ``k``, ``v`` and ``mlp.fc`` column-wise, ``attn.proj`` and
-  ``mlp.proj`` row-wise (``parallelize_module``); a rank holds ``heads / N`` whole heads.
-  Embeddings, LayerNorms and the head stay replicated over the tensor-parallel group. Without
-  FSDP and with ``dp > 1`` the gradients are averaged over the data-parallel group by
-  :meth:`Parallel.sync_gradients`; with FSDP, FSDP reduces them over ``dp``.
+The ranks form a (dp, tp) grid, row-major, so the ranks of one tensor-parallel group are
+neighbours (one node); they compute on the same batch, and the data loader deals the samples
+over the ``dp`` coordinates. What each mode shards: ``docs/design/internals.md`` (Examples).
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """Train the byte-level GPT on the standard library's source, with spotrun checkpoints.
 
-Single process::
-
-    python -m spotrun.examples.train_gpt --steps 100
-
-Data parallel (DDP over ``gloo`` on CPU, ``nccl`` on GPU), under the supervisor::
-
-    spotrun run -- torchrun --nproc-per-node 2 -m spotrun.examples.train_gpt --steps 600
-
-``--fsdp`` shards the model with FSDP2 instead of DDP, ``--tp N`` splits every block over
-``N`` ranks (tensor parallel), and both combine (see :mod:`spotrun.examples.parallel`).
-``--batch-size`` is the global batch: samples per step over all data-parallel ranks.
-
-Every rank seeds torch, Python's ``random`` and NumPy before building the model, so replicas
-start identical and a fresh start is reproducible (what ``spotrun drill``'s exact check
-compares against, when the drill starts without a checkpoint); the
-data loader gives each data-parallel rank its own slice of every epoch. The checkpointed state is
-the raw model (tied weights included), AdamW, the LR scheduler and the data loader's
-position; RNG state is saved per rank by :class:`spotrun.Checkpointer`. A save request
-(signal or supervisor) makes every rank save the same step and exit with code 0.
-
-With ``--log-file``, rank 0 appends one JSON line per step:
-``{"step": int, "loss": float, "lr": float, "samples": str}``; ``loss`` is the mean over the
-global batch at full precision (the mean of the data-parallel ranks' means), ``lr`` the
-learning rate that step used, ``samples`` the first 16 hex characters of SHA-256 over the
-sorted dataset indices of the step's global batch, comma-joined (the same digest in two runs
-means the same samples). Everything else goes to stderr.
+Single process: ``python -m spotrun.examples.train_gpt --steps 100``; data parallel under the
+supervisor: ``spotrun run -- torchrun --nproc-per-node 2 -m spotrun.examples.train_gpt``.
+``--fsdp`` and ``--tp N`` spread the model otherwise (:mod:`spotrun.examples.parallel`);
+``--batch-size`` is the global batch. A fresh start is reproducible, and ``--log-file`` writes
+one JSON line per step (what ``spotrun drill`` compares): ``docs/design/internals.md`` (Examples).
 """
 
 from __future__ import annotations

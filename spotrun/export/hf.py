@@ -1,32 +1,10 @@
 """``spotrun export --format hf``: a checkpoint step's model weights as Hugging Face sharded
 safetensors, written to a local directory or an ``s3://`` prefix.
 
-What is written is planned from the manifest first (:mod:`spotrun.export.plan`: file names,
-which tensors go where, the index). Then one output file at a time: its tensors are read from
-the checkpoint - in format 4 each tensor is assembled from its chunks, whichever ranks wrote
-them (FSDP2 and tensor-parallel shards included), straight into one new tensor of its global
-shape, every block's checksum verified (:class:`~spotrun.checkpoint.chunk_reader.ChunkReader`);
-formats 1-3 read the rank files that hold them - and the file is streamed to the output
-(:meth:`~spotrun.storage.base.Storage.put_stream`: a hidden temporary file renamed into place
-locally, a multipart upload on S3), after which its tensors are dropped.
-
-Memory: the tensors of one output file (at most ``max_shard_size`` of data, or the one tensor
-that is larger), plus bounded buffers: the reader's scratch for the edges of 1 MiB checksum
-blocks (a few 8 MiB units) and the writer's buffers (three 8 MiB chunks locally; on S3
-``max_concurrency`` parts of 16 MiB). The whole model is never in memory unless it fits in one
-file. Tensors are copied byte for byte: the exported values are bit-identical to the saved ones
-in every dtype safetensors stores (float64/32/16, bfloat16, integers, bool, float8).
-
-Order of writes: an old index is deleted first (with ``overwrite``), then the data files, then
-the new index last, then stale data files of an older export: a reader that finds the index
-finds every file it names complete. The source checkpoint is only read.
-
-A step deleted while it is exported (the retention of a live job, ``spotrun gc``) is told
-from a damaged one by listing it again after a read failed
-(:func:`~spotrun.checkpoint.catalog.deleted_since_listed`); the files written for it are
-deleted. With a step named, that is an error (:class:`~spotrun.errors.StepDeletedError`);
-without, the newest complete step is exported instead, from the start (a user who asks
-for the newest checkpoint's weights gets them), at most :data:`NEWEST_STEP_ATTEMPTS` times.
+The files are planned from the manifest (:mod:`spotrun.export.plan`), then written one at a
+time with bounded memory, bit-identical to the saved tensors, the index last so that a reader
+that finds it finds every file complete. The source checkpoint is only read. Memory bounds,
+order of writes and a step deleted while exported: ``docs/design/internals.md`` (Export).
 """
 
 from __future__ import annotations

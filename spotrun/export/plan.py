@@ -1,26 +1,9 @@
 """What ``spotrun export --format hf`` writes, decided from a manifest alone (no tensor is read).
 
-Hugging Face's sharded safetensors layout, as ``huggingface_hub.save_torch_state_dict`` and
-``transformers`` write it: the tensors go, in order, into files of at most ``max_shard_size``
-bytes of tensor data (a tensor larger than that gets a file of its own), named
-``model-00001-of-0000K.safetensors``, listed by ``model.safetensors.index.json``
-(``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``), also for a model that
-fits in one file (``model-00001-of-00001.safetensors``: one layout for every model, which every
-Hugging Face loader reads through the index). Each file's header
-metadata holds ``"format": "pt"``, which ``transformers`` and ``huggingface_hub`` require.
-
-Tensor names are the keys of the exported state as its ``state_dict()`` gave them
-(``blocks.0.attn.q.weight``), without the top-level state name; a nested state's keys are
-joined with ``.``.
-
-Tied weights (two keys of one tensor, such as an output head sharing the token embedding)
-are written under both keys by default (``copy``): ``huggingface_hub.load_torch_model(...,
-strict=True)`` and ``module.load_state_dict(safetensors.torch.load_file(...))`` need every key
-of the model's ``state_dict()``. ``drop`` writes each tied tensor once, under the key the
-checkpoint stored it as, and records ``dropped key -> kept key`` in the header metadata, as
-``huggingface_hub.save_torch_state_dict`` does: ``safetensors.torch.load_model(...,
-strict=True)`` needs that form (it counts a second copy as unexpected), and ``transformers``
-loads either (it ties the weights after loading).
+Hugging Face's sharded safetensors layout, as ``huggingface_hub`` and ``transformers`` write
+it: ``model-0000i-of-0000K.safetensors`` files of at most ``max_shard_size`` and
+``model.safetensors.index.json``, tied weights copied (``copy``) or written once (``drop``).
+The layout and the loaders each form suits: ``docs/design/internals.md`` (Export).
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """AWS EC2 spot interruption notices and rebalance recommendations through IMDSv2.
 
-Protocol (AWS EC2 User Guide: "Use the Instance Metadata Service to access instance
-metadata", IMDSv2 section; "Spot Instance interruption notices"; "EC2 instance rebalance
-recommendations"; poll period and timeout as in aws/aws-node-termination-handler):
-
-- Token: ``PUT /latest/api/token`` with header ``X-aws-ec2-metadata-token-ttl-seconds: N``
-  (1..21600); the body is the token, sent on later GETs as ``X-aws-ec2-metadata-token``.
-  401 means the token expired or is bad: get a new one. 403 means IMDS is disabled. A PUT
-  carrying ``X-Forwarded-For`` is rejected (this client never sends one). In a container the
-  instance's hop limit must be 2 to reach the service.
-- ``GET /latest/meta-data/spot/instance-action``: 404 while nothing is pending, else
-  ``{"action": "terminate"|"stop"|"hibernate", "time": "2017-09-18T08:22:00Z"}`` (UTC, RFC
-  3339), about 2 minutes before ``time``. Hibernate has no guaranteed lead: ``time`` is still
-  the deadline, and may be now.
-- ``GET /latest/meta-data/events/recommendations/rebalance``: 404 or
-  ``{"noticeTime": "..."}``: an early warning with no fixed lead, reported as a
-  :data:`~spotrun.notices.base.REBALANCE` notice (ordinary checkpoint, not a stop).
-- AWS suggests polling every 5 s; the node termination handler polls every 2 s with a 2 s
-  HTTP timeout and 3 tries. The first two are the defaults here; a failed request is tried
-  again by the next poll, 2 s later, rather than at once. Repeats are de-duplicated by the
-  poller.
-
-The endpoint is ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` when set (the variable the AWS SDKs
-read), else ``http://169.254.169.254``.
+Polls ``spot/instance-action`` (a stop notice) and ``events/recommendations/rebalance`` (a
+:data:`~spotrun.notices.base.REBALANCE` notice: an ordinary checkpoint), with a session token,
+every 2 s like aws-node-termination-handler. The endpoint is
+``AWS_EC2_METADATA_SERVICE_ENDPOINT`` when set, else ``http://169.254.169.254``. The protocol,
+with its sources: ``docs/design/internals.md`` (Notices).
 """
 
 from __future__ import annotations

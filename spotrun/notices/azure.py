@@ -1,25 +1,9 @@
 """Azure Scheduled Events: Preempt (and Terminate) events for this VM, acknowledged after the save.
 
-Protocol (Azure docs: "Azure Metadata Service: Scheduled Events for Linux VMs"; the VM's name
-from "Azure Instance Metadata Service", ``/metadata/instance/compute/name``):
-
-- ``GET /metadata/scheduledevents?api-version=2020-07-01`` with header ``Metadata: true``
-  (without it: 400). The first call enables the service and may take up to 2 minutes to
-  answer (hence ``first_call_timeout_s``); afterwards poll about once a second.
-- Body: ``{"DocumentIncarnation": 1, "Events": [{"EventId": "...", "EventType": "Preempt",
-  "ResourceType": "VirtualMachine", "Resources": ["vm-name"], "EventStatus": "Scheduled",
-  "NotBefore": "Tue, 09 Aug 2022 17:07:32 GMT", ...}]}``. Other event types: Reboot,
-  Redeploy, Freeze, Terminate. Events are delivered to every VM of an availability set or
-  scale set, so ``Resources`` must name this VM; an event for another VM is ignored. Events
-  can vanish (cancelled or done).
-- ``NotBefore`` (RFC 1123) is the deadline; the minimum notice for Preempt is 30 s, used
-  from the moment the event is seen when ``NotBefore`` is empty (a started event).
-- Acknowledge after the save: ``POST`` the same URL with
-  ``{"StartRequests": [{"EventId": "..."}]}`` (200; 400 if malformed). Each notice carries
-  this POST as its ``acknowledge`` callable; the supervisor calls it only after the
-  emergency checkpoint committed.
-
-The endpoint is an option (no Azure SDK variable exists), default ``http://169.254.169.254``.
+Polls the Scheduled Events endpoint about once a second, keeps the events naming this VM, takes
+``NotBefore`` as the deadline, and gives each notice an ``acknowledge`` callable that the
+supervisor calls only after the emergency checkpoint committed. The endpoint is an option,
+default ``http://169.254.169.254``. The protocol: ``docs/design/internals.md`` (Notices).
 """
 
 from __future__ import annotations

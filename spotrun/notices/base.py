@@ -1,24 +1,11 @@
 """The notice every source delivers, the one interface of a source, and polled sources.
 
 A source (:class:`NoticeSource`, aws-node-termination-handler's ``Monitor``) knows one way to
-learn of a preemption: AWS instance metadata, GCP metadata, Azure Scheduled Events, a drill
-file, the supervisor's own signals. Started with the supervisor's
-:class:`~spotrun.notices.inbox.Inbox`, it delivers each notice there as a :class:`Notice`;
-:class:`NoticeWatch` starts and stops the sources of one run together.
-
-Most sources are polled (:class:`PolledSource`): :meth:`PolledSource.poll_once` asks once
-and returns what it found as :class:`Finding` objects; it never posts anything itself. A
-:class:`NoticePoller`, in one daemon thread per source, turns findings into notices, drops
-repeats (a metadata server answers every poll with the same notice: the poller remembers a
-hash of each finding's body, as aws-node-termination-handler does with its event ids) and
-posts each new notice to the inbox.
-
-Nothing raised while polling leaves the poll loop: expected failures arrive as
-:class:`PollProblem` (key + message), anything else is caught too, and each distinct problem
-is logged once as a warning per source (repeats go to debug), never once per poll.
-
-Notice kinds: :data:`REBALANCE` means "a good moment for an ordinary checkpoint, not a
-stop" (AWS rebalance recommendation); every other kind is a stop notice.
+learn of a preemption and delivers each notice to the supervisor's
+:class:`~spotrun.notices.inbox.Inbox` as a :class:`Notice`; :class:`NoticeWatch` starts and
+stops the sources of one run. Most are polled (:class:`PolledSource`, run by a
+:class:`NoticePoller` that drops repeats and logs each problem once). :data:`REBALANCE` asks for
+an ordinary checkpoint; every other kind is a stop. Details: ``docs/design/internals.md`` (Notices).
 """
 
 from __future__ import annotations

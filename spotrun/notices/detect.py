@@ -1,23 +1,9 @@
 """Which notice sources run: ``--notice auto|none|LIST``, and cloud detection for ``auto``.
 
-The signal source runs whatever ``--notice`` says (it is the supervisor's only defence
-against signals that would end it; ``--notice-signals`` chooses which signals are notices).
-``LIST`` adds the named sources (see :data:`~spotrun.notices.registry.SOURCES`); ``none``
-adds nothing; ``auto`` adds the file source if a notice file is set, and the cloud found in
-two steps:
-
-1. Local facts only (:func:`plan_detection`, no network): the DMI strings under
-   ``/sys/class/dmi/id`` (:mod:`spotrun.notices.dmi`) may name AWS, GCP or Azure, and the
-   user may have named a metadata endpoint (``AWS_EC2_METADATA_SERVICE_ENDPOINT``,
-   ``GCE_METADATA_HOST``, ``--aws-metadata-endpoint``, ``--gcp-metadata-host``,
-   ``--azure-metadata-endpoint``). Only those clouds are candidates. Off a cloud, and where
-   DMI is hidden (some containers) with no endpoint set, there is no candidate and
-   nothing at all is sent: no DNS query, no connection.
-2. The candidates' metadata servers get a short probe (in parallel; detection gives up after
-   ``detect_timeout_s``, 2 s by default); the first that answers like its cloud is used.
-   :func:`start_sources` probes in a background thread, so that never delays the launch.
-
-Naming a cloud (``--notice aws``) polls its metadata server without any detection.
+The signal source always runs. ``auto`` adds the file source if a notice file is set, and the
+cloud found first from local facts only (DMI strings, endpoints the user named: off a cloud
+nothing at all is sent), then by a short probe of the candidates' metadata servers, in a
+background thread so it never delays the launch. Details: ``docs/design/internals.md`` (Notices).
 """
 
 from __future__ import annotations

@@ -1,43 +1,10 @@
 """Which cloud this machine runs on, from local DMI (SMBIOS) facts: no network at all.
 
-Linux exposes the firmware's SMBIOS strings as small files under ``/sys/class/dmi/id``; most
-are world-readable (``product_serial`` and ``product_uuid`` only by root). cloud-init's
-``ds-identify`` and Google's auth library decide "am I on cloud X?" from these files before
-they send anything to a metadata server; spotrun does the same, so that ``--notice auto``
-never resolves or connects to a metadata address on a laptop or a CI runner.
-
-The facts, and where they come from:
-
-AWS EC2
-    * ``sys_vendor``, ``board_vendor`` or ``bios_vendor`` is ``Amazon EC2`` (Nitro instances;
-      AWS's clock-bound daemon, ``src/daemon/autodetect/amazon.rs``, identifies Nitro by this
-      ``sys_vendor``; AWS's systemd patch "virt: add "Amazon EC2" to dmi vendor table").
-    * ``product_version`` or ``bios_version`` contains ``amazon`` (Xen instances report e.g.
-      ``4.2.amazon`` with ``sys_vendor`` ``Xen``; the same test as the ``cloud-detect``
-      crate's ``check_product_version_file`` and Chef ohai's "DMI data mentions amazon").
-    * ``product_uuid`` and ``product_serial`` both start with ``ec2`` and are equal ignoring
-      case (cloud-init ``tools/ds-identify``, ``ec2_identify_platform``, after AWS's
-      "Detect whether a host is an EC2 instance"; root-only files, read when readable).
-GCP Compute Engine
-    * ``product_name`` starts with ``Google`` (google-auth-library-python,
-      ``google/auth/compute_engine/_metadata.py``, ``detect_gce_residency_linux``; it reads
-      ``Google Compute Engine``; cloud-init ``ds-identify`` ``dscheck_GCE`` matches it exactly).
-    * ``sys_vendor``, ``board_vendor`` or ``bios_vendor`` is ``Google`` (Google's Node.js
-      ``gcp-metadata`` reads ``bios_vendor`` for the same purpose).
-    * ``product_serial`` starts with ``GoogleCloud-`` (``ds-identify`` ``dscheck_GCE``:
-      "product name is not guaranteed").
-Azure
-    * ``chassis_asset_tag`` is ``7783-7084-3265-9085-8269-3286-77`` (cloud-init
-      ``ds-identify`` ``is_azure_chassis`` and ``sources/azure/identity.py``
-      ``ChassisAssetTag.AZURE_CLOUD``; Microsoft's Azure Automation troubleshooting guide,
-      ``articles/automation/troubleshoot/update-agent-issues-linux.md``: "To verify if a VM
-      is an Azure VM, check for Asset tag value ... 7783-7084-3265-9085-8269-3286-77").
-      ``sys_vendor`` ``Microsoft Corporation`` with ``product_name`` ``Virtual Machine``
-      alone is any Hyper-V guest (a VM on a Windows desktop too), so it does not name Azure.
-
-The directory is injectable: :data:`DMI_ROOT_ENV` (``SPOTRUN_DMI_ROOT``) or
-``NoticeOptions(dmi_root=...)`` point spotrun at another directory holding files of the
-same names, for tests and for containers that mount the host's DMI elsewhere.
+Linux exposes the firmware's SMBIOS strings under ``/sys/class/dmi/id``. Like cloud-init's
+``ds-identify`` and Google's auth library, spotrun decides "am I on cloud X?" from these files
+first, so that ``--notice auto`` never resolves or connects to a metadata address on a laptop
+or a CI runner. The facts per cloud, with their sources, are in ``docs/design/internals.md``
+(Notices); :data:`DMI_ROOT_ENV` points spotrun at another directory (tests, containers).
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """GCP Compute Engine preemption and host-maintenance notices from the metadata server.
 
-Protocol (Compute Engine docs: "About VM metadata" and "Query VM metadata" for the header,
-``wait_for_change``, ``last_etag`` and ``timeout_sec``; "Detect if a VM was preempted" and
-"Spot VMs: preemption process" for ``instance/preempted``; "Get live migration and
-host maintenance notices" for ``instance/maintenance-event``):
-
-- ``GET /computeMetadata/v1/instance/preempted`` with header ``Metadata-Flavor: Google``
-  answers ``FALSE``, then ``TRUE`` once preempted; without the header the server refuses.
-- ``?wait_for_change=true&last_etag=<ETag of the previous answer>&timeout_sec=N`` blocks
-  until the value differs from that ETag, or N seconds passed. After an error, clients wait
-  about 5 s before polling again (the default ``retry_after_error_s`` here).
-- ``instance/maintenance-event``: ``NONE``, ``MIGRATE_ON_HOST_MAINTENANCE`` or
-  ``TERMINATE_ON_HOST_MAINTENANCE``; the last gives a 60 s warning (only populated for GPU
-  or live-migrating VMs).
-- A Spot VM gets ACPI soft off (SIGTERM) and a hard off 30 s later, often with no metadata
-  lead at all: the preempted notice's deadline is "now + ``window_s``" (30 s by default),
-  and SIGTERM handling stays the primary path on GCP.
-
-The host is ``GCE_METADATA_HOST`` (``host[:port]``, the variable Google's client libraries
-read) when set, else ``metadata.google.internal``. One source watches one value, so
-:func:`gcp_sources` returns two (each runs its own long poll).
+Long-polls ``instance/preempted`` and ``instance/maintenance-event``
+(``wait_for_change``), one source each (:func:`gcp_sources`). A Spot VM often gets no metadata
+lead at all, so SIGTERM stays the primary path on GCP. The host is ``GCE_METADATA_HOST`` when
+set, else ``metadata.google.internal``. The protocol, with its sources:
+``docs/design/internals.md`` (Notices).
 """
 
 from __future__ import annotations

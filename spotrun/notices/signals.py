@@ -1,31 +1,11 @@
 """The signal notice source: which signals to the supervisor are preemption notices, and the rest.
 
-:class:`SignalSource` is always on (``--notice`` does not turn it off): it routes every
-signal that would end the supervisor, and SIGCHLD, into the inbox. No work happens inside a
-signal handler: the Python handlers do nothing, and :func:`signal.set_wakeup_fd` makes the
-interpreter's C-level handler write the signal number into the inbox's self-pipe
-(:mod:`spotrun.notices.inbox`); the main loop turns it into an event: a :class:`Notice`,
-an :class:`IgnoredSignal`, or :data:`CHILD_EVENT` (SIGCHLD: reap the children).
-
-Every signal whose default action would end the supervisor falls in one of three groups:
-
-* **notices** (``--notice-signals``, default :data:`DEFAULT_NOTICE_SIGNALS`: SIGTERM,
-  SIGINT, SIGHUP, SIGUSR1, SIGUSR2): the same as a cloud notice, an emergency checkpoint
-  within the grace period, then exit 143 (or 142). SLURM's ``--signal=USR1@90`` and
-  submitit's USR2 are notices by default.
-* **ignored** (every other signal of :func:`terminating_signals`: SIGQUIT, SIGPIPE,
-  SIGALRM, SIGVTALRM, SIGPROF, SIGIO, SIGPWR, SIGXCPU, SIGXFSZ, SIGSTKFLT, the real-time
-  signals, and the default notices left out of ``--notice-signals``): logged the first
-  time each arrives, otherwise ignored; the supervisor keeps supervising.
-* **faults** (:data:`FAULT_SIGNALS`: SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGTRAP, SIGSYS,
-  SIGABRT): they report a broken supervisor, so they keep their default action. The
-  supervisor dies; its launch command gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``)
-  and the workers notice it is gone (:mod:`spotrun.train.supervisor_watch`), so the job stops
-  within the grace period, with an emergency checkpoint when there is time, exactly as
-  after a SIGKILL.
-
-SIGKILL and SIGSTOP cannot be caught; SIGTSTP, SIGTTIN and SIGTTOU only stop the
-supervisor (the job runs on and is supervised again after SIGCONT).
+:class:`SignalSource` is always on: it routes every signal that would end the supervisor, and
+SIGCHLD, into the inbox through :func:`signal.set_wakeup_fd` (no work in a signal handler).
+Each such signal is a **notice** (``--notice-signals``, default
+:data:`DEFAULT_NOTICE_SIGNALS`), **ignored** (logged once), or a **fault**
+(:data:`FAULT_SIGNALS`, which keep their default action). The groups in full:
+``docs/design/internals.md`` (Notices).
 """
 
 from __future__ import annotations

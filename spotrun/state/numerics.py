@@ -2,7 +2,7 @@
 
 Floating-point addition is not associative, so a run is bit-identical to another only when
 both split and order their sums the same way. That is decided by the settings recorded
-here; the machine's load is not among them (the README's "When a resume is bit-exact" says
+here; the machine's load is not among them (docs/guide/exact-resume.md says
 what was measured).
 
 Saved with every checkpoint as part of each rank's own state (JSON values only). On

@@ -1,26 +1,10 @@
 """Optimizer state keyed by parameter name, so it loads into any layout of the same model.
 
-``torch.optim.Optimizer.state_dict()`` keys state by each parameter's position in the
-param groups: it loads back only into an optimizer built the same way. Keyed by fully
-qualified parameter name (``"blocks.0.mlp.fc.weight"``), as
-``torch.distributed.checkpoint.state_dict`` does, it loads into the same model however it
-is sharded now (FSDP2, tensor parallel, plain DDP replicas), and the state tensors of
-sharded parameters are DTensors placed like their parameters, so each rank saves and
-restores only its own part.
-
-:class:`OptimizerState` wraps an optimizer and the module that holds its parameters:
-``state_dict()`` is ``get_optimizer_state_dict(module, optimizer)`` and ``load_state_dict()``
-is ``set_optimizer_state_dict``, with two exceptions that keep a run exact:
-
-* an optimizer that has not stepped yet is saved without DCP's helper, which would take a
-  zero-gradient step to create the state (moving Adam's step counter);
-* state saved by spotrun before this format (keyed by position) loads through the
-  optimizer's own ``load_state_dict``, as it was saved.
-
-:func:`prepare_for_restore` creates the state (that zero-gradient step with learning rate
-0, which leaves every parameter bit-identical) only when a checkpoint is about to be loaded
-into it, so that the restore reads straight into state tensors already placed like their
-parameters.
+``Optimizer.state_dict()`` keys state by parameter position, so it loads back only into an
+optimizer built the same way. :class:`OptimizerState` keys it by fully qualified name (through
+``torch.distributed.checkpoint.state_dict``), so it loads into the same model however it is
+sharded now, each rank saving and restoring only its part. The two exceptions that keep a run
+exact, and :func:`prepare_for_restore`: ``docs/design/internals.md`` (State).
 """
 
 from __future__ import annotations

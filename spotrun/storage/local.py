@@ -1,26 +1,11 @@
 """Local-directory storage backend (the default).
 
-Atomicity comes from POSIX: each object is written to a hidden temporary file in the
-same directory, fsynced, and then renamed (``put``) or hard-linked (``put_if_absent``,
-which fails with ``EEXIST`` instead of overwriting) onto its key. A writer killed in the
-middle leaves only a hidden ``.*.tmp-*`` file, which ``list`` never shows.
-
-The commit primitive of ``put_if_absent`` is chosen per storage object on its first
-use: a hard link; where the filesystem has none (``link`` fails with ``ENOSYS``,
-``EPERM`` or ``EOPNOTSUPP``: FUSE mounts of object stores, FAT, some network
-filesystems), ``renameat2(RENAME_NOREPLACE)``, which is just as atomic and never
-replaces either (:mod:`spotrun.storage.noreplace`). Where neither works the store cannot
-commit without risking an overwrite, and ``put_if_absent`` raises
-:class:`~spotrun.errors.CommitUnsupportedError` (the preflight finds this before launch);
-it never falls back to a rename that could replace. The kernel checks
-``RENAME_NOREPLACE`` against the names it can see before the filesystem acts, so on one
-machine it is as safe as the link; writers on several machines sharing one filesystem
-depend on that filesystem enforcing the flag itself.
-
-The root is a boundary: no symbolic link below it is followed, by a read, stat, listing or
-deletion, and no FIFO or device is opened (:mod:`spotrun.storage.local_beneath` says why
-every link is refused rather than only those leaving the root); a listing shows such an
-entry with its ``refused`` reason, and the step holding it is corrupt.
+Atomicity comes from POSIX: each object is written to a hidden temporary file in the same
+directory, fsynced, then renamed (``put``) or hard-linked (``put_if_absent``, which never
+overwrites) onto its key; ``renameat2(RENAME_NOREPLACE)`` where there are no hard links, and
+:class:`~spotrun.errors.CommitUnsupportedError` where neither works. No symbolic link below the
+root is followed (:mod:`spotrun.storage.local_beneath`). Details:
+``docs/design/internals.md`` (Storage).
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """Reaching files below a local checkpoint root without following symbolic links (issue 21).
 
 The rule: **no symbolic link below the root is followed**, wherever it points; nor is a file
-opened that is not a regular file. A key whose way from the root (a step directory, the file
-itself) passes a link is refused with :class:`~spotrun.errors.UnsafeObjectError`, which the
-catalog and every reader treat as a corrupt step; a listing shows such an entry with its
-``refused`` reason instead of following it.
-
-Why refuse every link rather than resolve each and refuse those that leave the root: spotrun
-never creates a link under a root, so a link is not something a save wrote; resolving and
-then opening is a check and a use that a link swapped in between defeats; and a link that
-stays inside the root makes two steps share a file, which retention deleting one of them
-would change under the other. Directories are opened one component at a time with
-``O_NOFOLLOW``, each relative to its parent's descriptor (``openat``), so no link planted at
-any moment is followed by a read, a stat, a listing or a deletion. The root itself and the
-directories above it are the operator's choice and may be links.
-
-A FIFO, socket or device in place of a file is refused too: opening a FIFO for reading waits
-for a writer forever, and a device may never end. Hard links are not refused: the local
-commit itself creates one (and the kernel's ``protected_hardlinks`` keeps a user from
-linking a file they could not read).
-
-Writes check the directories they write into the same way before creating a file there (a
-link planted as a step directory is refused), then use paths: a link swapped in by a writer
-racing the job's own save is not defended against.
+opened that is not a regular file. A key whose way from the root passes a link is refused
+with :class:`~spotrun.errors.UnsafeObjectError`, which the catalog and every reader treat as a
+corrupt step. Why every link is refused, how (``openat`` with ``O_NOFOLLOW``) and what is not
+defended against: ``docs/design/internals.md`` (Storage).
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
 """S3-compatible storage backend (AWS S3, MinIO, Cloudflare R2, moto...).
 
-Endpoint, credentials and profile come from the standard AWS settings, resolved by
-boto3 itself: ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, ``AWS_PROFILE``,
-``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, config files, instance roles. An explicit
-``endpoint_url`` option overrides the environment. The region is the ``region_name``
-option, else ``AWS_REGION``, else ``AWS_DEFAULT_REGION`` or the profile's region, else
-``us-east-1``.
-
-How the :class:`~spotrun.storage.base.Storage` contract is met:
-
-* ``put`` and ``put_stream`` are a single ``PutObject`` below ``multipart_threshold_bytes``,
-  else a parallel multipart upload that is aborted on any failure, the source's own
-  included (:mod:`spotrun.storage.s3_transfer`). S3 makes an object visible only when its
-  ``PutObject``/``CompleteMultipartUpload`` succeeds, so readers never see a partial
-  object. ``put_stream`` holds at most ``max_concurrency`` part buffers at once.
-* ``read_into`` and ``get`` are ranged ``GET`` requests of at most ``part_size_bytes``, in
-  parallel, pinned to the first answer's ETag (:mod:`spotrun.storage.s3_download`);
-  ``read_into`` reads the bodies straight into the caller's buffers.
-* ``put_if_absent`` is always one conditional ``PutObject`` (``IfNoneMatch="*"``),
-  whatever the size (up to S3's single-PUT limit of 5 GiB; larger is refused); S3
-  answers ``412`` to every writer but the first. It never uses a multipart upload: a
-  conditional ``CompleteMultipartUpload`` is not enforced everywhere (Ceph RGW completes
-  it and overwrites the existing object). A store that answers ``501 NotImplemented`` to
-  the conditional put cannot commit safely: :class:`~spotrun.errors.CommitUnsupportedError`.
-* every request is retried by one tenacity policy (:mod:`spotrun.storage.s3_retry`)
-  bounded by a deadline; botocore's own retries are off.
-* botocore errors become spotrun errors (:mod:`spotrun.storage.s3_errors`), cause kept.
-
-Request checksums are only sent where S3 requires them (``when_required``), because
-several S3-compatible stores reject the CRC headers that newer botocore adds by default;
-spotrun verifies its own checksums on load.
+Endpoint, credentials, profile and region come from the standard AWS settings, resolved by
+boto3 itself (an explicit ``endpoint_url`` or ``region_name`` option wins). Uploads, ranged
+downloads, retries and error translation live in the ``s3_*`` modules; the commit is one
+conditional ``PutObject`` (``IfNoneMatch="*"``). How each part of the
+:class:`~spotrun.storage.base.Storage` contract is met: ``docs/design/internals.md`` (Storage).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Parallel multipart uploads that stream from a byte source, and the part runner that
 the ranged downloads (:mod:`spotrun.storage.s3_download`) share.
 
-Parts run on a :class:`~concurrent.futures.ThreadPoolExecutor` (a boto3 client is
-thread-safe) and each is retried on its own, under one shared deadline. Each part's
-thread reads its bytes from the source into a part buffer, hands every chunk to the
-caller's ``on_chunk`` (checksums), then uploads the buffer itself: a ``bytearray``
-body, which botocore signs and urllib3 sends with one ``sendall`` and no copy (a
-``bytes`` body would be wrapped in a ``BytesIO`` and sent 16 KiB at a time). Buffers
-are reused from part to part; at most ``max_concurrency`` exist at once.
-
-A multipart upload that fails in any way -- a part, the completion, the source or
-``on_chunk`` raising (``SaveAbortedError``, ``KeyboardInterrupt``...) -- is aborted
-(``AbortMultipartUpload``) before the error propagates, after the parts still in flight
-have finished, so no partial object becomes visible and no upload is left open to be
-billed (field case C07).
-
-Errors leave this module as botocore raised them; :mod:`spotrun.storage.s3` translates.
+Parts run on a thread pool, each retried on its own under one shared deadline, with at most
+``max_concurrency`` reused buffers. An upload that fails in any way is aborted before the error
+propagates, so no partial object becomes visible and none is left open to be billed (field case
+C07). Errors leave as botocore raised them. Details: ``docs/design/internals.md`` (Storage).
 """
 
 from __future__ import annotations

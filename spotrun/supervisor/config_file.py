@@ -2,31 +2,10 @@
 
 A config file holds defaults for the options of ``spotrun run``: its keys are the fields of
 :class:`~spotrun.supervisor.config.SupervisorConfig` made with ``option(...)``, each the long
-option spelled in snake_case (``--grace-period-s`` becomes ``grace_period_s``), with the
-option's type and meaning (``spotrun run --help`` lists them). Options given on the command
-line win over the file: the CLI passes the loaded dict to ``parser.set_defaults(**cfg)``
-before parsing. An optional value (one whose default is "not set") may be ``null`` or
-``""`` for its default; ``notice`` and ``notice_signals`` accept a YAML list of names too.
-
-Numbers may be written as integers or decimals (``30`` or ``30.5``); they are returned
-as ``float``. Range checks (a grace period > 0, ...) happen where the options are used
-(:class:`~spotrun.supervisor.config.SupervisorConfig`), for file and command line alike.
-
-Environment variables
-    String values may refer to the environment, which is handy in Kubernetes where
-    values come from ``env:`` / Secrets:
-
-    - ``${NAME}``: the value of ``NAME``; an error if ``NAME`` is not set.
-    - ``${NAME:-default}``: the value of ``NAME``, or ``default`` if ``NAME`` is unset or
-      empty (as in the shell). ``default`` is taken literally (no nesting).
-    - ``$$``: a literal ``$``. A ``$`` not followed by ``{`` or ``$`` is kept as is.
-
-    A number may come from the environment too: a numeric key accepts a string that
-    contains ``${...}`` if the expanded text is a number (``grace_period_s:
-    ${GRACE_S:-25}``). A plain quoted string such as ``"25"`` is still a type error. A flag
-    (``rerun_finished``) is ``true`` or ``false``, or a ``${...}`` that expands to one of them.
-
-An empty file (or one with only comments) is an empty configuration.
+option in snake_case (``--grace-period-s`` becomes ``grace_period_s``). Options given on the
+command line win over the file. String values may refer to the environment (``${NAME}``,
+``${NAME:-default}``). The rules for types, ``null`` and expansion:
+``docs/design/internals.md`` (CLI and configuration).
 """
 
 from __future__ import annotations

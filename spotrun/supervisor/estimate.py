@@ -1,30 +1,9 @@
 """How long an emergency save would take, and whether it fits before the deadline.
 
-The supervisor decides this when a stop notice arrives. An emergency save commits after:
-
-1. the save in progress, if any (a periodic save), has finished: its measured duration
-   minus the time it has already run; for a background save, the seconds its writer
-   published it still needs (``remaining_s``, less the time since), else the same;
-2. the workers reached the next step boundary where they look at the request: at most
-   ``check_interval_steps`` training steps (a background save in flight goes on meanwhile,
-   so the two overlap);
-3. the save itself: the bytes of the last save divided by the *slowest* throughput
-   (bytes per second, start of the save to its commit - the whole save, also for a
-   background one, never the time training was blocked) among the recent saves.
-
-With a background save in flight the workers may also abandon it and save the current step
-(:mod:`spotrun.checkpoint.in_flight`): :func:`decide` applies the same rule, so the save is
-asked for when either way fits.
-
-The measurements come from this launch's workers (``saves.json`` in the control directory,
-:mod:`spotrun.control.files`) or, before this launch saved anything, from the ``timing`` of the
-checkpoint it resumed from (:class:`spotrun.checkpoint.manifest.SaveTiming`: that save's slowest
-shard write, plus :data:`COMMIT_ALLOWANCE_S` for the collectives and the manifest). With
-neither there is no estimate and the supervisor asks for the save anyway (bounded by the
-deadline, as always). A checkpoint saved by more ranks than this launch starts (for an elastic
-``torchrun --nnodes MIN:MAX``: than the fewest it may start) had each rank write a smaller
-share: its shard-write time is scaled up by the ratio (never down: fewer ranks than now may
-have shared a node's bandwidth).
+The supervisor decides this when a stop notice arrives: the save in progress, the steps to the
+next boundary and the save itself, each from this launch's measured saves (``saves.json``) or
+else from the resumed checkpoint's ``timing``; with no measurement the save is asked for
+anyway. The model: ``docs/design/internals.md`` (Supervisor and control channel).
 """
 
 from __future__ import annotations

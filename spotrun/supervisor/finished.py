@@ -2,18 +2,9 @@
 once, without starting torchrun (which would import torch, rendezvous and restore only to find
 nothing left to train).
 
-spotrun cannot know a script's last step. What it knows: the command exited 0 with no notice
-and no emergency checkpoint (training finished), and which step was then the newest complete
-one. It writes that down as ``finished/<digest>.json`` under the checkpoint root, where
-``<digest>`` is the SHA-256 of the command line and of every file the command line names (an
-argument, or the value of ``--option=value``, that is a regular file: the script, a config
-file), so that another command line or an edited file is another record. A start skips the
-launch only when its own record exists and the newest complete step is still the one the record
-names (same step number and manifest time): a job restored, trained or wiped since, another
-``--steps``, another config file's content, all launch as before. ``--rerun-finished`` launches
-anyway (for what spotrun cannot see: environment variables, data, a module run with ``-m``).
-A root without a complete checkpoint is never recorded (a job that saves with its own
-framework always launches).
+``finished/<digest>.json`` (a digest of the command line and of the files it names) records the
+newest complete step when the command exited 0; ``--rerun-finished`` launches anyway. When a
+start skips its launch: ``docs/design/internals.md`` (Supervisor and control channel).
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """How a notice reaches the workers of one launch: spotrun's request file, or a signal.
 
 A job whose ranks run a :class:`~spotrun.Checkpointer` (or poll
-:func:`spotrun.preemption_notice`) announces itself in the control directory
-(:mod:`spotrun.control.listeners`); such a job reads the request file and gets no signal. A job that
-saves with its own framework never announces itself: it is told of a notice by a signal
-sent at once to the worker processes themselves (never their launcher: torch's elastic agent
-treats stop signals as fatal), ``--notify-signal`` (default SIGTERM). The deadline is in
-``$SPOTRUN_CONTROL_DIR/save-request.json`` for either kind.
-
-A job that has not announced itself yet may still be starting (importing torch, building
-its model). Its workers are taken to be foreign once the oldest of them has run
-``announce_timeout_s`` without an announcement; a notice before that waits for an
-announcement or for that age, whichever comes first, and never longer than a quarter of
-the time left before the deadline (:data:`ANNOUNCE_WAIT_SHARE`: the rest is the job's, to
-save). Taking a starting spotrun job for a foreign one costs nothing: before its
-Checkpointer exists it has trained nothing that a save could keep.
-
-A job whose workers announced a Checkpointer never gets the signal, ``--notify-signal``
-or not: it hears of the notice through the request file, and a signal it does not handle
-would kill it before it saves.
-
-The worker processes are found in ``/proc`` when the signal goes out, by what they run rather
-than by the launcher's name (:func:`worker_processes`): the ranks that torch's elastic agent
-started, whatever launcher runs it (torchrun, ``python -m torch.distributed.run``,
-``accelerate launch --multi_gpu``, ...), also behind a wrapper such as ``bash -c``.
+:func:`spotrun.preemption_notice`) announces itself in the control directory and reads the
+request file; it never gets a signal, which would kill it before it saves. A job that saves
+with its own framework never announces itself: it gets ``--notify-signal`` (default SIGTERM),
+sent to its worker processes themselves, never their launcher. How long a starting job may take
+to announce itself, and how workers are found: ``docs/design/internals.md``
+(Supervisor and control channel).
 """
 
 from __future__ import annotations

@@ -1,54 +1,8 @@
 """Prometheus metrics of one ``spotrun run`` supervisor (one node).
 
-:class:`SupervisorMetrics` is both an observer of the supervisor's events
-(:mod:`spotrun.supervisor.observers`) and a Prometheus collector in a registry of its own
-(no global state). The events give notices, decisions, launches, restarts and the exit;
-the workers' measurements that local rank 0 publishes in the launch's control directory
-(``saves.json``, :mod:`spotrun.control.files`) give the saves and the restore, read again by
-:meth:`SupervisorMetrics.refresh` (the exporter calls it every second), at every collection
-(a scrape, a textfile write) and at the end of each launch. A committed save is counted
-once; ``saves.json`` remembers the last :data:`~spotrun.control.files.RECENT_SAVES` saves, so saves
-are missed only when more than that commit between two reads.
-:mod:`spotrun.supervisor.metrics_export` serves the registry over HTTP or writes it to a file.
-
-Metrics (every name starts with ``spotrun_``; ``_seconds``/``_bytes`` give the unit):
-
-===============================================  ========  ======================================================
-name                                             type      meaning
-===============================================  ========  ======================================================
-``start_time_seconds``                           gauge     when this supervisor started (Unix time)
-``launches_total``                               counter   launches of the command (first start and restarts)
-``incarnation``                                  gauge     incarnation of the current (last) launch
-``resumed_step``                                 gauge     step the current launch resumed from (0: fresh start)
-``newest_complete_step``                         gauge     newest step this node knows complete: the resumed
-                                                           one, or a later save that committed
-``newest_complete_step_timestamp_seconds``       gauge     when that step was committed (Unix time)
-``newest_complete_step_age_seconds``             gauge     seconds since then, at collection time: the work a
-                                                           preemption now would lose
-``step_time_seconds``                            gauge     seconds per training step (slowest of the last 16)
-``saves_total{reason}``                          counter   committed saves (periodic, emergency, final, ...)
-``save_duration_seconds``                        histogram seconds from a save's start to its commit
-``save_stall_seconds``                           histogram seconds training was blocked by a save
-``saved_bytes_total``                            counter   bytes of all committed saves' shard files
-``last_save_duration_seconds``                   gauge     the newest save's duration
-``last_save_size_bytes``                         gauge     the newest save's shard bytes (all ranks)
-``last_restore_duration_seconds``                gauge     seconds the newest restore took (local rank 0)
-``last_restore_read_bytes``                      gauge     bytes local rank 0 read in it
-``notices_total{source}``                        counter   preemption notices (signal, aws, gcp, azure, file)
-``emergency_save_decisions_total{decision}``     counter   ``save`` or ``stop_without_save`` after a notice
-``restarts_total``                               counter   restarts after a crash (``--max-restarts``)
-``last_command_exit_code``                       gauge     exit code of the command's last launch
-``exit_code``                                    gauge     spotrun's exit code
-``exit_reason{reason}``                          gauge     1 for the reason spotrun exited (finished,
-                                                           preempted_saved, preempted_not_saved, fenced,
-                                                           failed, error)
-===============================================  ========  ======================================================
-
-A gauge appears once its value is known (no ``exit_code`` while spotrun runs, no
-``newest_complete_step`` before a step is complete, no restore figures after a fresh
-start); counters and histograms are there from the start.
-
-Only one node's view: on a multi-node job every node's supervisor exports its own.
+:class:`SupervisorMetrics` observes the supervisor's events and re-reads the workers'
+``saves.json``, as a collector in a registry of its own; :mod:`spotrun.supervisor.metrics_export`
+serves it. Every metric and where its figures come from: docs/operations/metrics.md.
 """
 
 from __future__ import annotations

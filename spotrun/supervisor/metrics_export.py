@@ -1,20 +1,9 @@
 """Where the supervisor's metrics go: an HTTP endpoint for Prometheus and/or a textfile for
 node_exporter's textfile collector (``spotrun run --metrics-port`` / ``--metrics-textfile``).
 
-- ``--metrics-port PORT`` serves ``http://ADDRESS:PORT/metrics`` (prometheus_client's own
-  server, on a thread) while spotrun runs. ``--metrics-address`` defaults to ``0.0.0.0``
-  (every interface): in Kubernetes Prometheus scrapes the pod's IP, which a server on
-  127.0.0.1 would not answer. Give ``127.0.0.1`` to keep it to the machine. Port 0 picks a
-  free port; the log names the one chosen.
-- ``--metrics-textfile PATH`` (a ``.prom`` file in node_exporter's
-  ``--collector.textfile.directory``) is written atomically (prometheus_client's
-  ``write_to_textfile``: a temporary file renamed over it) at start, after every supervisor
-  event, every :data:`TEXTFILE_INTERVAL_S` seconds, and a last time when spotrun exits, so
-  it keeps the exit code and reason afterwards.
-
-A thread reads the workers' save measurements every :data:`REFRESH_INTERVAL_S` seconds
-(:meth:`~spotrun.supervisor.metrics.SupervisorMetrics.refresh`), so that every save is
-counted even when nobody scrapes for a while.
+A thread reads the workers' save measurements every :data:`REFRESH_INTERVAL_S` seconds, so
+that every save is counted even when nobody scrapes. The address, port and textfile rules:
+``docs/design/internals.md`` (Supervisor and control channel).
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """What the supervisor tells its observers (the event log, the metrics): one call per event.
 
-The supervisor calls :meth:`Observers.emit` at each point an operator cares about; each
-observer gets ``(name, fields)`` and must never raise into the supervisor (a failing
-observer is logged once per event name and the supervision goes on). Events and fields:
-
-=================  ================================================================================
-``start``          ``host``, ``pid``, ``command`` (list), ``grace_period_s``, ``checkpoint_uri``
-``launch``         ``attempt`` (0 first), ``incarnation``, ``run_id``, ``resumed_step`` (None: fresh),
-                   ``resumed_world_size``, ``resumed_created_unix_s`` (when the resumed step was saved),
-                   ``control_dir`` (this launch's, :mod:`spotrun.control.files`: the workers' save measurements)
-``notice``         ``source`` (signal, aws, gcp, azure, file), ``kind``, ``deadline_unix_s``, ``stop`` (bool)
-``decision``       ``save`` (bool: an emergency save was asked for), ``message``
-``command_exit``   ``code``, ``incarnation``
-``restart``        ``attempt``, ``code`` (the failed command's), ``delay_s``
-``exit``           ``code`` (spotrun's), ``reason`` (finished, preempted_saved, preempted_not_saved,
-                   fenced, failed, error), ``step`` (the emergency checkpoint's, when one committed)
-=================  ================================================================================
-
-Every event also gets ``time_unix_s`` (seconds since the epoch, UTC).
+The supervisor calls :meth:`Observers.emit` at each point an operator cares about (``start``,
+``launch``, ``notice``, ``decision``, ``command_exit``, ``restart``, ``exit``); each observer gets
+``(name, fields)`` and must never raise into the supervisor (a failing observer is logged once
+per event name). The events' fields: ``docs/design/internals.md`` (Event log and goodput).
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """Preflight of the checkpoint storage: can this job write, read, list and delete there?
 
-The supervisor runs it once before it launches the training command, so that a wrong
-bucket, missing or wrong credentials, or an endpoint that does not answer fails within
-seconds with a message naming the cause -- not hours later at the first checkpoint.
-``spotrun preflight URI`` runs the same check on its own.
-
-The check writes a small probe object under ``.spotrun-preflight/`` below the checkpoint
-root, reads it back, lists it and deletes it, all under one short deadline. Then it
-exercises the real commit primitive, the no-overwrite write that commits every step
-(``put_if_absent``: a hard link or ``renameat2(RENAME_NOREPLACE)`` locally, a
-``PutObject`` with ``If-None-Match: *`` on S3): a first write onto a fresh probe key must
-succeed, and a second one onto the same key must be refused with the first object left
-as it was. A store that lacks the primitive (``link`` failing with ``ENOSYS`` and no
-no-replace rename; ``501 NotImplemented`` to the conditional put), or that silently
-ignores it (the second write succeeds), fails the check with
-:class:`~spotrun.errors.CommitUnsupportedError`: two writers must never both believe they
-committed the same step.
-
-Requests get short connect/read timeouts, and retries (of throttling or refused
-connections) stop at the deadline. The probes never appear in ``spotrun ls``: they are
-not under a step directory.
+The supervisor runs it once before it launches the training command, so that a wrong bucket,
+bad credentials or a dead endpoint fails within seconds, not at the first checkpoint hours
+later; ``spotrun preflight URI`` runs it on its own. It also checks the commit primitive (a
+no-overwrite write), failing with :class:`~spotrun.errors.CommitUnsupportedError` where the
+store lacks or ignores it. Details: ``docs/design/internals.md`` (Supervisor and control channel).
 """
 
 from __future__ import annotations

@@ -1,37 +1,11 @@
 """The node supervisor behind ``spotrun run -- LAUNCH_COMMAND...``, one per node.
 
-It checks the storage (:mod:`~spotrun.supervisor.preflight`; exit 2 before anything starts),
-finds the newest complete checkpoint and starts the command in its own process group with the
-resume point in its environment (:mod:`~spotrun.supervisor.launch`). A notice (a notice
-signal to the supervisor or a cloud notice, through :class:`~spotrun.notices.inbox.Inbox`)
-never reaches torchrun as a signal (it treats those as fatal): the supervisor writes a save
-request with the deadline ``notice + grace period - safety margin`` into the control
-directory (:mod:`spotrun.control.files`), signals only workers that save by themselves
-(:mod:`~spotrun.supervisor.foreign`), and waits. At the deadline it stops the whole process
-tree (SIGTERM, then SIGKILL, every process gone by the end of the grace period). When the
-estimated save (:mod:`~spotrun.supervisor.estimate`) does not fit in the time left, it asks
-the workers to stop without saving instead and says which checkpoint the job resumes from.
-If the supervisor dies, the command gets SIGTERM (``PR_SET_PDEATHSIG``) and every worker,
-watching it (:mod:`spotrun.train.supervisor_watch`), saves and ends itself.
-
-Exit codes:
-    0    the command exited 0 and no emergency checkpoint was taken: training finished
-         (also when a notice arrived but the command finished without saving).
-    143  a notice arrived and the emergency checkpoint the workers reported is complete on
-         storage: preempted and saved; restart the job to continue (retryable: >= 128).
-         For a job that saves with its own framework (:mod:`spotrun.supervisor.foreign`):
-         the command exited 0 after the notice; spotrun cannot verify that checkpoint.
-    142  a notice arrived but no emergency checkpoint committed before the command exited
-         or the deadline passed, or the supervisor found no time for one (see below); the
-         job resumes from the newest complete checkpoint (retryable: >= 128, as Kubernetes
-         ``restartPolicy: ExitCode`` expects).
-    2    spotrun's own error (bad option or URI, unreadable storage, command not found).
-    86   fenced: a newer start of the same job owns the root; never restarted (field case C20).
-    N    otherwise the command's own exit code once ``--max-restarts`` are used up; a
-         command killed by signal S gives ``128 + S``.
-
-The supervisor reaps every child it gets (it is a child subreaper, so orphaned workers
-become its children). It must be the only code in its process that waits for children.
+It checks the storage, starts the command with the newest complete checkpoint as its resume
+point, turns a preemption notice into a save request with a deadline (never a signal to
+torchrun, which treats those as fatal), stops the whole process tree at the deadline, and
+exits with a code that says what happened (0, 143, 142, 2, 86 or the command's own). It is a
+child subreaper and must be the only code in its process that waits for children.
+The sequence and the exit codes: ``docs/design/internals.md`` (Supervisor and control channel).
 """
 
 from __future__ import annotations

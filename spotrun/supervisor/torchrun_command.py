@@ -1,22 +1,10 @@
 """What a launch command says about the ranks it starts: torchrun's node count (a number or an
 elastic range ``MIN:MAX``), processes per node and rendezvous.
 
-The supervisor never needs these to supervise: it only reads them to say in its start log how
-many ranks are launched now (next to how many saved the checkpoint it resumes from), to warn
-about a range torchrun will not treat as elastic, and to scale an emergency-save estimate taken
-from a checkpoint saved by more ranks. torchrun's own parser reads the options
-(``torch.distributed.run.get_args_parser``: the same spellings, ``--nnodes=1:2`` and
-``--nproc_per_node`` included, and the same ``PET_*`` environment defaults torchrun applies), so
-nothing here can read them differently from torchrun. Importing it imports torch (over 2 s and
-hundreds of MiB in the supervisor, before the command starts), so a command line made only of
-torchrun's own option names written in full (:data:`_OPTION_TAKES_VALUE`) with no ``PET_*``
-variable set is read without it; anything else (an abbreviation, an unknown option, an
-environment default) goes to torchrun's parser. ``tests/test_torchrun_command.py`` checks the
-table against the installed torch's parser and both readings against each other.
-
-Recognised: ``torchrun ...`` and ``python -m torch.distributed.run ...`` (any ``python*``
-interpreter, with interpreter options before ``-m``). Anything else (a wrapper script,
-``bash -c``) is not read: the workers alone know their number.
+Only for the start log, a warning about a range torchrun will not treat as elastic, and the
+scaling of an emergency-save estimate. torchrun's own parser reads the options, but a command
+line of torchrun's full option names is read without importing torch (seconds in the
+supervisor). Details: ``docs/design/internals.md`` (Supervisor and control channel).
 """
 
 from __future__ import annotations

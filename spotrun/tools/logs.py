@@ -1,22 +1,9 @@
 """Log line formats shared by the ``spotrun`` command and the training workers.
 
-Two formats, chosen with ``spotrun ... --log-format text|json`` (or ``$SPOTRUN_LOG_FORMAT``):
-
-- ``text``: one human-readable line per record (``PREFIX 2025-11-30T06:04:00.123Z INFO message``).
-- ``json``: one JSON object per line, for log pipelines (Loki, Cloud Logging, Elasticsearch)::
-
-      {"time": "2025-11-30T06:04:00.123Z", "level": "WARNING", "logger": "spotrun.supervisor.run",
-       "message": "preemption notice: SIGTERM from signal, 2.0 s to the deadline", "pid": 4242}
-
-  ``time`` is UTC, ISO-8601 with milliseconds; ``level`` is the logging level name; every
-  field given with ``extra={...}`` in the logging call and every static field passed to
-  :func:`configure_logging` (a worker's ``rank``) is added; an exception's traceback is in
-  ``exception``. Values JSON cannot hold are written as their ``str()``.
-
-``spotrun run`` puts its format into the launch command's environment
-(:data:`spotrun.control.env.LOG_FORMAT`), so a training script that configures its logging with
-:func:`configure_logging` (the example trainer does) logs in the same format as the
-supervisor. Nothing here runs at import time.
+``--log-format text|json`` (or ``$SPOTRUN_LOG_FORMAT``): one human-readable line, or one JSON
+object per line for log pipelines. ``spotrun run`` passes its format to the launch command, so
+a script that calls :func:`configure_logging` logs like the supervisor. Nothing here runs at
+import time. The fields of a JSON line: ``docs/design/internals.md`` (CLI and configuration).
 """
 
 from __future__ import annotations

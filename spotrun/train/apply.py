@@ -16,13 +16,22 @@ from spotrun.tools import dist
 from spotrun.checkpoint.encode import encode_state
 from spotrun.checkpoint.restore import LoadedStep
 from spotrun.checkpoint.sharded import is_dtensor, mesh_description
-from spotrun.errors import SpotrunError, StateMismatchError
+from spotrun.errors import ConfigError, SpotrunError, StateMismatchError
 from spotrun.state.numerics import NUMERICS_STATE_NAME
 from spotrun.state.optimizer import OptimizerState
 from spotrun.state.rng import reseed_new_rank
 from spotrun.state.stateful import load_into, state_of
 
 log = logging.getLogger(__name__)
+
+
+def check_state_names(state: Any, rank_state: dict[str, Any] | None) -> None:
+    """Refuse a Checkpointer's ``state`` that is not a non-empty dict, and a ``rank_state`` name spotrun uses."""
+    if not isinstance(state, dict) or not state:
+        raise ConfigError("Checkpointer(state=...) needs a non-empty dict of name -> object")
+    for reserved in ("rng", NUMERICS_STATE_NAME):
+        if reserved in (rank_state or {}):
+            raise ConfigError(f"rank_state name {reserved!r} is reserved for the state spotrun saves itself")
 
 
 def check_serialisable(state: dict[str, Any], rank_state: dict[str, Any]) -> None:

@@ -1,30 +1,10 @@
 """Rank 0's part of the event log (:mod:`spotrun.eventlog.records`), fed by the
-:class:`~spotrun.train.checkpointer.Checkpointer`.
-
-Records of ``events/incarnation-<N>.rank-00000.jsonl`` (every record also has ``event`` and
-``time_unix_s``, seconds since the epoch):
-
-=============  =====================================================================================
-``start``      this start claimed incarnation ``incarnation``; ``resumed_step`` (None: fresh, or a
-               save without ``restore()``), ``restore_s`` (seconds in ``restore()``, listing,
-               reading, verifying and claiming), ``restore_bytes_read`` (rank 0's),
-               ``world_size``, ``interval_steps``, ``event_interval_s`` (the progress record's
-               interval), ``launch_incarnation`` (the supervisor's
-               ``$SPOTRUN_INCARNATION``; None without one), ``supervisor_pid``, ``host``, ``pid``.
-               Its time is the end of the restore: training starts then.
-``save``       one save ended: ``step``, ``reason`` (periodic, requested, emergency, final,
-               manual), ``committed`` (bool), ``background`` (bool), ``stall_s`` (seconds
-               training was blocked by it), ``duration_s`` (start to commit), ``size_bytes``
-               (all ranks' shard files; None when it failed). Its time is the end.
-``stop``       the job was told to stop at ``step``; ``saved`` (whether that step was saved).
-``exit``       ``Checkpointer.close()``: ``step``, the last step reached.
-``progress``   ``step``, the newest step reached; its time is when that step ended (the
-               ``end_of_step`` call). One per object, replaced; written at most every
-               ``$SPOTRUN_EVENT_INTERVAL_S`` (default 30 s) and with every other record.
-=============  =====================================================================================
+:class:`~spotrun.train.checkpointer.Checkpointer`: ``start``, ``save``, ``stop``, ``exit`` and
+``progress`` records in ``events/incarnation-<N>.rank-00000.jsonl``.
 
 Nothing here may stall or fail training: records are written from the event log's own thread,
-and every failure is logged, never raised.
+and every failure is logged, never raised. The records' fields:
+``docs/design/internals.md`` (Event log and goodput).
 """
 
 from __future__ import annotations

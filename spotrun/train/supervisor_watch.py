@@ -1,25 +1,10 @@
 """Worker side of "the job dies with its supervisor": watch ``spotrun run`` and outlive it only briefly.
 
-``spotrun run`` gives every launch its process id (``$SPOTRUN_SUPERVISOR_PID``) and its grace
-period (``$SPOTRUN_GRACE_PERIOD_S``). The first :class:`~spotrun.Checkpointer` of a worker
-process starts one :class:`SupervisorWatch` for the whole process (:func:`watch`). It opens
-a pidfd of the supervisor (``os.pidfd_open``, Linux 5.3+) and checks that the supervisor is
-an ancestor of this process, so a reused pid or a pid of another PID namespace is never
-watched; a daemon thread then waits on the pidfd (``poll``: no CPU while waiting). Where no
-pidfd can be opened, the thread looks every :data:`POLL_S` seconds whether the supervisor is
-still an ancestor. When the supervisor exits, by any means (SIGKILL, a crash, SIGSEGV):
-
-1. :attr:`SupervisorWatch.gone` becomes true at once. :meth:`Checkpointer.end_of_step`
-   takes it as a stop request: every rank (those of other nodes too, through the usual
-   all-reduce) saves an emergency checkpoint of the next step boundary, and the loop stops.
-2. If this process still runs ``grace period`` seconds after the supervisor died (stuck in a
-   collective, a save that hangs, a loop that never calls ``end_of_step``), the thread logs
-   it and SIGKILLs this process. No worker outlives its supervisor by more than the grace
-   period (plus the time the kernel takes to end a SIGKILLed process).
-
-The launch command itself (torchrun) gets SIGTERM from the kernel when the supervisor dies
-(``PR_SET_PDEATHSIG``, set by the supervisor), and passes it on to the workers; this watch
-covers the workers whose launcher died too or never passes the signal on.
+The first :class:`~spotrun.Checkpointer` of a worker process starts one :class:`SupervisorWatch`
+(a pidfd of ``$SPOTRUN_SUPERVISOR_PID``, checked to be an ancestor). When the supervisor exits
+by any means, :attr:`SupervisorWatch.gone` makes the next ``end_of_step`` save and stop; a
+process still running a grace period later SIGKILLs itself. Details:
+``docs/design/internals.md`` (Supervisor and control channel).
 """
 
 from __future__ import annotations

@@ -15,7 +15,12 @@ import sys
 import pytest
 
 from tests.support.step_edits import edit_header, redigest
-from tests.unit.checkpoint.test_bounded_parsing import index_repeated_key, limited, manifest_state_nested_deep, save_two_steps
+from tests.unit.checkpoint.test_bounded_parsing import (
+    index_repeated_key,
+    limited,
+    manifest_state_nested_deep,
+    save_two_steps,
+)
 
 pytestmark = pytest.mark.slow  # a supervisor and a job per edit
 

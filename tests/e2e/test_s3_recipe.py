@@ -1,4 +1,4 @@
-"""docs/s3.md's recipes, read out of the file and run as printed against a real moto server
+"""docs/guide/s3.md's recipes, read out of the file and run as printed against a real moto server
 (issue 20, from a new user's trial: no recipe took an S3 root from nothing to a running job)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from tests.support.paths import REPO
 from tests.support.s3_server import moto_server
 
-RECIPE = REPO / "docs" / "s3.md"
+RECIPE = REPO / "docs" / "guide" / "s3.md"
 #: The port the recipe names; the test's own server listens on a free one instead.
 RECIPE_ENDPOINT = "http://127.0.0.1:5000"
 

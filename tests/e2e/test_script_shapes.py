@@ -90,7 +90,7 @@ def preempt_resume_and_compare(tmp_path: pathlib.Path, processes: list, command,
     pytest.param("iterable-global-rng", marks=pytest.mark.xfail(strict=True, reason=(
         "a plain DataLoader without generator= draws its base seed from the global torch RNG at "
         "every iter(); resumed mid-stream it draws at another step, so later dropout masks differ "
-        "(README: When a resume is bit-exact)"))),
+        "(docs/guide/exact-resume.md)"))),
 ])
 def test_script_shape_resumes_bit_exactly(tmp_path, processes, shape):
     """Issue 20, C18: a user script of this shape, preempted once mid-run (after a background

@@ -44,7 +44,8 @@ pytestmark = pytest.mark.slow
 def probe(action: str, root) -> dict:
     """Run one measurement in a child process; its JSON result."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.memory_probe", action, "--state-mib", str(STATE_MIB), "--root", str(root)],
+        [sys.executable, "-m", "tests.support.memory_probe", action,
+         "--state-mib", str(STATE_MIB), "--root", str(root)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
         env={k: v for k, v in os.environ.items() if not k.startswith("SPOTRUN_")},
     )

@@ -73,7 +73,8 @@ def nolink_mount(backing, mountpoint, rename_flags: str) -> Iterator[str]:
     log_path = mountpoint.parent / f"nolink-fs-{rename_flags}.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.nolink_fs", str(backing), str(mountpoint), "--rename-flags", rename_flags],
+            [sys.executable, "-m", "tests.support.nolink_fs", str(backing), str(mountpoint),
+             "--rename-flags", rename_flags],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "FUSE_LIBRARY_PATH": _libfuse3()},
         )
