@@ -98,7 +98,7 @@ def _check_prefix(prefix: str) -> str:
 class Storage(abc.ABC):
     """A flat key -> bytes store under one root URI.
 
-    Contract (checked by ``tests/test_storage_contract.py`` against every backend):
+    Contract (checked by ``tests/unit/storage/test_storage_contract.py`` against every backend):
       * ``put`` is atomic: a reader sees the whole new object or nothing (no partial object
         is ever visible under the key, even when the writer dies in the middle).
       * ``put_if_absent`` never overwrites: when the key exists it raises

@@ -80,7 +80,7 @@ class Checkpointer:
         keep_every: int | None = None,
     ) -> None:
         check_state_names(state, rank_state)
-        arguments = locals()  # the settings are named as the options' fields (tests/test_checkpointer_options.py)
+        arguments = locals()  # the settings are named as the options' fields (tests/unit/train/test_checkpointer_options.py)
         self.options = options = CheckpointerOptions(**{f.name: arguments[f.name] for f in fields(CheckpointerOptions)})
         # optimizers keyed by parameter name (DCP's state_dict helpers): any layout loads them
         self._state = pair_optimizers(dict(state))
