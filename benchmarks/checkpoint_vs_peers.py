@@ -49,13 +49,16 @@ sys.path[:0] = [BENCH_DIR, REPO_ROOT]
 import peers  # noqa: E402
 import report  # noqa: E402
 import scenarios  # noqa: E402
+
 from tests.support import memory_probe  # noqa: E402
 
 MIB = 2**20
 #: Memory measurements: child action -> {measurement: label in the table}; one child per action.
 MEMORY_ACTIONS = {
-    "spotrun-save-and-restore": {"spotrun-sync-save": "spotrun save (sync, emergency)",
-                                 "spotrun-restore": "spotrun restore"},
+    "spotrun-save-and-restore": {
+        "spotrun-sync-save": "spotrun save (sync, emergency)",
+        "spotrun-restore": "spotrun restore",
+    },
     "spotrun-background-save": {"spotrun-background-save": "spotrun background save (2 saves)"},
     "dcp": {"dcp-save": "DCP save", "dcp-load": "DCP load"},
     "dcp-async-save": {"dcp-async-save": "DCP async_save (2 saves)"},
@@ -76,8 +79,14 @@ class Samples:
         token = since or (time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF))
         fn()
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        self.rows[figure].append((time.perf_counter() - token[0], usage.ru_minflt - token[1].ru_minflt,
-                                  usage.ru_utime - token[1].ru_utime, usage.ru_stime - token[1].ru_stime))
+        self.rows[figure].append(
+            (
+                time.perf_counter() - token[0],
+                usage.ru_minflt - token[1].ru_minflt,
+                usage.ru_utime - token[1].ru_utime,
+                usage.ru_stime - token[1].ru_stime,
+            )
+        )
         return token
 
     def low(self, figure: str) -> float:
@@ -95,11 +104,12 @@ def run_local(model, optimizer, root: str, rounds: int) -> tuple[Samples, dict[s
     tools, missing = peers.local_tools(model, optimizer, root)
     samples = Samples()
     for index in range(rounds):
-        order = tools[index % len(tools):] + tools[:index % len(tools)]
+        order = tools[index % len(tools) :] + tools[: index % len(tools)]
         for tool in order:
             tool.run(samples)
         samples.rows["memcpy into preallocated buffers"].append(
-            min(samples.rows["memcpy, torch's threads"][-1], samples.rows["memcpy, one thread"][-1]))
+            min(samples.rows["memcpy, torch's threads"][-1], samples.rows["memcpy, one thread"][-1])
+        )
         print(f"  round {index + 1}/{rounds} done", flush=True)
     for tool in tools:
         tool.clear()
@@ -111,11 +121,24 @@ def run_memory(size_mib: float, root: str) -> dict[str, dict]:
     results = {}
     for action, labels in MEMORY_ACTIONS.items():
         scratch = tempfile.mkdtemp(prefix="memory-", dir=root)
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child", action,
-                               "--state-mib", str(size_mib), "--root", scratch],
-                              capture_output=True, text=True, cwd=REPO_ROOT)
-        measured = {r["action"]: r for r in (json.loads(line) for line in proc.stdout.splitlines()
-                                              if line.startswith("{"))}
+        proc = subprocess.run(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--memory-child",
+                action,
+                "--state-mib",
+                str(size_mib),
+                "--root",
+                scratch,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+        measured = {
+            r["action"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
+        }
         for name, label in labels.items():
             results[label] = measured.get(name) or measured.get(action) or {"error": proc.stderr.strip()[-300:]}
         shutil.rmtree(scratch, ignore_errors=True)
@@ -146,7 +169,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a small run: 48 MiB, 1,000 tiny tensors")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a new one under $TMPDIR)")
     parser.add_argument("--tiny-count", type=int, default=10_000, help="tensors of the tiny-tensor case")
-    parser.add_argument("--world2-size-mib", type=float, default=None, help="state at world size 2 (default --size-mib)")
+    parser.add_argument(
+        "--world2-size-mib", type=float, default=None, help="state at world size 2 (default --size-mib)"
+    )
     parser.add_argument("--s3", action="store_true", help="also S3 against a moto server on 127.0.0.1")
     parser.add_argument("--s3-size-mib", type=float, default=384)
     parser.add_argument("--no-memory", action="store_true")
@@ -175,8 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         model, optimizer = memory_probe.build_training_state(int(args.size_mib * MIB))
         state_bytes = memory_probe.state_tensor_bytes(model, optimizer)
         width = model[0].weight.shape[0]
-        print(f"load average {os.getloadavg()[0]:.1f}; state: {state_bytes / MIB:.1f} MiB ({len(model)} Linear layers {width}x{width}, float32, "
-              f"AdamW after one step); {os.cpu_count()} CPUs; files under {root}", flush=True)
+        print(
+            f"load average {os.getloadavg()[0]:.1f}; state: {state_bytes / MIB:.1f} MiB "
+            f"({len(model)} Linear layers {width}x{width}, float32, "
+            f"AdamW after one step); {os.cpu_count()} CPUs; files under {root}",
+            flush=True,
+        )
         phases: dict[str, float] = {}
 
         def phase(name: str, fn):
@@ -185,23 +214,41 @@ def main(argv: list[str] | None = None) -> int:
             phases[name] = time.perf_counter() - phase_started
             return result
 
-        samples, missing = phase("local rounds", lambda: run_local(model, optimizer, root, args.rounds))
+        samples, missing = phase("local rounds", lambda: run_local(model, optimizer, root, args.rounds))  # noqa: F821 (called at once, before the del)
         if args.profile:
-            phase("profile", lambda: profile_spotrun(model, optimizer, root))
+            phase("profile", lambda: profile_spotrun(model, optimizer, root))  # noqa: F821 (called at once)
         del model, optimizer
         memory = {} if args.no_memory else phase("memory", lambda: run_memory(args.size_mib, root))
-        tiny = None if args.no_tiny else phase(
-            "tiny tensors", lambda: scenarios.tiny_tensors(f"{root}/tiny", args.tiny_count, args.rounds))
-        world2 = None if args.no_world2 else phase(
-            "world size 2", lambda: scenarios.world2(root, args.world2_size_mib, args.rounds))
+        tiny = (
+            None
+            if args.no_tiny
+            else phase("tiny tensors", lambda: scenarios.tiny_tensors(f"{root}/tiny", args.tiny_count, args.rounds))
+        )
+        world2 = (
+            None
+            if args.no_world2
+            else phase("world size 2", lambda: scenarios.world2(root, args.world2_size_mib, args.rounds))
+        )
         s3 = phase("S3", lambda: scenarios.s3(args.s3_size_mib, args.rounds)) if args.s3 else None
-        report.print_all(report.Results(
-            state_bytes=state_bytes, rounds=args.rounds, samples=samples, missing=missing, memory=memory,
-            tiny=tiny, tiny_count=args.tiny_count, world2=world2, world2_mib=args.world2_size_mib, s3=s3,
-        ))
-        print(f"\n(whole run: {time.perf_counter() - started:.0f} s: "
-              + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in phases.items())
-              + f"; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+        report.print_all(
+            report.Results(
+                state_bytes=state_bytes,
+                rounds=args.rounds,
+                samples=samples,
+                missing=missing,
+                memory=memory,
+                tiny=tiny,
+                tiny_count=args.tiny_count,
+                world2=world2,
+                world2_mib=args.world2_size_mib,
+                s3=s3,
+            )
+        )
+        print(
+            f"\n(whole run: {time.perf_counter() - started:.0f} s: "
+            + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in phases.items())
+            + f"; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

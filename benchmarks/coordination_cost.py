@@ -32,8 +32,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         figures = {}
         for interval in (1, 10):
-            ckpt = spotrun.Checkpointer({"x": {"v": 0}}, storage=LocalStorage(root), handle_signals=False,
-                                        check_interval_steps=interval)
+            ckpt = spotrun.Checkpointer(
+                {"x": {"v": 0}}, storage=LocalStorage(root), handle_signals=False, check_interval_steps=interval
+            )
             dist.barrier()
             started = time.perf_counter()
             for step in range(1, args.steps + 1):
@@ -41,7 +42,7 @@ def main() -> None:
             figures[interval] = (time.perf_counter() - started) / args.steps
         dist.barrier()
         started = time.perf_counter()
-        for step in range(1, args.steps + 1):
+        for _step in range(1, args.steps + 1):
             pass
         empty_s = (time.perf_counter() - started) / args.steps
     if dist.get_rank() == 0:

@@ -42,8 +42,10 @@ def timed(label: str, profile: bool, fn):
     result = fn()
     if profiler:
         profiler.disable()
-    print(f"{label}: {time.perf_counter() - started:.1f} s wall, {time.process_time() - started_cpu:.1f} s CPU",
-          flush=True)
+    print(
+        f"{label}: {time.perf_counter() - started:.1f} s wall, {time.process_time() - started_cpu:.1f} s CPU",
+        flush=True,
+    )
     if profiler:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(20)
     return result
@@ -61,19 +63,24 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="spotrun-many-") as root:
         state = timed("build state", False, lambda: build(args.count, args.name_length, fill=True))
-        ckpt = spotrun.Checkpointer({"model": state}, storage=LocalStorage(root, fsync=False),
-                                    handle_signals=False, **limits)
-        timed("save", args.profile, lambda: ckpt.save(1))
+        ckpt = spotrun.Checkpointer(
+            {"model": state}, storage=LocalStorage(root, fsync=False), handle_signals=False, **limits
+        )
+        timed("save", args.profile, lambda: ckpt.save(1))  # noqa: F821 (called at once, before the del)
         manifest = catalog.committed(LocalStorage(root), 1).manifest
-        print(f"{len(manifest.tensors)} tensors in {len(manifest.files)} file(s), "
-              f"{manifest.size_bytes / 2**20:.1f} MiB of shards")
+        print(
+            f"{len(manifest.tensors)} tensors in {len(manifest.files)} file(s), "
+            f"{manifest.size_bytes / 2**20:.1f} MiB of shards"
+        )
         del ckpt
         restored = build(args.count, args.name_length, fill=False)
-        ckpt2 = spotrun.Checkpointer({"model": restored}, storage=LocalStorage(root, fsync=False),
-                                     handle_signals=False, **limits)
+        ckpt2 = spotrun.Checkpointer(
+            {"model": restored}, storage=LocalStorage(root, fsync=False), handle_signals=False, **limits
+        )
         step = timed("restore", args.profile, ckpt2.restore)
-        same = step == 1 and restored.keys() == state.keys() and all(
-            torch.equal(restored[k], v) for k, v in state.items())
+        same = (
+            step == 1 and restored.keys() == state.keys() and all(torch.equal(restored[k], v) for k, v in state.items())
+        )
         print(f"restored step {step}, exact: {same}")
 
 

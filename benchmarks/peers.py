@@ -93,8 +93,9 @@ class Spotrun(Tool):
         import spotrun
         from spotrun.storage import LocalStorage
 
-        self.ckpt = spotrun.Checkpointer({"model": model, "optimizer": optimizer},
-                                         storage=LocalStorage(root), handle_signals=False)
+        self.ckpt = spotrun.Checkpointer(
+            {"model": model, "optimizer": optimizer}, storage=LocalStorage(root), handle_signals=False
+        )
         self.ckpt.restore()  # claims this start's incarnation (an empty root: step 0)
 
     def save(self) -> None:
@@ -125,8 +126,13 @@ class SpotrunBackground(Tool):
         import spotrun
         from spotrun.storage import LocalStorage
 
-        self.ckpt = spotrun.Checkpointer({"model": model, "optimizer": optimizer}, storage=LocalStorage(root),
-                                         handle_signals=False, interval_steps=1, background_saves=True)
+        self.ckpt = spotrun.Checkpointer(
+            {"model": model, "optimizer": optimizer},
+            storage=LocalStorage(root),
+            handle_signals=False,
+            interval_steps=1,
+            background_saves=True,
+        )
         self.ckpt.restore()
         self.start()
         self.ckpt.wait_for_save()
@@ -273,8 +279,10 @@ class Limits(Tool):
             operands = tuple(op for op in operands if op not in ("oflag=direct", "iflag=direct"))
         proc = subprocess.run(["dd", "bs=8M", "status=none", *operands], capture_output=True, text=True)
         if proc.returncode != 0 and self.direct:
-            print(f"  dd refused direct I/O under {self.root} ({proc.stderr.strip()}): "
-                  "the limits are buffered I/O here", flush=True)
+            print(
+                f"  dd refused direct I/O under {self.root} ({proc.stderr.strip()}): the limits are buffered I/O here",
+                flush=True,
+            )
             self.direct = False
             self.dd(*operands)
         elif proc.returncode != 0:
@@ -296,8 +304,10 @@ class Limits(Tool):
         self.clear()
         self.round += 1
         path = self.path("dd")
-        timer("dd direct write", lambda: self.dd("if=/dev/zero", f"of={path}", f"count={self.blocks}",
-                                                 "oflag=direct", "conv=fsync"))
+        timer(
+            "dd direct write",
+            lambda: self.dd("if=/dev/zero", f"of={path}", f"count={self.blocks}", "oflag=direct", "conv=fsync"),
+        )
         evict_from_page_cache(self.root)
         timer("dd direct read", lambda: self.dd(f"if={path}", "of=/dev/null", "iflag=direct"))
         # The floor is the faster of torch's threads and one thread: on a loaded machine the
@@ -313,8 +323,9 @@ def local_tools(model, optimizer, root: str) -> tuple[list[Tool], dict[str, str]
         "spotrun background": lambda: SpotrunBackground(model, optimizer, f"{root}/spotrun-bg"),
         "DCP": lambda: Dcp(model, optimizer, f"{root}/dcp"),
         "DCP async_save": lambda: DcpAsync(model, optimizer, f"{root}/dcp-async", reuse_stager=False),
-        "DCP async_save (reused stager)": lambda: DcpAsync(model, optimizer, f"{root}/dcp-async-reused",
-                                                           reuse_stager=True),
+        "DCP async_save (reused stager)": lambda: DcpAsync(
+            model, optimizer, f"{root}/dcp-async-reused", reuse_stager=True
+        ),
         "safetensors": lambda: Safetensors(model, optimizer, f"{root}/safetensors"),
         "torch.save": lambda: TorchSave(model, optimizer, f"{root}/torch-save"),
         "limits": lambda: Limits(model, optimizer, f"{root}/limits"),
@@ -330,19 +341,23 @@ def local_tools(model, optimizer, root: str) -> tuple[list[Tool], dict[str, str]
 
 def _save_and_restore(make: Callable[..., Tool], name: str) -> Callable[..., dict[str, PeakMemory]]:
     """A tool's save, then its cold restore, each measured from its own (trimmed) baseline."""
+
     def action(model, optimizer, root) -> dict[str, PeakMemory]:
         tool = make(model, optimizer, root)
         peaks = {f"{name}-save": measure(tool.save)[1]}
         evict_from_page_cache(root)
         peaks[f"{name}-load"] = measure(tool.restore)[1]
         return peaks
+
     return action
 
 
 def _two_async_saves(reuse_stager: bool, name: str) -> Callable[..., dict[str, PeakMemory]]:
     """Two async saves from the first call on (a reused stager allocates its copies then)."""
+
     def action(model, optimizer, root) -> dict[str, PeakMemory]:
         return {name: measure(lambda: DcpAsync(model, optimizer, root, reuse_stager=reuse_stager).two_saves())[1]}
+
     return action
 
 

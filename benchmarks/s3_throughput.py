@@ -163,15 +163,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--part-size-mib", type=int, default=16)
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--chunk-mib", type=int, default=4, help="put_stream's chunk_bytes")
-    parser.add_argument("--profile", action="store_true",
-                        help="sample the client's threads: where each transfer spends its time")
+    parser.add_argument(
+        "--profile", action="store_true", help="sample the client's threads: where each transfer spends its time"
+    )
     args = parser.parse_args(argv)
 
     size = args.size_mib * MIB
     data = os.urandom(size)
-    print(f"object: {args.size_mib} MiB, parts of {args.part_size_mib} MiB, concurrency "
-          f"{args.max_concurrency}, {args.rounds} interleaved rounds, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"object: {args.size_mib} MiB, parts of {args.part_size_mib} MiB, concurrency "
+        f"{args.max_concurrency}, {args.rounds} interleaved rounds, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     with endpoint(args.endpoint_url) as (url, server_pid), tempfile.TemporaryDirectory() as tmp:
         print(f"endpoint: {url}" + ("" if args.endpoint_url else f" (moto server started here, pid {server_pid})"))
         options = S3Options(
@@ -216,9 +219,11 @@ def main(argv: list[str] | None = None) -> None:
         try:
             for round_number in range(args.rounds):
                 saves = [("save: spotrun put_stream", save_spotrun), ("save: boto3 upload_file", save_boto)]
-                loads = [("restore: spotrun read_into", restore_spotrun),
-                         ("restore: spotrun get", get_spotrun),
-                         ("restore: boto3 download_file", restore_boto)]
+                loads = [
+                    ("restore: spotrun read_into", restore_spotrun),
+                    ("restore: spotrun get", get_spotrun),
+                    ("restore: boto3 download_file", restore_boto),
+                ]
                 if round_number % 2:
                     saves.reverse()
                     loads.reverse()
@@ -235,14 +240,18 @@ def main(argv: list[str] | None = None) -> None:
                     boto.delete_object(Bucket=bucket, Key=key)
                 boto.delete_bucket(Bucket=bucket)
 
-    print(f"\n  {'transfer (medians)':<30} {'wall s':>7} {'MiB/s':>7} {'client CPU s':>13} "
-          f"{'server CPU s':>13} {'vs boto3':>9}")
+    print(
+        f"\n  {'transfer (medians)':<30} {'wall s':>7} {'MiB/s':>7} {'client CPU s':>13} "
+        f"{'server CPU s':>13} {'vs boto3':>9}"
+    )
     for name in contest.runs:
         wall = contest.median(name)
         peer = "save: boto3 upload_file" if name.startswith("save") else "restore: boto3 download_file"
         ratio = contest.median(peer) / wall
-        print(f"  {name:<30} {wall:7.2f} {size / MIB / wall:7.1f} {contest.median(name, 1):13.2f} "
-              f"{contest.median(name, 2):13.2f} {ratio:8.2f}x")
+        print(
+            f"  {name:<30} {wall:7.2f} {size / MIB / wall:7.1f} {contest.median(name, 1):13.2f} "
+            f"{contest.median(name, 2):13.2f} {ratio:8.2f}x"
+        )
     print("\n  every round (wall s):")
     for name, runs in contest.runs.items():
         print(f"  {name:<30} " + " ".join(f"{run[0]:6.2f}" for run in runs))

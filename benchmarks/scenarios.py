@@ -15,8 +15,8 @@ import time
 import uuid
 from collections import defaultdict
 
-
 from peers import fsync_path
+
 from tests.support.memory_probe import build_training_state, evict_from_page_cache
 
 MIB = 2**20
@@ -34,10 +34,10 @@ def tiny_tensors(root: str, count: int, rounds: int) -> dict[str, list[float]]:
     (``Checkpointer`` of a plain dict: restore replaces its values), DCP (``save``/``load`` in
     place), safetensors (``save_file`` + fsync / ``load_file``)."""
     import torch.distributed.checkpoint as dcp
+    from many_tensors import build
     from safetensors.torch import load_file, save_file
 
     import spotrun
-    from many_tensors import build
     from spotrun.storage import LocalStorage
 
     state = build(count, 0, fill=True)
@@ -65,13 +65,26 @@ def tiny_tensors(root: str, count: int, rounds: int) -> dict[str, list[float]]:
 def world2(root: str, size_mib: float, rounds: int) -> dict[str, list[float]]:
     """Replicated state at world size 2 (torchrun, gloo): spotrun ``save`` (each rank writes
     about half) vs DCP ``save`` (its planner spreads replicated tensors over the ranks)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_vs_peers.py"),
-               "--world2-worker", "--size-mib", str(size_mib), "--rounds", str(rounds), "--dir", root]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_vs_peers.py"),
+        "--world2-worker",
+        "--size-mib",
+        str(size_mib),
+        "--rounds",
+        str(rounds),
+        "--dir",
+        root,
+    ]
     proc = subprocess.run(command, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith(WORLD2_MARK):
-            return json.loads(line[len(WORLD2_MARK):])
+            return json.loads(line[len(WORLD2_MARK) :])
     raise RuntimeError(f"world size 2 run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
@@ -88,8 +101,9 @@ def world2_worker(root: str, size_mib: float, rounds: int) -> None:
     rank = dist.get_rank()
     model, optimizer = build_training_state(int(size_mib * MIB))
     spot_root = f"{root}/world2-spotrun"
-    ckpt = spotrun.Checkpointer({"model": model, "optimizer": optimizer}, storage=LocalStorage(spot_root),
-                                handle_signals=False)
+    ckpt = spotrun.Checkpointer(
+        {"model": model, "optimizer": optimizer}, storage=LocalStorage(spot_root), handle_signals=False
+    )
     ckpt.restore()
     samples: dict[str, list[float]] = defaultdict(list)
 
@@ -103,8 +117,10 @@ def world2_worker(root: str, size_mib: float, rounds: int) -> None:
     for step in range(1, rounds + 1):
         collective("spotrun save", lambda: ckpt.save(step))
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        collective("DCP save", lambda: dcp.save({"model": model_sd, "optim": optim_sd},
-                                                checkpoint_id=f"{root}/world2-dcp-{step}"))
+        collective(
+            "DCP save",
+            lambda: dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{root}/world2-dcp-{step}"),
+        )
         dist.barrier()
         if rank == 0:
             shutil.rmtree(f"{root}/world2-dcp-{step}")
@@ -152,9 +168,8 @@ def s3(size_mib: float, rounds: int) -> dict[str, list[float]]:
     """Against a moto server started here on 127.0.0.1: spotrun ``save``/``restore`` of a
     training state vs boto3's ``upload_file``/``download_file`` of as many bytes (both with
     their default transfer settings)."""
-    from tests.support.s3_server import FAKE_CREDENTIALS, empty_and_delete_bucket, make_client, moto_server
-
     import spotrun
+    from tests.support.s3_server import FAKE_CREDENTIALS, empty_and_delete_bucket, make_client, moto_server
 
     model, optimizer = build_training_state(int(size_mib * MIB))
     samples: dict[str, list[float]] = defaultdict(list)
@@ -165,8 +180,9 @@ def s3(size_mib: float, rounds: int) -> dict[str, list[float]]:
         bucket = f"spotrun-bench-{uuid.uuid4().hex[:8]}"
         client.create_bucket(Bucket=bucket)
         try:
-            ckpt = spotrun.Checkpointer({"model": model, "optimizer": optimizer}, uri=f"s3://{bucket}/spotrun",
-                                        handle_signals=False)
+            ckpt = spotrun.Checkpointer(
+                {"model": model, "optimizer": optimizer}, uri=f"s3://{bucket}/spotrun", handle_signals=False
+            )
             ckpt.restore()
             blob = os.path.join(scratch, "blob")
             with open(blob, "wb") as f:
@@ -179,8 +195,12 @@ def s3(size_mib: float, rounds: int) -> dict[str, list[float]]:
                 _timed_with_cpu(samples, "spotrun save", lambda: ckpt.save(step), url)
                 _timed_with_cpu(samples, "spotrun restore", ckpt.restore, url)
                 _timed_with_cpu(samples, "boto3 upload_file", lambda: client.upload_file(blob, bucket, "blob"), url)
-                _timed_with_cpu(samples, "boto3 download_file",
-                                lambda: client.download_file(bucket, "blob", os.path.join(scratch, "copy")), url)
+                _timed_with_cpu(
+                    samples,
+                    "boto3 download_file",
+                    lambda: client.download_file(bucket, "blob", os.path.join(scratch, "copy")),
+                    url,
+                )
                 os.unlink(os.path.join(scratch, "copy"))
                 _delete_prefix(client, bucket, f"spotrun/step-{step:09d}/")
             samples["bytes"] = [float(os.path.getsize(blob))]

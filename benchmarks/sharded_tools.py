@@ -54,7 +54,10 @@ def build(size_mib: float, layout: str, seed: int) -> tuple[nn.Module, torch.opt
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
         dim = 1 if layout == "fsdp1" else 0
-        placement = (lambda p: Shard(dim if p.dim() > 1 else 0))
+
+        def placement(p):
+            return Shard(dim if p.dim() > 1 else 0)
+
         for layer in model:
             fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
         fully_shard(model, mesh=mesh, shard_placement_fn=placement)
@@ -117,8 +120,12 @@ class Tools:
 
         self.model, self.optimizer, self.root = model, optimizer, root
         self.spotrun_root = f"{root}/spotrun"
-        self.ckpt = spotrun.Checkpointer({"model": model, "optimizer": optimizer}, uri=self.spotrun_root,
-                                         handle_signals=False, background_saves=False)
+        self.ckpt = spotrun.Checkpointer(
+            {"model": model, "optimizer": optimizer},
+            uri=self.spotrun_root,
+            handle_signals=False,
+            background_saves=False,
+        )
 
     def dcp_dir(self, step: int) -> str:
         return f"{self.root}/dcp-{step:04d}"
@@ -170,7 +177,7 @@ def timed_restores(tools: Tools, step: int, rounds: int) -> tuple[dict, dict]:
     for fn in (tools.spotrun_restore, tools.dcp_load):  # warm-up: imports, thread pools
         fn(step)
     for index in range(rounds):
-        for figure, fn in runs[index % 2:] + runs[:index % 2]:
+        for figure, fn in runs[index % 2 :] + runs[: index % 2]:
             tools.zero()
             evict(tools.root)
             before = io_counters()
@@ -192,7 +199,7 @@ def save_phase(root: str, size_mib: float, rounds: int) -> dict:
     figures: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     runs = [("spotrun save", tools.spotrun_save), ("DCP save", tools.dcp_save)]
     for step in range(1, rounds + 2):  # round 1: warm-up, not counted
-        for figure, fn in runs[step % 2:] + runs[:step % 2]:
+        for figure, fn in runs[step % 2 :] + runs[: step % 2]:
             before = io_counters()
             seconds = collective(lambda: fn(step))
             if step > 1:
@@ -208,8 +215,11 @@ def save_phase(root: str, size_mib: float, rounds: int) -> dict:
             json.dump(saved, f)
     restores, after = timed_restores(tools, rounds + 1, rounds)
     figures.update(restores)
-    return {"figures": figures, "identical": {k: v == saved for k, v in after.items()},
-            "local_bytes": local_state_bytes(model, optimizer)}
+    return {
+        "figures": figures,
+        "identical": {k: v == saved for k, v in after.items()},
+        "local_bytes": local_state_bytes(model, optimizer),
+    }
 
 
 def restore_phase(root: str, size_mib: float, rounds: int, layout: str) -> dict:
@@ -219,8 +229,11 @@ def restore_phase(root: str, size_mib: float, rounds: int, layout: str) -> dict:
     model, optimizer = build(size_mib, layout, seed=1)
     tools = Tools(model, optimizer, root)
     figures, after = timed_restores(tools, step, rounds)
-    return {"figures": figures, "identical": {k: v == saved for k, v in after.items()},
-            "local_bytes": local_state_bytes(model, optimizer)}
+    return {
+        "figures": figures,
+        "identical": {k: v == saved for k, v in after.items()},
+        "local_bytes": local_state_bytes(model, optimizer),
+    }
 
 
 def local_state_bytes(model, optimizer) -> int:

@@ -51,9 +51,25 @@ RUNS = [
 
 def torchrun(root: str, phase: str, layout: str, ranks: int, args: argparse.Namespace) -> list[dict]:
     """One phase on ``ranks`` ranks; each rank's result."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-               os.path.abspath(__file__), "--worker", phase, "--layout", layout, "--dir", root,
-               "--size-mib", str(args.size_mib), "--rounds", str(args.rounds)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        os.path.abspath(__file__),
+        "--worker",
+        phase,
+        "--layout",
+        layout,
+        "--dir",
+        root,
+        "--size-mib",
+        str(args.size_mib),
+        "--rounds",
+        str(args.rounds),
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{phase} {layout} on {ranks} ranks failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -73,13 +89,16 @@ def print_restores(label: str, results: list[dict]) -> None:
         rchar = [statistics.median(f[figure]["rchar"]) for f in figures]
         device = sum(statistics.median(f[figure]["read_bytes"]) for f in figures)
         identical = all(r["identical"][figure] for r in results)
-        line = (f"  {figure:<16} {seconds:7.2f} s   read per rank (rchar) {_mib(rchar):>17} MiB"
-                f"   from the device, all ranks {device / MIB:4.0f} MiB   bit-identical: {'yes' if identical else 'NO'}")
+        line = (
+            f"  {figure:<16} {seconds:7.2f} s   read per rank (rchar) {_mib(rchar):>17} MiB"
+            f"   from the device, all ranks {device / MIB:4.0f} MiB   bit-identical: {'yes' if identical else 'NO'}"
+        )
         if figure == "spotrun restore":
             line += f"   restore_bytes_read {_mib([statistics.median(f[figure]['counter']) for f in figures])} MiB"
         print(line)
     ratio_bytes = sum(statistics.median(f["spotrun restore"]["rchar"]) for f in figures) / max(
-        1, sum(statistics.median(f["DCP load"]["rchar"]) for f in figures))
+        1, sum(statistics.median(f["DCP load"]["rchar"]) for f in figures)
+    )
     print(f"  spotrun / DCP: {spot / dcp:.2f}x the time, {ratio_bytes:.2f}x the bytes read")
 
 
@@ -109,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         state = sum(r["local_bytes"] for r in saved)
         spot_files = sum(os.path.getsize(p) for p in glob.glob(f"{root}/spotrun/step-*/*"))
         dcp_files = sum(os.path.getsize(p) for p in glob.glob(f"{root}/dcp-*/*"))
-        print(f"\nstate: {state / MIB:.0f} MiB (FSDP2 on 2 ranks, AdamW after one step); files of one step: "
-              f"spotrun {spot_files / MIB:.0f} MiB, DCP {dcp_files / MIB:.0f} MiB; median of {args.rounds} rounds")
+        print(
+            f"\nstate: {state / MIB:.0f} MiB (FSDP2 on 2 ranks, AdamW after one step); files of one step: "
+            f"spotrun {spot_files / MIB:.0f} MiB, DCP {dcp_files / MIB:.0f} MiB; median of {args.rounds} rounds"
+        )
         spot, dcp = (statistics.median(figures[f]["seconds"]) for f in ("spotrun save", "DCP save"))
         for figure, seconds in (("spotrun save", spot), ("DCP save", dcp)):
             written = [statistics.median(r["figures"][figure]["wchar"]) for r in saved]

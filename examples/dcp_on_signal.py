@@ -48,8 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ckpt-dir", required=True, help="directory of this job's DCP checkpoints")
     parser.add_argument("--steps", type=int, default=100, help="train until this step")
     parser.add_argument("--log-file", default=None, help="JSON lines of steps, signals and saves")
-    parser.add_argument("--notice", choices=["signal", "poll"], default="signal",
-                        help="hear the notice as a signal or by polling spotrun.preemption_notice()")
+    parser.add_argument(
+        "--notice",
+        choices=["signal", "poll"],
+        default="signal",
+        help="hear the notice as a signal or by polling spotrun.preemption_notice()",
+    )
     parser.add_argument("--save-signal", default="SIGTERM", help="the signal that asks for a save (signal mode)")
     parser.add_argument("--save-every", type=int, default=0, help="also save every K steps (0: never)")
     parser.add_argument("--step-sleep-s", type=float, default=0.0, help="pretend a step takes longer")
@@ -95,8 +99,7 @@ def main(argv=None) -> int:
             return {"model": model_state, "optim": optim_state, "step": torch.tensor(self.step)}
 
         def load_state_dict(self, state: dict) -> None:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
             self.step = int(state["step"])
 
     dist.init_process_group("gloo")
@@ -179,9 +182,11 @@ def newest_complete(ckpt_dir: str) -> int | None:
         names = os.listdir(ckpt_dir)
     except FileNotFoundError:
         return None
-    steps = [int(n[len("step-"):]) for n in names
-             if n.startswith("step-") and n[len("step-"):].isdigit()
-             and os.path.exists(os.path.join(ckpt_dir, n, MARKER))]
+    steps = [
+        int(n[len("step-") :])
+        for n in names
+        if n.startswith("step-") and n[len("step-") :].isdigit() and os.path.exists(os.path.join(ckpt_dir, n, MARKER))
+    ]
     return max(steps, default=None)
 
 

@@ -132,19 +132,28 @@ def main(argv=None) -> int:
                 record("step", step=state.global_step, loss=logs["loss"])
             return control
 
-    config = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=2,
-                        bos_token_id=255, eos_token_id=255)
+    config = GPT2Config(
+        vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=2, bos_token_id=255, eos_token_id=255
+    )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     training_args = TrainingArguments(
-        output_dir=opts.output_dir, max_steps=opts.max_steps, per_device_train_batch_size=4,
-        learning_rate=1e-3, logging_steps=1, seed=0, report_to="none", use_cpu=not torch.cuda.is_available(),
-        save_strategy="steps" if opts.save_steps else "no", save_steps=opts.save_steps or 500,
-        disable_tqdm=True, dataloader_num_workers=0, ddp_find_unused_parameters=False,
+        output_dir=opts.output_dir,
+        max_steps=opts.max_steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        seed=0,
+        report_to="none",
+        use_cpu=not torch.cuda.is_available(),
+        save_strategy="steps" if opts.save_steps else "no",
+        save_steps=opts.save_steps or 500,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        ddp_find_unused_parameters=False,
     )
     callback = SaveOnNotice()
-    trainer = Trainer(model=model, args=training_args, train_dataset=RandomTokens(256, config),
-                      callbacks=[callback])
+    trainer = Trainer(model=model, args=training_args, train_dataset=RandomTokens(256, config), callbacks=[callback])
     resume = newest_complete_checkpoint(opts.output_dir, PREFIX_CHECKPOINT_DIR)
     record("start", pid=os.getpid(), resumed_step=None if resume is None else int(resume.rsplit("-", 1)[1]))
     trainer.train(resume_from_checkpoint=resume)
@@ -161,7 +170,9 @@ class RandomTokens:
     def __init__(self, n: int, config) -> None:
         import torch
 
-        self._tokens = torch.randint(config.vocab_size, (n, config.n_positions), generator=torch.Generator().manual_seed(1))
+        self._tokens = torch.randint(
+            config.vocab_size, (n, config.n_positions), generator=torch.Generator().manual_seed(1)
+        )
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -177,8 +188,11 @@ def newest_complete_checkpoint(output_dir: str, prefix: str) -> str | None:
     except FileNotFoundError:
         return None
     pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)$")
-    steps = [int(m.group(1)) for m in map(pattern.match, names)
-             if m and os.path.exists(os.path.join(output_dir, m.group(0), MARKER))]
+    steps = [
+        int(m.group(1))
+        for m in map(pattern.match, names)
+        if m and os.path.exists(os.path.join(output_dir, m.group(0), MARKER))
+    ]
     return os.path.join(output_dir, f"{prefix}-{max(steps)}") if steps else None
 
 

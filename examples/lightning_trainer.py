@@ -123,15 +123,22 @@ def main(argv=None) -> int:
             self.stopped = True
 
     dataset = torch.utils.data.TensorDataset(*random_data(512))
-    loader = torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True,
-                                         generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     callback = SaveOnNotice()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, strategy="ddp" if world_size > 1 else "auto",
+        accelerator="cpu",
+        devices=world_size,
+        strategy="ddp" if world_size > 1 else "auto",
         num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // world_size,
-        max_steps=opts.max_steps, callbacks=[callback], enable_checkpointing=False, logger=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        max_steps=opts.max_steps,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     torch.manual_seed(0)
     model = Regression()

@@ -9,8 +9,8 @@ Library entry points used inside a training script:
   by their own means (no torch import: cheap to call every step).
 """
 
-from spotrun._version import __version__
-
+from spotrun._version import __version__ as __version__
+from spotrun.control.preemption import PreemptionNotice, on_preemption_notice, preemption_notice  # noqa: E402
 from spotrun.errors import (  # noqa: E402
     CheckpointError,
     CheckpointSaveError,
@@ -25,7 +25,6 @@ from spotrun.errors import (  # noqa: E402
     StateSerializationError,
     StorageError,
 )
-from spotrun.control.preemption import PreemptionNotice, on_preemption_notice, preemption_notice  # noqa: E402
 
 __all__ = [
     "Checkpointer",

@@ -94,8 +94,10 @@ def _no_spotrun_thread_outlives_the_test():
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
     left = sorted(t.name for t in _spotrun_threads() - before)
     if left:
-        pytest.fail(f"spotrun thread(s) still running {THREAD_END_WAIT_S:.0f} s after the test: {', '.join(left)}",
-                    pytrace=False)
+        pytest.fail(
+            f"spotrun thread(s) still running {THREAD_END_WAIT_S:.0f} s after the test: {', '.join(left)}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture
@@ -144,9 +146,12 @@ def reference(tmp_path_factory):
         if not (root / "done").exists():
             root.mkdir(exist_ok=True)
             log_file = root / "train.jsonl"
-            proc = start_supervised(str(root / "ck"),
-                                    torchrun_command(REFERENCE_STEPS, REFERENCE_SAVE_INTERVAL, log_file),
-                                    extra_options=["--notice", "none"], log_path=root / "supervisor.log")
+            proc = start_supervised(
+                str(root / "ck"),
+                torchrun_command(REFERENCE_STEPS, REFERENCE_SAVE_INTERVAL, log_file),
+                extra_options=["--notice", "none"],
+                log_path=root / "supervisor.log",
+            )
             try:
                 assert proc.wait(timeout=600) == 0, (root / "supervisor.log").read_text()[-3000:]
             finally:
@@ -161,16 +166,21 @@ def reference(tmp_path_factory):
 def figures(request):
     """``figures(line)``: a line of figures (points tried, bytes per second) printed in the
     run's summary, also when the test ran in an xdist worker (whose output is not shown)."""
+
     def add(line: str) -> None:
         request.node.user_properties.append(("figures", line))
+
     return add
 
 
 def pytest_terminal_summary(terminalreporter):
-    lines = [f"{report.nodeid}: {value}"
-             for report in terminalreporter.getreports("passed") + terminalreporter.getreports("failed")
-             if report.when == "call"
-             for name, value in report.user_properties if name == "figures"]
+    lines = [
+        f"{report.nodeid}: {value}"
+        for report in terminalreporter.getreports("passed") + terminalreporter.getreports("failed")
+        if report.when == "call"
+        for name, value in report.user_properties
+        if name == "figures"
+    ]
     if lines:
         terminalreporter.section("figures")
         for line in lines:

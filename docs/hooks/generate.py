@@ -80,7 +80,8 @@ def _option_line(action: argparse.Action, prog: str) -> str:
         takes_value = action.nargs != 0
         if takes_value:
             metavar = action.metavar or (
-                "{" + ",".join(map(str, action.choices)) + "}" if action.choices else action.dest.upper())
+                "{" + ",".join(map(str, action.choices)) + "}" if action.choices else action.dest.upper()
+            )
             names = f"{names} {metavar}"
     else:
         names = action.metavar or action.dest
@@ -88,8 +89,12 @@ def _option_line(action: argparse.Action, prog: str) -> str:
     help_text = _expand_help(action, prog)
     default = action.default
     # Most help texts name their default themselves; the others get it here.
-    if action.option_strings and action.nargs != 0 and default not in (None, argparse.SUPPRESS) \
-            and "default" not in help_text:
+    if (
+        action.option_strings
+        and action.nargs != 0
+        and default not in (None, argparse.SUPPRESS)
+        and "default" not in help_text
+    ):
         line += f" (default `{default}`)"
     return line + (f": {_md(help_text)}" if help_text else "")
 
@@ -106,8 +111,9 @@ def cli_reference() -> str:
         out += ["```text", usage(sub), "```", ""]
         if sub.description:
             out += [_md(sub.description), ""]
-        arguments = [a for a in sub._actions
-                     if a.help is not argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
+        arguments = [
+            a for a in sub._actions if a.help is not argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)
+        ]
         positionals = [a for a in arguments if not a.option_strings]
         options = [a for a in arguments if a.option_strings]
         if positionals:

@@ -26,13 +26,12 @@ from typing import Any, Protocol
 
 import torch.distributed as torch_dist
 
-from spotrun.tools import dist
-from spotrun.tools import process_local
 from spotrun.checkpoint import in_flight
 from spotrun.checkpoint.save import PreparedSave, SaveContext, SavedStep, SaveProgress, commit_save, prepare_save
 from spotrun.checkpoint.shard import ShardLimits
 from spotrun.checkpoint.staging import StagingBuffers
 from spotrun.storage.base import Storage
+from spotrun.tools import dist, process_local
 
 log = logging.getLogger(__name__)
 in_flight_log = logging.getLogger(in_flight.__name__)  # the decision's log line, under the rule's name
@@ -48,8 +47,9 @@ class SaveObserver(Protocol):
 
     def progress(self, step: int, bytes_done: int, bytes_total: int, remaining_s: float | None) -> None: ...
 
-    def save_ended(self, step: int, reason: str, started_s: float, size_bytes: int | None, *,
-                   stall_s: float | None = None) -> float: ...
+    def save_ended(
+        self, step: int, reason: str, started_s: float, size_bytes: int | None, *, stall_s: float | None = None
+    ) -> float: ...
 
 
 @dataclass
@@ -110,8 +110,9 @@ class BackgroundSaver:
             training does not. What it raises is logged.
     """
 
-    def __init__(self, meter: SaveObserver | None = None,
-                 after_commit: Callable[[int, str], None] | None = None) -> None:
+    def __init__(
+        self, meter: SaveObserver | None = None, after_commit: Callable[[int, str], None] | None = None
+    ) -> None:
         self._meter = meter
         self._after_commit = after_commit
         self._staging = StagingBuffers()  # allocated at the first save, then reused
@@ -134,9 +135,19 @@ class BackgroundSaver:
         """Whether a save is still being written or committed on this rank."""
         return self._current is not None and not self._current.done.is_set()
 
-    def start(self, storage: Storage, step: int, replicated: dict[str, Any], rank_local: dict[str, Any],
-              context: Callable[[], SaveContext], limits: ShardLimits | None, *, timeout_s: float, reason: str,
-              waited_s: float = 0.0) -> InFlightSave:
+    def start(
+        self,
+        storage: Storage,
+        step: int,
+        replicated: dict[str, Any],
+        rank_local: dict[str, Any],
+        context: Callable[[], SaveContext],
+        limits: ShardLimits | None,
+        *,
+        timeout_s: float,
+        reason: str,
+        waited_s: float = 0.0,
+    ) -> InFlightSave:
         """Stage this rank's part of ``step`` into the reused buffers, then write and commit it
         in the background (collective on every rank: the first call makes the process group,
         which every rank must do at the same point). Returns once the staging copies are
@@ -158,8 +169,7 @@ class BackgroundSaver:
         """
         if self._current is not None:
             raise RuntimeError(f"the save of step {self._current.step} is still in flight")
-        started_s = time.monotonic() if self._meter is None else \
-            self._meter.save_started(step, reason, background=True)
+        started_s = time.monotonic() if self._meter is None else self._meter.save_started(step, reason, background=True)
         try:
             prepared = prepare_save(step, replicated, rank_local, staging=self._staging)
             with storage.deadline(timeout_s):
@@ -171,8 +181,9 @@ class BackgroundSaver:
             if self._meter is not None:
                 self._meter.save_ended(step, reason, started_s, None)
             raise
-        save = InFlightSave(step=step, reason=reason, started_s=started_s,
-                            stall_s=waited_s + time.monotonic() - started_s)
+        save = InFlightSave(
+            step=step, reason=reason, started_s=started_s, stall_s=waited_s + time.monotonic() - started_s
+        )
         if self._meter is not None:
             self._meter.stall_ended()
         if self._thread is None:
@@ -188,8 +199,12 @@ class BackgroundSaver:
         current = self._current
         if self._meter is not None and current is not None and not current.done.is_set():
             progress = current.progress
-            self._meter.progress(step=current.step, bytes_done=progress.bytes_done,
-                                 bytes_total=progress.bytes_total, remaining_s=progress.remaining_s())
+            self._meter.progress(
+                step=current.step,
+                bytes_done=progress.bytes_done,
+                bytes_total=progress.bytes_total,
+                remaining_s=progress.remaining_s(),
+            )
 
     def wait_reporting(self, why: str) -> float:
         """Block until the save in flight ended on this rank, publishing its progress
@@ -202,8 +217,13 @@ class BackgroundSaver:
             self.publish_progress()
         waited_s = time.monotonic() - started_s
         if dist.rank() == 0:
-            log.log(logging.WARNING if waited_s >= 1.0 else logging.INFO,
-                    "%s waited %.2f s for the background save of step %d still in flight", why, waited_s, current.step)
+            log.log(
+                logging.WARNING if waited_s >= 1.0 else logging.INFO,
+                "%s waited %.2f s for the background save of step %d still in flight",
+                why,
+                waited_s,
+                current.step,
+            )
         return waited_s
 
     def abort(self) -> None:
@@ -252,8 +272,15 @@ class BackgroundSaver:
             save = job.save
             try:
                 with job.storage.deadline(job.timeout_s):  # thread-local: entered on this thread
-                    save.saved = commit_save(job.storage, job.prepared, job.context, job.limits,
-                                             group=self._group, abort=save.abort, progress=save.progress)
+                    save.saved = commit_save(
+                        job.storage,
+                        job.prepared,
+                        job.context,
+                        job.limits,
+                        group=self._group,
+                        abort=save.abort,
+                        progress=save.progress,
+                    )
             except BaseException as exc:  # handed to the training thread
                 save.error = exc
             finally:
@@ -274,16 +301,28 @@ class BackgroundSaver:
         """On the worker thread, as a save ends: measure it, log its commit (rank 0)."""
         saved = save.saved
         if self._meter is not None:
-            self._meter.save_ended(save.step, save.reason, save.started_s,
-                                   None if saved is None else saved.size_bytes, stall_s=save.stall_s)
+            self._meter.save_ended(
+                save.step,
+                save.reason,
+                save.started_s,
+                None if saved is None else saved.size_bytes,
+                stall_s=save.stall_s,
+            )
         if saved is not None and saved.manifest is not None:
-            log.info("committed step %d (%s, in the background): %d files, %.1f MiB in %.2f s, training "
-                     "blocked %.2f s", save.step, save.reason, len(saved.manifest.files), saved.size_bytes / 2**20,
-                     (save.ended_s or 0.0) - save.started_s, save.stall_s)
+            log.info(
+                "committed step %d (%s, in the background): %d files, %.1f MiB in %.2f s, training blocked %.2f s",
+                save.step,
+                save.reason,
+                len(saved.manifest.files),
+                saved.size_bytes / 2**20,
+                (save.ended_s or 0.0) - save.started_s,
+                save.stall_s,
+            )
 
 
-def settle(saver: BackgroundSaver, *, step: int, left_s: float, full_save_s: float | None,
-           may_save: bool) -> tuple[in_flight.Choice, InFlightSave | None]:
+def settle(
+    saver: BackgroundSaver, *, step: int, left_s: float, full_save_s: float | None, may_save: bool
+) -> tuple[in_flight.Choice, InFlightSave | None]:
     """Decide on rank 0, from every rank's progress, what happens to the save in flight; do it
     on every rank (abandon it or not, then wait for it to end); log the decision when a save
     was still being written (rule: :mod:`spotrun.checkpoint.in_flight`).
@@ -305,9 +344,12 @@ def settle(saver: BackgroundSaver, *, step: int, left_s: float, full_save_s: flo
     """
     current = saver.in_flight
     running = saver.running
-    mine = {"step": None if current is None else current.step, "running": running,
-            "remaining_s": current.progress.remaining_s() if running else 0.0,
-            "elapsed_s": 0.0 if current is None else time.monotonic() - current.started_s}
+    mine = {
+        "step": None if current is None else current.step,
+        "running": running,
+        "remaining_s": current.progress.remaining_s() if running else 0.0,
+        "elapsed_s": 0.0 if current is None else time.monotonic() - current.started_s,
+    }
     everyone = dist.all_gather_json(mine)
     decision = None
     if dist.rank() == 0:
@@ -331,8 +373,11 @@ def _finish_at_exit(saver_ref: weakref.ref) -> None:
     current = saver._current
     try:
         if current is not None and not current.done.is_set():
-            log.warning("the process is exiting with the background save of step %d still being written: "
-                        "waiting for it (call Checkpointer.close() before exiting)", current.step)
+            log.warning(
+                "the process is exiting with the background save of step %d still being written: "
+                "waiting for it (call Checkpointer.close() before exiting)",
+                current.step,
+            )
             current.done.wait()
         if current is not None and current.error is not None:
             log.error("the background save of step %d failed: %s", current.step, current.error)

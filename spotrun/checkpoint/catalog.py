@@ -22,9 +22,9 @@ from spotrun.checkpoint.layout import (
     parse_step_dir,
     step_dir,
 )
+from spotrun.checkpoint.manifest import Manifest
 from spotrun.checkpoint.strict_json import MANIFEST_MAX_BYTES
 from spotrun.errors import ManifestError, NoCheckpointError, ObjectNotFoundError, UnsafeObjectError
-from spotrun.checkpoint.manifest import Manifest
 from spotrun.storage.base import ObjectInfo, Storage
 
 log = logging.getLogger(__name__)
@@ -104,10 +104,7 @@ def list_root(storage: Storage) -> tuple[list[StepInfo], Fences]:
 
 def newest_complete(storage: Storage, *, below: int | None = None) -> StepInfo | None:
     """The complete step with the highest number (``< below`` when given), or ``None``."""
-    complete = [
-        s for s in list_steps(storage)
-        if s.status == COMPLETE and (below is None or s.step < below)
-    ]
+    complete = [s for s in list_steps(storage) if s.status == COMPLETE and (below is None or s.step < below)]
     return complete[-1] if complete else None
 
 
@@ -121,7 +118,7 @@ def inspect_step(storage: Storage, step: int, fences: Fences | None = None) -> S
     if not objects:
         return None
     if fences is None:
-        has_manifest = any(parse_manifest_name(o.key[len(prefix):])[0] for o in objects)
+        has_manifest = any(parse_manifest_name(o.key[len(prefix) :])[0] for o in objects)
         fences = read_fences(storage) if has_manifest else Fences()
     return _inspect(storage, step, objects, fences)
 
@@ -174,8 +171,7 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
     marker = [o for o in objects if o.key == prefix + DELETION_MARKER_NAME]
     being_deleted = bool(marker) and marker[0].mtime_s >= newest_mtime
 
-    def result(status: str, problem: str | None, manifest: Manifest | None = None,
-               key: str | None = None) -> StepInfo:
+    def result(status: str, problem: str | None, manifest: Manifest | None = None, key: str | None = None) -> StepInfo:
         return StepInfo(
             step=step,
             status=status,
@@ -196,7 +192,7 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
         return result(CORRUPT, f"{refused[0].key} is refused: {refused[0].refused}")
     manifests: list[tuple[int | None, str]] = []  # (incarnation in the name, key)
     for key in sizes:
-        is_manifest, incarnation = parse_manifest_name(key[len(prefix):])
+        is_manifest, incarnation = parse_manifest_name(key[len(prefix) :])
         if is_manifest:
             manifests.append((incarnation, key))
     # Newest incarnation first: when two manifests are valid (never written so), it wins.
@@ -209,34 +205,49 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
             if checked.status == CORRUPT:  # damaged whoever fenced it: `ls` says what is wrong
                 return checked
             fenced.append(
-                f"{key[len(prefix):]} was committed by incarnation {incarnation} after incarnation "
+                f"{key[len(prefix) :]} was committed by incarnation {incarnation} after incarnation "
                 f"{newer} started from "
                 + ("scratch" if fences.resumed[newer] is None else f"step {fences.resumed[newer]}")
             )
             continue
         info = _check_manifest(storage, step, key, incarnation, sizes, result)
-        if info.status == CORRUPT and info.manifest is not None and (
-                being_deleted or deleted_since_listed(storage, info)):
+        if (
+            info.status == CORRUPT
+            and info.manifest is not None
+            and (being_deleted or deleted_since_listed(storage, info))
+        ):
             # a file missing because retention or gc is deleting the step (the listing saw the
             # manifest before its deletion, the files after): gone, not damaged
-            return result(INCOMPLETE, f"being deleted: {info.problem} and the step's deletion has begun "
-                                      f"({DELETION_MARKER_NAME} or its manifest's removal)")
+            return result(
+                INCOMPLETE,
+                f"being deleted: {info.problem} and the step's deletion has begun "
+                f"({DELETION_MARKER_NAME} or its manifest's removal)",
+            )
         return info
     if fenced:
         return result(FENCED, "; ".join(fenced) + ": never resumed from")
-    if any(k[len(prefix):].startswith(REJECTED_PREFIX) for k in sizes):
+    if any(k[len(prefix) :].startswith(REJECTED_PREFIX) for k in sizes):
         return result(CORRUPT, "failed verification on restore; see the rejected-manifest file")
     if being_deleted:
-        return result(INCOMPLETE, f"being deleted: its manifest is gone, {DELETION_MARKER_NAME} is there "
-                                  "(spotrun gc finishes an interrupted deletion)")
+        return result(
+            INCOMPLETE,
+            f"being deleted: its manifest is gone, {DELETION_MARKER_NAME} is there "
+            "(spotrun gc finishes an interrupted deletion)",
+        )
     return result(INCOMPLETE, "no manifest: the save never committed")
 
 
-def _check_manifest(storage: Storage, step: int, key: str, incarnation: int | None,
-                    sizes: dict[str, int], result) -> StepInfo:
+def _check_manifest(
+    storage: Storage, step: int, key: str, incarnation: int | None, sizes: dict[str, int], result
+) -> StepInfo:
     if sizes[key] > MANIFEST_MAX_BYTES:  # refused by its listed size, before it is read
-        return result(CORRUPT, f"{storage.uri}/{key} is refused: {sizes[key]} bytes, more than the "
-                               f"{MANIFEST_MAX_BYTES} a manifest may have", None, key)
+        return result(
+            CORRUPT,
+            f"{storage.uri}/{key} is refused: {sizes[key]} bytes, more than the "
+            f"{MANIFEST_MAX_BYTES} a manifest may have",
+            None,
+            key,
+        )
     manifest = _read(storage, key)
     if manifest is None:
         return result(INCOMPLETE, f"{key} disappeared while listing")
@@ -245,8 +256,9 @@ def _check_manifest(storage: Storage, step: int, key: str, incarnation: int | No
     if manifest.step != step:
         return result(CORRUPT, f"manifest says step {manifest.step}, directory says {step}", manifest, key)
     if incarnation is not None and manifest.incarnation != incarnation:
-        return result(CORRUPT, f"manifest says incarnation {manifest.incarnation}, its name says "
-                               f"{incarnation}", manifest, key)
+        return result(
+            CORRUPT, f"manifest says incarnation {manifest.incarnation}, its name says {incarnation}", manifest, key
+        )
     for record in manifest.files:
         fkey = file_key(step, record.path)
         if fkey not in sizes:
@@ -255,7 +267,8 @@ def _check_manifest(storage: Storage, step: int, key: str, incarnation: int | No
             return result(
                 CORRUPT,
                 f"{record.path} has {sizes[fkey]} bytes, manifest recorded {record.size_bytes}",
-                manifest, key,
+                manifest,
+                key,
             )
     return result(COMPLETE, None, manifest, key)
 

@@ -20,16 +20,16 @@ import torch
 
 from spotrun.checkpoint.chunks import Box, byte_runs, overlap
 from spotrun.checkpoint.layout import file_key
-from spotrun.checkpoint.rank_index import RankIndex, chunk_key
-from spotrun.checkpoint.step_checks import block_problems, parse_index
-from spotrun.checkpoint.verify_tensors import ShardHeader, check_chunk, coverage_problem, read_header
-from spotrun.checkpoint.strict_json import INDEX_MAX_BYTES
-from spotrun.checkpoint.reader import _dtype_info, _read
-from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, byte_view
-from spotrun.errors import CorruptShardError
 from spotrun.checkpoint.manifest import FileRecord, Manifest, TensorRecord
-from spotrun.tools.progress import progress_bar
+from spotrun.checkpoint.rank_index import RankIndex, chunk_key
+from spotrun.checkpoint.reader import _dtype_info, _read
+from spotrun.checkpoint.step_checks import block_problems, parse_index
+from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, byte_view
+from spotrun.checkpoint.strict_json import INDEX_MAX_BYTES
+from spotrun.checkpoint.verify_tensors import ShardHeader, check_chunk, coverage_problem, read_header
+from spotrun.errors import CorruptShardError
 from spotrun.storage.base import Storage
+from spotrun.tools.progress import progress_bar
 
 
 @dataclass
@@ -137,7 +137,8 @@ class ChunkReader:
         self._manifest = manifest
         self._files: dict[str, FileRecord] = {f.path: f for f in manifest.files}
         self._index_of_rank: dict[int, FileRecord] = {
-            f.rank: f for f in manifest.files if f.path.endswith(".index.json")}
+            f.rank: f for f in manifest.files if f.path.endswith(".index.json")
+        }
         self._indexes: dict[int, RankIndex] = {}
         self._headers: dict[str, ShardHeader] = {}
         self._covered: set[str] = set()  # tensors whose chunk layout passed coverage_problem
@@ -157,8 +158,9 @@ class ChunkReader:
             raise CorruptShardError(f"step {step}: the manifest lists no index of rank {rank}")
         where = self._where(record.path)
         if record.size_bytes > INDEX_MAX_BYTES:  # its size on storage (the catalog checked): not read
-            raise CorruptShardError(f"{where}: {record.size_bytes} bytes, more than the {INDEX_MAX_BYTES} "
-                                    "a rank index may have")
+            raise CorruptShardError(
+                f"{where}: {record.size_bytes} bytes, more than the {INDEX_MAX_BYTES} a rank index may have"
+            )
         data = self._storage.get(file_key(step, record.path))
         self.bytes_read += len(data)
         try:  # the checks spotrun verify makes of it
@@ -182,8 +184,9 @@ class ChunkReader:
             if record is None:  # parse_index made sure the manifest lists it
                 raise CorruptShardError(f"{self._where(path)}: not in the manifest")
             try:
-                header = read_header(self._storage, file_key(self._manifest.step, path), record.size_bytes,
-                                     record.size_bytes)
+                header = read_header(
+                    self._storage, file_key(self._manifest.step, path), record.size_bytes, record.size_bytes
+                )
             except CorruptShardError as exc:
                 raise CorruptShardError(f"{self._where(path)}: {exc}") from exc
             for problem in header.problems:
@@ -220,8 +223,9 @@ class ChunkReader:
             if math.prod(box[1]):
                 for chunk in record.chunks.overlapping(box):
                     index = self._index(chunk.writer)
-                    found = check_chunk(name, record, chunk, self._index_of_rank[chunk.writer].path, index,
-                                        self._header)
+                    found = check_chunk(
+                        name, record, chunk, self._index_of_rank[chunk.writer].path, index, self._header
+                    )
                     if found is not None:
                         raise CorruptShardError(f"{self._where(found[0] or '')}: {found[1]}")
             self._checked.add((name, box))
@@ -249,8 +253,9 @@ class ChunkReader:
                 for unit in units:
                     self._read_unit(*unit)
                 return
-            with ThreadPoolExecutor(max_workers=min(self._storage.read_concurrency, len(units)),
-                                    thread_name_prefix="spotrun-read") as pool:
+            with ThreadPoolExecutor(
+                max_workers=min(self._storage.read_concurrency, len(units)), thread_name_prefix="spotrun-read"
+            ) as pool:
                 for future in [pool.submit(self._read_unit, *unit) for unit in units]:
                     future.result()
 
@@ -278,18 +283,29 @@ class ChunkReader:
             key = chunk_key(item.name, chunk.offsets, chunk.lengths, record.shape)
             file_index, begin, end = self._located(index, key, where)
             if end - begin != chunk.numel * itemsize:
-                raise CorruptShardError(f"{where}: chunk {key!r} holds {end - begin} bytes, "
-                                        f"not {chunk.numel * itemsize}")
+                raise CorruptShardError(
+                    f"{where}: chunk {key!r} holds {end - begin} bytes, not {chunk.numel * itemsize}"
+                )
             in_chunk = (tuple(o - c for o, c in zip(common[0], chunk.offsets)), common[1])
             in_box = (tuple(o - b for o, b in zip(common[0], box_offsets)), common[1])
             source_run, source_starts = byte_runs(chunk.lengths, in_chunk, itemsize)
             target_run, target_starts = byte_runs(box_lengths, in_box, itemsize)
             run = min(source_run, target_run)  # one divides the other
             row_bytes = math.prod(chunk.lengths[1:]) * itemsize
-            if run < SMALL_RUN_BYTES and len(source_starts) * (source_run // run) > 1 \
-                    and row_bytes <= index.files[file_index].block_bytes:
-                self._plan_slabs(item, chunk.lengths, in_chunk, in_box, begin, row_bytes,
-                                 pieces.setdefault((chunk.writer, file_index), []))
+            if (
+                run < SMALL_RUN_BYTES
+                and len(source_starts) * (source_run // run) > 1
+                and row_bytes <= index.files[file_index].block_bytes
+            ):
+                self._plan_slabs(
+                    item,
+                    chunk.lengths,
+                    in_chunk,
+                    in_box,
+                    begin,
+                    row_bytes,
+                    pieces.setdefault((chunk.writer, file_index), []),
+                )
                 continue
             split_source, split_target = source_run // run, target_run // run
             sources = [s + k * run for s in source_starts for k in range(split_source)]
@@ -297,8 +313,16 @@ class ChunkReader:
             found = pieces.setdefault((chunk.writer, file_index), [])
             found.extend(_Piece(begin + s, begin + s + run, target[t : t + run]) for s, t in zip(sources, targets))
 
-    def _plan_slabs(self, item: BoxRead, lengths: tuple[int, ...], in_chunk: Box, in_box: Box, begin: int,
-                    row_bytes: int, found: list[_Piece]) -> None:
+    def _plan_slabs(
+        self,
+        item: BoxRead,
+        lengths: tuple[int, ...],
+        in_chunk: Box,
+        in_box: Box,
+        begin: int,
+        row_bytes: int,
+        found: list[_Piece],
+    ) -> None:
         """Read the rows of a chunk that hold ``in_chunk`` in slabs of up to a read unit's bytes;
         each slab's part of the box is copied into ``item.into`` (at ``in_box``) by one copy."""
         first, count = in_chunk[0][0], in_chunk[1][0]
@@ -373,8 +397,11 @@ class ChunkReader:
         for piece in inside:
             if piece.begin > position:
                 views.append(memoryview(bytearray(piece.begin - position)))
-            target = piece.target if piece.slab is None else \
-                piece.slab.view(piece.slab_offset, piece.slab_offset + piece.end - piece.begin)
+            target = (
+                piece.target
+                if piece.slab is None
+                else piece.slab.view(piece.slab_offset, piece.slab_offset + piece.end - piece.begin)
+            )
             views.append(memoryview(target.numpy()))
             position = piece.end
         if position < stop:
@@ -404,6 +431,7 @@ class ChunkReader:
     @staticmethod
     def _check_block(item, number: int, digest, where: str) -> None:
         if digest.hexdigest() != item.block_digests[number]:
-            raise CorruptShardError(f"{where}: block {number} (bytes {number * item.block_bytes}-"
-                                    f"{(number + 1) * item.block_bytes}) does not match its checksum")
-
+            raise CorruptShardError(
+                f"{where}: block {number} (bytes {number * item.block_bytes}-"
+                f"{(number + 1) * item.block_bytes}) does not match its checksum"
+            )

@@ -48,8 +48,14 @@ class ChunkLayout:
     elements are never listed (nothing was written for them).
     """
 
-    def __init__(self, shape: list[int], *, grid: list[int] | None = None, writers: list[int] | None = None,
-                 chunks: list[Chunk] | None = None) -> None:
+    def __init__(
+        self,
+        shape: list[int],
+        *,
+        grid: list[int] | None = None,
+        writers: list[int] | None = None,
+        chunks: list[Chunk] | None = None,
+    ) -> None:
         self.shape = tuple(shape)
         self.grid = None if grid is None else tuple(grid)
         self._writers = writers
@@ -110,7 +116,7 @@ class ChunkLayout:
         return {"chunks": [[list(c.offsets), list(c.lengths), c.writer] for c in self._chunks]}
 
     @classmethod
-    def from_json(cls, shape: list[int], raw: dict[str, Any], *, max_cells: int | None = None) -> "ChunkLayout":
+    def from_json(cls, shape: list[int], raw: dict[str, Any], *, max_cells: int | None = None) -> ChunkLayout:
         """Parse the manifest form.
 
         ``max_cells``: the most cells a grid may have (what the step's files can hold:
@@ -124,8 +130,15 @@ class ChunkLayout:
         if "grid" in raw:
             grid = raw["grid"]
             writers = raw["writers"]
-            if type(writers) is list and len(writers) == 1 and type(writers[0]) is int and writers[0] >= 0 \
-                    and type(grid) is list and len(grid) == len(shape) and all(p == 1 for p in grid):
+            if (
+                type(writers) is list
+                and len(writers) == 1
+                and type(writers[0]) is int
+                and writers[0] >= 0
+                and type(grid) is list
+                and len(grid) == len(shape)
+                and all(p == 1 for p in grid)
+            ):
                 return cls(shape, grid=grid, writers=writers)  # a whole tensor (the common case)
             if type(grid) is not list or len(grid) != len(shape) or not all(type(p) is int and p >= 1 for p in grid):
                 raise ValueError(f"grid must list {len(shape)} integers >= 1, got {brief(grid)}")
@@ -133,21 +146,28 @@ class ChunkLayout:
             for parts in grid:  # stops early: a hostile grid never builds a huge integer or list
                 cells *= parts
                 if max_cells is not None and cells > max_cells:
-                    raise ValueError(f"grid {brief(grid)} of shape {brief(shape)} has more cells than the "
-                                     f"{max_cells} the step's files can hold")
+                    raise ValueError(
+                        f"grid {brief(grid)} of shape {brief(shape)} has more cells than the "
+                        f"{max_cells} the step's files can hold"
+                    )
             return cls(shape, grid=grid, writers=expand_ranks(raw["writers"], cells))
         chunks = []
         for item in raw["chunks"]:
             offsets, lengths, writer = item
-            if not (type(offsets) is list and type(lengths) is list and len(offsets) == len(lengths) == len(shape)
-                    and all(type(v) is int and v >= 0 for v in offsets + lengths) and type(writer) is int
-                    and all(o + n <= s for o, n, s in zip(offsets, lengths, shape))):
+            if not (
+                type(offsets) is list
+                and type(lengths) is list
+                and len(offsets) == len(lengths) == len(shape)
+                and all(type(v) is int and v >= 0 for v in offsets + lengths)
+                and type(writer) is int
+                and all(o + n <= s for o, n, s in zip(offsets, lengths, shape))
+            ):
                 raise ValueError(f"chunk {item!r} does not fit shape {shape}")
             chunks.append(Chunk(tuple(offsets), tuple(lengths), writer))
         return cls(shape, chunks=chunks)
 
     @classmethod
-    def of(cls, shape: list[int], chunks: list[Chunk]) -> "ChunkLayout":
+    def of(cls, shape: list[int], chunks: list[Chunk]) -> ChunkLayout:
         """The most compact layout holding ``chunks`` (a grid where they form one)."""
         chunks = [c for c in chunks if c.numel]
         if not chunks:  # an empty tensor

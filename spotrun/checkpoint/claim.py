@@ -8,17 +8,24 @@ claims nothing more: torchrun restarting its workers must not fence the newer co
 
 from __future__ import annotations
 
-from spotrun.control import files as control
-from spotrun.tools import dist
 from spotrun.checkpoint import catalog, fencing
+from spotrun.control import files as control
 from spotrun.control.env import WorkerEnv
 from spotrun.errors import CheckpointSaveError, CommitUnsupportedError, FencedError, SpotrunError, StorageError
 from spotrun.storage.base import Storage
+from spotrun.tools import dist
 
 
-def claim_incarnation(storage: Storage, *, resumed_step: int | None, at_least: int, run_id: str,
-                      after_newest: bool = False, saving_step: int | None = None,
-                      worker_env: WorkerEnv | None = None) -> int:
+def claim_incarnation(
+    storage: Storage,
+    *,
+    resumed_step: int | None,
+    at_least: int,
+    run_id: str,
+    after_newest: bool = False,
+    saving_step: int | None = None,
+    worker_env: WorkerEnv | None = None,
+) -> int:
     """Rank 0 claims the next incarnation on the root (fencing older writers); every rank
     gets the number.
 
@@ -45,25 +52,38 @@ def claim_incarnation(storage: Storage, *, resumed_step: int | None, at_least: i
             control_dir = worker_env.control_dir if worker_env is not None else None
             fenced = control.read_fence_report(control_dir) if control_dir else None
             if fenced is not None:
-                raise FencedError(f"this launch was fenced by incarnation {fenced.newer_incarnation} "
-                                  f"({fenced.message}); it claims no incarnation again")
+                raise FencedError(
+                    f"this launch was fenced by incarnation {fenced.newer_incarnation} "
+                    f"({fenced.message}); it claims no incarnation again"
+                )
             if after_newest:
                 newest = catalog.newest_complete(storage)
                 resumed_step = newest.step if newest else None
                 at_least = max(at_least, newest.manifest.incarnation + 1 if newest else 0)
-            claimed = {"incarnation": fencing.claim(
-                storage, resumed_step=resumed_step, run_id=run_id, at_least=at_least,
-                supervisor_pid=worker_env.supervisor_pid if worker_env else None).incarnation}
+            claimed = {
+                "incarnation": fencing.claim(
+                    storage,
+                    resumed_step=resumed_step,
+                    run_id=run_id,
+                    at_least=at_least,
+                    supervisor_pid=worker_env.supervisor_pid if worker_env else None,
+                ).incarnation
+            }
         except (SpotrunError, OSError) as exc:  # told to every rank, so none waits alone
-            claimed = {"error": f"{type(exc).__name__}: {exc}", "fenced": isinstance(exc, FencedError),
-                       "retryable": not isinstance(exc, (CommitUnsupportedError, FencedError))}
+            claimed = {
+                "error": f"{type(exc).__name__}: {exc}",
+                "fenced": isinstance(exc, FencedError),
+                "retryable": not isinstance(exc, (CommitUnsupportedError, FencedError)),
+            }
     claimed = dist.broadcast_json(claimed)
     if claimed.get("fenced"):
         raise FencedError(f"this start claims no incarnation under {storage.uri}: {claimed['error']}")
     if "error" in claimed:
         problem = f"cannot record this start under {storage.uri}: {claimed['error']}"
         if saving_step is not None:
-            raise CheckpointSaveError(f"save of step {saving_step} failed on rank 0: {problem} - nothing was committed",
-                                      retryable=claimed["retryable"])
+            raise CheckpointSaveError(
+                f"save of step {saving_step} failed on rank 0: {problem} - nothing was committed",
+                retryable=claimed["retryable"],
+            )
         raise StorageError(5, problem)
     return claimed["incarnation"]

@@ -14,12 +14,22 @@ import math
 
 import torch
 
-from spotrun.errors import CorruptShardError, StateSerializationError
 from spotrun.checkpoint.manifest import STORED_AS_BYTES, TensorRecord
+from spotrun.errors import CorruptShardError, StateSerializationError
 
 _NATIVE_NAMES = (
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-    "uint8", "bool", "float8_e4m3fn", "float8_e5m2",
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
 )
 #: Dtypes stored under their own safetensors code.
 NATIVE_DTYPES: frozenset[torch.dtype] = frozenset(
@@ -28,7 +38,7 @@ NATIVE_DTYPES: frozenset[torch.dtype] = frozenset(
 _QUANTIZED_NAMES = ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``."""
     return str(dtype).removeprefix("torch.")
@@ -40,14 +50,16 @@ def dtype_from_name(name: str) -> torch.dtype | None:
     return value if isinstance(value, torch.dtype) else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def refusal(dtype: torch.dtype) -> str | None:
     """Why tensors of ``dtype`` cannot be checkpointed, or ``None`` when they can."""
     try:
         probe = torch.empty(1, dtype=dtype)
         if dtype_name(dtype) in _QUANTIZED_NAMES or probe.is_quantized:
-            return ("it is a quantized dtype, whose scale and zero point are not part of the "
-                    "tensor's bytes; store tensor.int_repr() and the quantization parameters instead")
+            return (
+                "it is a quantized dtype, whose scale and zero point are not part of the "
+                "tensor's bytes; store tensor.int_repr() and the quantization parameters instead"
+            )
         probe.clone()
     except (RuntimeError, TypeError) as exc:  # NotImplementedError is a RuntimeError
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -68,7 +80,7 @@ def check_storable(tensor: torch.Tensor, path: str) -> None:
         )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stored_as(dtype: torch.dtype) -> str | None:
     """``None`` when ``dtype`` is stored natively, else ``"bytes"`` (see the module docstring)."""
     return None if dtype in NATIVE_DTYPES else STORED_AS_BYTES
@@ -89,8 +101,9 @@ def to_stored(tensor: torch.Tensor) -> torch.Tensor:
 
 def tensor_record(tensor: torch.Tensor, file: str) -> TensorRecord:
     """Manifest entry of a whole ``tensor`` (the original, not its stored form) in ``file``."""
-    return TensorRecord(file=file, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape),
-                        stored_as=stored_as(tensor.dtype))
+    return TensorRecord(
+        file=file, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), stored_as=stored_as(tensor.dtype)
+    )
 
 
 def from_stored(stored: torch.Tensor, record: TensorRecord, *, where: str) -> torch.Tensor:

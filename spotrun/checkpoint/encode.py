@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from spotrun.checkpoint import tree
 from spotrun.checkpoint.dtypes import dtype_name
 from spotrun.checkpoint.sharded import check_placements, is_dtensor, local_tensor, placement_signature
 from spotrun.errors import StateSerializationError
-from spotrun.checkpoint import tree
 
 
 @dataclass
@@ -69,8 +69,10 @@ def encode_state(replicated: dict[str, Any], rank_local: dict[str, Any], rank: i
         rank_skeleton[name], found = tree.encode(value, f"{rank_prefix}/{name}")
         for n, t in found.items():
             if is_dtensor(t):
-                raise StateSerializationError(f"rank state {n!r} is a DTensor; a rank's own state holds plain "
-                                              "tensors (pass sharded state in Checkpointer(state=...))")
+                raise StateSerializationError(
+                    f"rank state {n!r} is a DTensor; a rank's own state holds plain "
+                    "tensors (pass sharded state in Checkpointer(state=...))"
+                )
         rank_tensors.update(found)
     return EncodedState(skeleton, tensors, aliases, rank_skeleton, rank_tensors, sharded)
 
@@ -89,8 +91,15 @@ def _dedupe(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
             # DTensors is empty holds storages without memory (address 0) that are still
             # distinct objects, so every rank finds the same ties
             local = local_tensor(t)
-            identity = (t.device, local.untyped_storage()._cdata, local.storage_offset(), t.dtype,
-                        tuple(t.shape), local.stride(), placement_signature(t))
+            identity = (
+                t.device,
+                local.untyped_storage()._cdata,
+                local.storage_offset(),
+                t.dtype,
+                tuple(t.shape),
+                local.stride(),
+                placement_signature(t),
+            )
         else:
             identity = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
         if identity in canonical:

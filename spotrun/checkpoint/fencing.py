@@ -147,8 +147,9 @@ class IncarnationRecord:
         return json.dumps(doc, indent=1, sort_keys=True).encode("utf-8")
 
 
-def claim(storage: Storage, *, resumed_step: int | None, run_id: str, at_least: int = 0,
-          supervisor_pid: int | None = None) -> IncarnationRecord:
+def claim(
+    storage: Storage, *, resumed_step: int | None, run_id: str, at_least: int = 0, supervisor_pid: int | None = None
+) -> IncarnationRecord:
     """Claim the next incarnation number on ``storage`` (never one claimed before).
 
     Args:
@@ -171,11 +172,16 @@ def claim(storage: Storage, *, resumed_step: int | None, run_id: str, at_least: 
             storage.put_if_absent(incarnation_key(number), record.to_json())
         except ObjectExistsError:
             continue  # another start claimed this number first: look again
-        log.info("incarnation %d claimed on %s (resumed from %s)", number, storage.uri,
-                 "nothing: fresh start" if resumed_step is None else f"step {resumed_step}")
+        log.info(
+            "incarnation %d claimed on %s (resumed from %s)",
+            number,
+            storage.uri,
+            "nothing: fresh start" if resumed_step is None else f"step {resumed_step}",
+        )
         return record
-    raise StorageError(5, f"could not claim an incarnation under {storage.uri}: "
-                          f"{_MAX_CLAIM_ATTEMPTS} other starts claimed first")
+    raise StorageError(
+        5, f"could not claim an incarnation under {storage.uri}: {_MAX_CLAIM_ATTEMPTS} other starts claimed first"
+    )
 
 
 def check_not_fenced(storage: Storage, incarnation: int, fences: Fences | None = None) -> None:
@@ -235,8 +241,9 @@ def newest_claim(storage: Storage) -> Claim | None:
         return None
     number = max(keys)
     try:
-        doc = strict_json.loads(storage.get(keys[number]), max_bytes=strict_json.RECORD_MAX_BYTES,
-                                what="incarnation record")
+        doc = strict_json.loads(
+            storage.get(keys[number]), max_bytes=strict_json.RECORD_MAX_BYTES, what="incarnation record"
+        )
     except (StorageError, ValueError, UnicodeDecodeError) as exc:
         log.warning("incarnation record %s/%s is unreadable (%s)", storage.uri, keys[number], exc)
         return Claim(number)

@@ -32,8 +32,9 @@ class Choice(str, enum.Enum):
         return self in (Choice.ABANDON_AND_SAVE, Choice.ABANDON)
 
 
-def choose(in_flight_s: float | None, save_s: float | None, left_s: float, *,
-           boundary_s: float = 0.0, may_save: bool = True) -> Choice:
+def choose(
+    in_flight_s: float | None, save_s: float | None, left_s: float, *, boundary_s: float = 0.0, may_save: bool = True
+) -> Choice:
     """The rule of the module docstring.
 
     Args:
@@ -87,20 +88,27 @@ def decide(everyone: list[dict], step: int, left_s: float, full_save_s: float | 
             in_flight.append(max(0.0, full_save_s - r["elapsed_s"]))
     in_flight_s = max(in_flight) if len(in_flight) == len(running) else None
     choice = choose(in_flight_s, full_save_s, left_s, may_save=may_save)
-    figures = (f"{_seconds(in_flight_s)} to finish it (slowest rank), {_seconds(full_save_s)} for a full save, "
-               f"{left_s:.1f} s left before the deadline")
+    figures = (
+        f"{_seconds(in_flight_s)} to finish it (slowest rank), {_seconds(full_save_s)} for a full save, "
+        f"{left_s:.1f} s left before the deadline"
+    )
     what = {
         Choice.FINISH_THEN_SAVE: f"finishing it, then saving step {step}",
-        Choice.FINISH_ONLY: (f"finishing it; step {step} is NOT saved (finishing it and then saving would not "
-                             f"fit): step {in_flight_step} is the resume point if it commits") if may_save
+        Choice.FINISH_ONLY: (
+            f"finishing it; step {step} is NOT saved (finishing it and then saving would not "
+            f"fit): step {in_flight_step} is the resume point if it commits"
+        )
+        if may_save
         else f"finishing it, then stopping without a save of step {step}",
         Choice.ABANDON_AND_SAVE: f"abandoning it (it would not commit in time) and saving step {step} instead",
         Choice.FINISH_ANYWAY: f"neither fits; finishing it anyway: step {step} is NOT saved",
         Choice.ABANDON: f"abandoning it (it would not commit in time) and stopping without a save of step {step}",
     }[choice]
-    return {"choice": choice.value,
-            "why": f"{'emergency checkpoint' if may_save else 'stop without a save'} with the background "
-                   f"save of step {in_flight_step} in flight ({figures}): {what}"}
+    return {
+        "choice": choice.value,
+        "why": f"{'emergency checkpoint' if may_save else 'stop without a save'} with the background "
+        f"save of step {in_flight_step} in flight ({figures}): {what}",
+    }
 
 
 def _seconds(value: float | None) -> str:

@@ -63,8 +63,14 @@ class FileRecord:
         """The record as a JSON object (format 1/2 spelling for ``"sha256"``)."""
         if self.algorithm == "sha256":
             return {"path": self.path, "rank": self.rank, "size_bytes": self.size_bytes, "sha256": self.digest}
-        return {"path": self.path, "rank": self.rank, "size_bytes": self.size_bytes,
-                "algorithm": self.algorithm, "chunk_bytes": self.chunk_bytes, "digest": self.digest}
+        return {
+            "path": self.path,
+            "rank": self.rank,
+            "size_bytes": self.size_bytes,
+            "algorithm": self.algorithm,
+            "chunk_bytes": self.chunk_bytes,
+            "digest": self.digest,
+        }
 
 
 #: Checksum algorithms a reader verifies.
@@ -157,7 +163,7 @@ class Manifest:
         return json.dumps(doc, sort_keys=True, allow_nan=False).encode("utf-8")
 
     @classmethod
-    def from_json(cls, data: bytes, *, where: str = "manifest") -> "Manifest":
+    def from_json(cls, data: bytes, *, where: str = "manifest") -> Manifest:
         """Parse and validate.
 
         Parsed within limits (:mod:`spotrun.checkpoint.strict_json`: size, nesting, no
@@ -264,8 +270,11 @@ def _meshes(raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list):
         raise ValueError(f"meshes must be a list, got {raw!r}")
     for mesh in raw:
-        if not isinstance(mesh, dict) or type(mesh.get("shape")) is not list \
-                or not all(type(d) is int and d >= 1 for d in mesh["shape"]):
+        if (
+            not isinstance(mesh, dict)
+            or type(mesh.get("shape")) is not list
+            or not all(type(d) is int and d >= 1 for d in mesh["shape"])
+        ):
             raise ValueError(f"meshes[] must be objects with a shape of positive integers, got {mesh!r}")
         names = mesh.get("dim_names")
         if names is not None and not (type(names) is list and all(isinstance(n, str) for n in names)):
@@ -279,13 +288,20 @@ def _file_record(raw: dict[str, Any], path: str) -> FileRecord:
         return FileRecord(path=path, rank=rank, size_bytes=size_bytes, digest=_str(raw["sha256"], "files[].sha256"))
     algorithm = _str(raw["algorithm"], "files[].algorithm")
     if algorithm not in CHECKSUM_ALGORITHMS:
-        raise ValueError(f"file {path!r} has checksum algorithm {algorithm!r}; this spotrun knows "
-                         f"{sorted(CHECKSUM_ALGORITHMS)}")
+        raise ValueError(
+            f"file {path!r} has checksum algorithm {algorithm!r}; this spotrun knows {sorted(CHECKSUM_ALGORITHMS)}"
+        )
     chunk_bytes = _int(raw["chunk_bytes"], "files[].chunk_bytes", MIN_CHUNK_BYTES) if algorithm != "sha256" else None
     if chunk_bytes is not None and chunk_bytes > MAX_CHUNK_BYTES:
         raise ValueError(f"files[].chunk_bytes must be at most {MAX_CHUNK_BYTES}, got {chunk_bytes}")
-    return FileRecord(path=path, rank=rank, size_bytes=size_bytes, digest=_str(raw["digest"], "files[].digest"),
-                      algorithm=algorithm, chunk_bytes=chunk_bytes)
+    return FileRecord(
+        path=path,
+        rank=rank,
+        size_bytes=size_bytes,
+        digest=_str(raw["digest"], "files[].digest"),
+        algorithm=algorithm,
+        chunk_bytes=chunk_bytes,
+    )
 
 
 class _Bounds:
@@ -312,8 +328,10 @@ class _Bounds:
         for d in shape if elements else ():  # stops early: a hostile shape never builds a huge integer
             elements *= d
             if elements > self.elements_left:
-                raise ValueError(f"tensor {name!r} of shape {brief(shape)} holds more elements than the "
-                                 f"{self.data_bytes} bytes of the step's data files could hold")
+                raise ValueError(
+                    f"tensor {name!r} of shape {brief(shape)} holds more elements than the "
+                    f"{self.data_bytes} bytes of the step's data files could hold"
+                )
         self.elements_left -= elements
         return min(max(self.world_size, min(elements, self.indexed_cells)), self.cells_left)
 
@@ -323,15 +341,20 @@ def _tensor_record(name: str, raw: dict[str, Any], file_paths: set[str], bounds:
     may list millions)."""
     if "file" not in raw:  # format 4: chunks
         dtype, shape = raw["dtype"], raw["shape"]
-        if type(dtype) is not str or type(shape) is not list or not all(type(d) is int and 0 <= d <= MAX_DIM
-                                                                        for d in shape):
-            raise ValueError(f"tensors[{name}] needs a dtype string and a shape of integers from 0 to {MAX_DIM}, "
-                             f"got {brief(raw)}")
+        if (
+            type(dtype) is not str
+            or type(shape) is not list
+            or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)
+        ):
+            raise ValueError(
+                f"tensors[{name}] needs a dtype string and a shape of integers from 0 to {MAX_DIM}, got {brief(raw)}"
+            )
         layout = ChunkLayout.from_json(shape, raw, max_cells=bounds.take(name, shape))
         if layout.grid is not None:
             bounds.cells_left -= math.prod(layout.grid)
-        return TensorRecord(file=None, dtype=dtype, shape=shape, stored_as=_stored_as(raw.get("stored_as"), name),
-                            chunks=layout)
+        return TensorRecord(
+            file=None, dtype=dtype, shape=shape, stored_as=_stored_as(raw.get("stored_as"), name), chunks=layout
+        )
     file, dtype, shape, offsets = raw["file"], raw["dtype"], raw["shape"], raw.get("offsets")
     if type(file) is not str or type(dtype) is not str:
         raise ValueError(f"tensors[{name}].file and .dtype must be strings, got {brief(raw)}")
@@ -345,8 +368,9 @@ def _tensor_record(name: str, raw: dict[str, Any], file_paths: set[str], bounds:
         offsets = [_int(o, f"tensors[{name}].offsets[]") for o in offsets]
     if file not in file_paths:
         raise ValueError(f"tensor {name!r} is in {file!r}, which is not among the files")
-    return TensorRecord(file=file, dtype=dtype, shape=shape, offsets=offsets,
-                        stored_as=_stored_as(raw.get("stored_as"), name))
+    return TensorRecord(
+        file=file, dtype=dtype, shape=shape, offsets=offsets, stored_as=_stored_as(raw.get("stored_as"), name)
+    )
 
 
 def _stored_as(value: Any, name: str) -> str | None:

@@ -13,8 +13,8 @@ from spotrun._version import __version__
 from spotrun.checkpoint.chunks import Chunk, ChunkLayout
 from spotrun.checkpoint.dtypes import dtype_name, stored_as
 from spotrun.checkpoint.encode import EncodedState
-from spotrun.checkpoint.sharded import mesh_description, predicted_grid
 from spotrun.checkpoint.manifest import FileRecord, Manifest, SaveTiming, TensorRecord
+from spotrun.checkpoint.sharded import mesh_description, predicted_grid
 
 
 def tensor_fields(tensor: torch.Tensor) -> dict[str, Any]:
@@ -41,9 +41,13 @@ def build_manifest(
             written[name].append(Chunk(tuple(offsets), tuple(lengths), rank))
     tensors: dict[str, TensorRecord] = {}
     for name, fields in fields_of.items():
-        tensors[name] = TensorRecord(file=None, dtype=fields["dtype"], shape=fields["shape"],
-                                     stored_as=fields["stored_as"],
-                                     chunks=_layout(fields["shape"], written[name], encoded.sharded.get(name), name))
+        tensors[name] = TensorRecord(
+            file=None,
+            dtype=fields["dtype"],
+            shape=fields["shape"],
+            stored_as=fields["stored_as"],
+            chunks=_layout(fields["shape"], written[name], encoded.sharded.get(name), name),
+        )
     meshes: list[dict[str, Any]] = []
     for tensor in encoded.sharded.values():
         mesh = mesh_description(tensor)

@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+
 import blake3
 
 from spotrun.checkpoint import strict_json
-from spotrun.errors import CorruptShardError
 from spotrun.checkpoint.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from spotrun.errors import CorruptShardError
 
 INDEX_FORMAT = "spotrun-rank-index"
 
 
-def chunk_key(name: str, offsets: tuple[int, ...] | list[int], lengths: tuple[int, ...] | list[int],
-              shape: tuple[int, ...] | list[int]) -> str:
+def chunk_key(
+    name: str,
+    offsets: tuple[int, ...] | list[int],
+    lengths: tuple[int, ...] | list[int],
+    shape: tuple[int, ...] | list[int],
+) -> str:
     """The key of a chunk: ``name`` for a whole tensor, else ``name@o0,o1,...``."""
     if all(o == 0 for o in offsets) and tuple(lengths) == tuple(shape):
         return name
@@ -48,13 +53,18 @@ class RankIndex:
     chunks: dict[str, tuple[int, int, int]]
 
     def to_json(self) -> bytes:
-        doc = {"format": INDEX_FORMAT, "format_version": 4, "step": self.step, "rank": self.rank,
-               "files": [vars(f) for f in self.files],
-               "chunks": {k: list(v) for k, v in self.chunks.items()}}
+        doc = {
+            "format": INDEX_FORMAT,
+            "format_version": 4,
+            "step": self.step,
+            "rank": self.rank,
+            "files": [vars(f) for f in self.files],
+            "chunks": {k: list(v) for k, v in self.chunks.items()},
+        }
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, data: bytes, *, where: str) -> "RankIndex":
+    def from_json(cls, data: bytes, *, where: str) -> RankIndex:
         """Parse and check an index (its bytes already verified against the manifest).
 
         Raises:
@@ -67,19 +77,32 @@ class RankIndex:
                 raise ValueError("not a spotrun rank index")
             files = []
             for raw in doc["files"]:
-                item = IndexedFile(path=str(raw["path"]), size_bytes=int(raw["size_bytes"]),
-                                   block_bytes=int(raw["block_bytes"]), block_digests=list(raw["block_digests"]))
+                item = IndexedFile(
+                    path=str(raw["path"]),
+                    size_bytes=int(raw["size_bytes"]),
+                    block_bytes=int(raw["block_bytes"]),
+                    block_digests=list(raw["block_digests"]),
+                )
                 if not MIN_CHUNK_BYTES <= item.block_bytes <= MAX_CHUNK_BYTES:
-                    raise ValueError(f"file {item.path!r}: blocks of {item.block_bytes} bytes, not "
-                                     f"{MIN_CHUNK_BYTES} to {MAX_CHUNK_BYTES}")
+                    raise ValueError(
+                        f"file {item.path!r}: blocks of {item.block_bytes} bytes, not "
+                        f"{MIN_CHUNK_BYTES} to {MAX_CHUNK_BYTES}"
+                    )
                 if len(item.block_digests) != -(-item.size_bytes // item.block_bytes):
-                    raise ValueError(f"file {item.path!r}: {len(item.block_digests)} block digests for "
-                                     f"{item.size_bytes} bytes in blocks of {item.block_bytes}")
+                    raise ValueError(
+                        f"file {item.path!r}: {len(item.block_digests)} block digests for "
+                        f"{item.size_bytes} bytes in blocks of {item.block_bytes}"
+                    )
                 files.append(item)
             chunks = {}
             for key, (index, begin, end) in doc["chunks"].items():
-                if not (type(index) is int and 0 <= index < len(files) and type(begin) is int
-                        and type(end) is int and 0 <= begin <= end <= files[index].size_bytes):
+                if not (
+                    type(index) is int
+                    and 0 <= index < len(files)
+                    and type(begin) is int
+                    and type(end) is int
+                    and 0 <= begin <= end <= files[index].size_bytes
+                ):
                     raise ValueError(f"chunk {key!r} lies outside its file")
                 chunks[key] = (index, begin, end)
             return cls(step=int(doc["step"]), rank=int(doc["rank"]), files=files, chunks=chunks)
@@ -100,4 +123,3 @@ class RankIndex:
             actual = blake3.blake3(b"".join(bytes.fromhex(d) for d in item.block_digests)).hexdigest()
             if actual != expected:
                 raise CorruptShardError(f"{where}: block digests of {item.path!r} do not match the manifest")
-

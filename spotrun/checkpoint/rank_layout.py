@@ -48,8 +48,13 @@ def describe_mesh_names(meshes: Sequence[dict[str, Any]]) -> str:
     return ", ".join(dict.fromkeys(parts))
 
 
-def restored_onto(step: int, saved_world_size: int, saved_meshes: Sequence[dict[str, Any]],
-                  world_size_now: int, meshes_now: Sequence[dict[str, Any]] | None = None) -> str:
+def restored_onto(
+    step: int,
+    saved_world_size: int,
+    saved_meshes: Sequence[dict[str, Any]],
+    world_size_now: int,
+    meshes_now: Sequence[dict[str, Any]] | None = None,
+) -> str:
     """The workers' restore log line (rank 0), with the rank count known after the rendezvous:
     ``"restored step 200 (saved by 4 ranks, mesh 2x2) onto 2 ranks (another world size: resharded)"``,
     ``"restored step 200 (saved by 2 ranks) onto 2 ranks (the same world size)"``,

@@ -26,10 +26,18 @@ import torch
 
 from spotrun.checkpoint import strict_json
 from spotrun.checkpoint.dtypes import dtype_from_name, refusal
-from spotrun.checkpoint.shard import SAFETENSORS_MAX_HEADER_BYTES
-from spotrun.checkpoint.stream import CHUNKED_BLAKE3, CHUNKED_SHA256, SAFETENSORS_CODES, ChunkDigests, byte_view, chunk_ranges, copy_bytes
-from spotrun.errors import CorruptShardError, ObjectTooShortError
 from spotrun.checkpoint.manifest import STORED_AS_BYTES, FileRecord, TensorRecord
+from spotrun.checkpoint.shard import SAFETENSORS_MAX_HEADER_BYTES
+from spotrun.checkpoint.stream import (
+    CHUNKED_BLAKE3,
+    CHUNKED_SHA256,
+    SAFETENSORS_CODES,
+    ChunkDigests,
+    byte_view,
+    chunk_ranges,
+    copy_bytes,
+)
+from spotrun.errors import CorruptShardError, ObjectTooShortError
 from spotrun.storage.base import Storage
 
 #: A chunk holding more tensors than this is read into a scratch buffer and copied from
@@ -46,13 +54,15 @@ class _Piece:
     target: torch.Tensor | None  # 1-D uint8 view of the destination
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dtype_info(name: str) -> tuple[torch.dtype | None, str | None]:
     """(the dtype named ``name``, why it cannot be decoded or ``None``) - once per name."""
     dtype = dtype_from_name(name)
     if dtype is None:
-        return None, (f"dtype {name!r} is not a dtype torch {torch.__version__} has, so it cannot "
-                      "be decoded (was the checkpoint written with a newer torch?)")
+        return None, (
+            f"dtype {name!r} is not a dtype torch {torch.__version__} has, so it cannot "
+            "be decoded (was the checkpoint written with a newer torch?)"
+        )
     reason = refusal(dtype)
     return dtype, None if reason is None else f"dtype {name} cannot be decoded: {reason}"
 
@@ -60,8 +70,14 @@ def _dtype_info(name: str) -> tuple[torch.dtype | None, str | None]:
 def fits(tensor: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
     """Whether a file's bytes can be read straight into ``tensor`` (a contiguous CPU tensor of
     ``dtype`` and ``shape``, not a conjugate or negative view)."""
-    return (tensor.dtype == dtype and tensor.device.type == "cpu" and list(tensor.shape) == list(shape)
-            and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg())
+    return (
+        tensor.dtype == dtype
+        and tensor.device.type == "cpu"
+        and list(tensor.shape) == list(shape)
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
 
 
 def _stored_form(record: TensorRecord, where: str) -> tuple[torch.dtype, str, list[int], int]:
@@ -151,19 +167,24 @@ def read_shard_into(
         for start, stop in ranges:
             read_chunk(start, stop)
     else:
-        with ThreadPoolExecutor(max_workers=min(storage.read_concurrency, len(ranges)),
-                                thread_name_prefix="spotrun-read") as pool:
+        with ThreadPoolExecutor(
+            max_workers=min(storage.read_concurrency, len(ranges)), thread_name_prefix="spotrun-read"
+        ) as pool:
             for future in [pool.submit(read_chunk, a, b) for a, b in ranges]:
                 future.result()
     if digests.hexdigest() != record.digest:
-        raise CorruptShardError(f"{where}: checksum ({record.algorithm}) does not match the manifest's "
-                                f"{record.digest}")
+        raise CorruptShardError(f"{where}: checksum ({record.algorithm}) does not match the manifest's {record.digest}")
     return tensors
 
 
 def _plan_pieces(
-    header: dict, data_start: int, size: int, wanted: dict[str, TensorRecord],
-    destinations: dict[str, torch.Tensor], *, where: str,
+    header: dict,
+    data_start: int,
+    size: int,
+    wanted: dict[str, TensorRecord],
+    destinations: dict[str, torch.Tensor],
+    *,
+    where: str,
 ) -> tuple[dict[str, torch.Tensor], list[_Piece]]:
     """Check the header as ``spotrun verify`` does, then allocate (or take from
     ``destinations``) the ``wanted`` tensors; returns them and the file's data as pieces
@@ -197,8 +218,9 @@ class _ChunkReader:
     """Reads one checksum chunk ``[start, stop)`` of a file into its pieces' destinations and
     hashes it (called from several threads at once, one chunk each)."""
 
-    def __init__(self, storage: Storage, key: str, head: bytes, pieces: list[_Piece], digests: ChunkDigests,
-                 where: str) -> None:
+    def __init__(
+        self, storage: Storage, key: str, head: bytes, pieces: list[_Piece], digests: ChunkDigests, where: str
+    ) -> None:
         self.storage, self.key, self.where = storage, key, where
         self.head = head  # the file's bytes before its data (header length and JSON), already read
         self.pieces = pieces
@@ -208,7 +230,7 @@ class _ChunkReader:
         data_start = len(self.head)
         held: list[memoryview | bytes] = []
         if start < data_start:
-            held.append(self.head[start:min(stop, data_start)])
+            held.append(self.head[start : min(stop, data_start)])
         begin = max(start, data_start)
         overlapping = _overlapping(self.pieces, begin, stop)
         if len(overlapping) > _SCATTER_MAX_PIECES:
@@ -226,8 +248,9 @@ class _ChunkReader:
             _read(self.storage, self.key, begin, views, self.where)
         self.digests.add(start, held + views)
 
-    def _read_via_scratch(self, start: int, begin: int, stop: int, held: list[memoryview | bytes],
-                          overlapping: list[_Piece]) -> None:
+    def _read_via_scratch(
+        self, start: int, begin: int, stop: int, held: list[memoryview | bytes], overlapping: list[_Piece]
+    ) -> None:
         """Many small tensors: one read into a scratch chunk, then a copy into each."""
         scratch = bytearray(stop - begin)
         _read(self.storage, self.key, begin, [memoryview(scratch)], self.where)
@@ -237,6 +260,7 @@ class _ChunkReader:
             if piece.target is not None:
                 a, b = max(begin, piece.start), min(stop, piece.stop)
                 copy_bytes(piece.target[a - piece.start : b - piece.start], source[a - begin : b - begin])
+
 
 def _overlapping(pieces: list[_Piece], start: int, stop: int) -> list[_Piece]:
     """The pieces that overlap ``[start, stop)`` (``pieces`` are sorted and back to back)."""

@@ -27,17 +27,16 @@ from typing import Any
 
 import torch
 
-from spotrun.tools import dist
-from spotrun.checkpoint import catalog
+from spotrun.checkpoint import catalog, tree
 from spotrun.checkpoint.chunk_reader import BoxRead, ChunkReader, dtype_of
-from spotrun.checkpoint.sharded import is_dtensor, local_box
-from spotrun.checkpoint.verdict import judge
-from spotrun.checkpoint.layout import REJECTED_PREFIX, file_key
 from spotrun.checkpoint.dtypes import from_stored
+from spotrun.checkpoint.layout import REJECTED_PREFIX, file_key
+from spotrun.checkpoint.manifest import Manifest
 from spotrun.checkpoint.reader import fits, read_shard_into
-from spotrun.tools.gc_pause import gc_paused
 from spotrun.checkpoint.shard import decode_shard
+from spotrun.checkpoint.sharded import is_dtensor, local_box
 from spotrun.checkpoint.step_checks import skeleton_problems
+from spotrun.checkpoint.verdict import judge
 from spotrun.errors import (
     CorruptShardError,
     ManifestError,
@@ -46,9 +45,9 @@ from spotrun.errors import (
     StateMismatchError,
     StorageError,
 )
-from spotrun.checkpoint.manifest import Manifest
-from spotrun.checkpoint import tree
 from spotrun.storage.base import Storage
+from spotrun.tools import dist
+from spotrun.tools.gc_pause import gc_paused
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +84,15 @@ def read_manifest(storage: Storage, key: str) -> Manifest:
 
 
 @gc_paused()
-def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int,
-              manifest: Manifest | None = None,
-              destinations: dict[str, torch.Tensor] | None = None) -> LoadedStep:
+def load_step(
+    storage: Storage,
+    step: int,
+    key: str,
+    rank: int,
+    world_size: int,
+    manifest: Manifest | None = None,
+    destinations: dict[str, torch.Tensor] | None = None,
+) -> LoadedStep:
     """Load everything ``rank`` needs from ``step`` (its manifest under ``key``, as the
     catalog found it), verifying every file it reads.
 
@@ -117,8 +122,11 @@ def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int,
         raise ManifestError(f"{storage.uri}/{key}: {problem}")
     rank_source = rank % manifest.world_size
     rank_skeleton = manifest.rank_state[rank_source]
-    reader = ChunkReader(storage, manifest, progress=f"restore step {step}" if dist.local_rank() == 0 else None) \
-        if manifest.format_version >= 4 else None
+    reader = (
+        ChunkReader(storage, manifest, progress=f"restore step {step}" if dist.local_rank() == 0 else None)
+        if manifest.format_version >= 4
+        else None
+    )
     try:
         needed = tree.tensor_names(manifest.state) + tree.tensor_names(rank_skeleton)
         if reader is not None:
@@ -133,8 +141,13 @@ def load_step(storage: Storage, step: int, key: str, rank: int, world_size: int,
             raise
         # whatever a committed step holds, not decoding it is a verification failure
         raise ManifestError(f"step {step}: cannot decode the state its manifest describes: {exc!r}") from exc
-    return LoadedStep(manifest=manifest, replicated=replicated, rank_local=rank_local, rank_source=rank_source,
-                      bytes_read=reader.bytes_read if reader is not None else 0)
+    return LoadedStep(
+        manifest=manifest,
+        replicated=replicated,
+        rank_local=rank_local,
+        rank_source=rank_source,
+        bytes_read=reader.bytes_read if reader is not None else 0,
+    )
 
 
 def load_committed(storage: Storage, step: int, rank: int, world_size: int) -> LoadedStep:
@@ -148,9 +161,13 @@ def load_committed(storage: Storage, step: int, rank: int, world_size: int) -> L
     return load_step(storage, step, catalog.committed(storage, step).manifest_key, rank, world_size)
 
 
-def load_newest(storage: Storage, *, supervisor_step: int | None,
-                destinations: Callable[[], dict[str, torch.Tensor]] | dict[str, torch.Tensor] | None = None,
-                apply: Callable[[LoadedStep], None] | None = None) -> LoadedStep | None:
+def load_newest(
+    storage: Storage,
+    *,
+    supervisor_step: int | None,
+    destinations: Callable[[], dict[str, torch.Tensor]] | dict[str, torch.Tensor] | None = None,
+    apply: Callable[[LoadedStep], None] | None = None,
+) -> LoadedStep | None:
     """Load the newest complete step that every rank can verify, or ``None`` when there is none.
 
     Lists the steps again (so a step committed since the supervisor chose ``supervisor_step``
@@ -229,13 +246,18 @@ def _complete_newest_first(storage: Storage, supervisor_step: int | None) -> lis
         for skipped in [s for s in steps if s.status == catalog.CORRUPT and s.step > newest_complete]:
             log.warning("checkpoint step %d is corrupt (%s); skipped", skipped.step, skipped.problem)
     if supervisor_step is not None and complete and complete[0].step != supervisor_step:
-        log.info("the supervisor chose step %d; the newest complete step is now %d",
-                 supervisor_step, complete[0].step)
+        log.info("the supervisor chose step %d; the newest complete step is now %d", supervisor_step, complete[0].step)
     return complete
 
 
-def _try_load(storage: Storage, step: int, key: str, manifest: Manifest | None, destinations: Any,
-              apply: Callable[[LoadedStep], None] | None) -> tuple[LoadedStep | None, dict | None, Exception | None]:
+def _try_load(
+    storage: Storage,
+    step: int,
+    key: str,
+    manifest: Manifest | None,
+    destinations: Any,
+    apply: Callable[[LoadedStep], None] | None,
+) -> tuple[LoadedStep | None, dict | None, Exception | None]:
     """Load (and apply) one step on this rank: (the step, None, None), or (None, this rank's
     problem with it for :func:`judge`, the exception to raise again when the job's own code
     failed)."""
@@ -260,8 +282,9 @@ def _try_load(storage: Storage, step: int, key: str, manifest: Manifest | None, 
     return loaded, None, None
 
 
-def read_whole_tensors(storage: Storage, manifest: Manifest, names: list[str],
-                       reader: ChunkReader | None = None) -> dict[str, torch.Tensor]:
+def read_whole_tensors(
+    storage: Storage, manifest: Manifest, names: list[str], reader: ChunkReader | None = None
+) -> dict[str, torch.Tensor]:
     """Whole tensors of a committed step by manifest name (``model/layer.weight``; aliases
     resolved), each a new contiguous CPU tensor of its recorded dtype and global shape, every
     byte read verified (for tools such as ``spotrun export``).
@@ -280,8 +303,9 @@ def read_whole_tensors(storage: Storage, manifest: Manifest, names: list[str],
     return _fetch_tensors(storage, manifest, names, {})
 
 
-def _fetch_tensors(storage: Storage, manifest: Manifest, names: list[str],
-                   destinations: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _fetch_tensors(
+    storage: Storage, manifest: Manifest, names: list[str], destinations: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     records = {f.path: f for f in manifest.files}
     stored_name = {n: manifest.aliases.get(n, n) for n in names}
     by_file: dict[str, list[str]] = {}
@@ -328,12 +352,14 @@ def _into_dtensors(tensors: dict[str, torch.Tensor], destinations: dict[str, tor
 
 def _check_shape(name: str, saved_shape: list[int], dest: torch.Tensor) -> None:
     if list(dest.shape) != saved_shape:
-        raise StateMismatchError(f"tensor {name!r} has shape {saved_shape} in the checkpoint and "
-                                 f"{list(dest.shape)} here")
+        raise StateMismatchError(
+            f"tensor {name!r} has shape {saved_shape} in the checkpoint and {list(dest.shape)} here"
+        )
 
 
-def _fetch_chunked(reader: ChunkReader, manifest: Manifest, names: list[str],
-                   destinations: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _fetch_chunked(
+    reader: ChunkReader, manifest: Manifest, names: list[str], destinations: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Format 4: every needed tensor's box, read into its destination where it fits.
 
     Everything the reads rely on is checked first (:meth:`ChunkReader.check`), before anything
@@ -399,8 +425,10 @@ def _allocate(manifest: Manifest, shape: list[int], dtype: torch.dtype, name: st
     """
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes > manifest.data_bytes:
-        raise CorruptShardError(f"step {manifest.step}: tensor {name!r} of {nbytes} bytes is larger than the "
-                                f"{manifest.data_bytes} bytes of the step's data files")
+        raise CorruptShardError(
+            f"step {manifest.step}: tensor {name!r} of {nbytes} bytes is larger than the "
+            f"{manifest.data_bytes} bytes of the step's data files"
+        )
     return torch.empty(shape, dtype=dtype)
 
 
@@ -426,7 +454,11 @@ def reject_step(storage: Storage, key: str, reason: str) -> None:
     directory, _, name = key.rpartition("/")
     rejected = f"{directory}/{REJECTED_PREFIX}{name}"
     try:
-        doc = {"reason": reason, "rejected_unix_s": time.time(), "manifest": storage.get(key).decode("utf-8", "replace")}
+        doc = {
+            "reason": reason,
+            "rejected_unix_s": time.time(),
+            "manifest": storage.get(key).decode("utf-8", "replace"),
+        }
         storage.put(rejected, json.dumps(doc).encode())
         storage.delete(key)
         log.warning("%s un-committed: its manifest moved to %s", directory, rejected)

@@ -54,8 +54,10 @@ class RetentionPolicy:
         if self.keep_every is not None and self.keep_every < 1:
             raise ConfigError(f"keep_every must be >= 1, got {self.keep_every}")
         if self.keep_every is not None and self.keep_last is None:
-            raise ConfigError(f"keep_every={self.keep_every} needs keep_last: it says which steps to keep "
-                              "besides the newest ones (keep_last=0 keeps every step)")
+            raise ConfigError(
+                f"keep_every={self.keep_every} needs keep_last: it says which steps to keep "
+                "besides the newest ones (keep_last=0 keeps every step)"
+            )
 
     @property
     def active(self) -> bool:
@@ -69,12 +71,15 @@ class RetentionPolicy:
         return f"keep_last={self.keep_last}" + (f", keep_every={self.keep_every}" if self.keep_every else "")
 
     @classmethod
-    def for_worker(cls, keep_last: int | None, keep_every: int | None, env_keep_last: int | None,
-                   env_keep_every: int | None) -> RetentionPolicy:
+    def for_worker(
+        cls, keep_last: int | None, keep_every: int | None, env_keep_last: int | None, env_keep_every: int | None
+    ) -> RetentionPolicy:
         """The policy of a Checkpointer: each argument given wins over its environment variable
         (``$SPOTRUN_KEEP_LAST``, ``$SPOTRUN_KEEP_EVERY``, set by ``spotrun run``)."""
-        return cls(keep_last=env_keep_last if keep_last is None else keep_last,
-                   keep_every=env_keep_every if keep_every is None else keep_every)
+        return cls(
+            keep_last=env_keep_last if keep_last is None else keep_last,
+            keep_every=env_keep_every if keep_every is None else keep_every,
+        )
 
 
 @dataclass(frozen=True)
@@ -94,8 +99,9 @@ class Decision:
     reason: str
 
 
-def plan_retention(complete: Sequence[int], policy: RetentionPolicy, *,
-                   protected: Mapping[int, str] | None = None) -> list[Decision]:
+def plan_retention(
+    complete: Sequence[int], policy: RetentionPolicy, *, protected: Mapping[int, str] | None = None
+) -> list[Decision]:
     """Decide, for each complete step, whether the policy keeps it (oldest first).
 
     Args:
@@ -110,7 +116,7 @@ def plan_retention(complete: Sequence[int], policy: RetentionPolicy, *,
     protected = protected or {}
     if not policy.active:
         return [Decision(s, catalog.COMPLETE, False, "no keep_last: every complete step is kept") for s in steps]
-    newest = set(steps[-policy.keep_last:])
+    newest = set(steps[-policy.keep_last :])
     among = "the newest" if policy.keep_last == 1 else f"one of the {policy.keep_last} newest"
     decisions = []
     for step in steps:
@@ -126,14 +132,19 @@ def plan_retention(complete: Sequence[int], policy: RetentionPolicy, *,
         if reasons:
             decisions.append(Decision(step, catalog.COMPLETE, False, "; ".join(reasons)))
         else:
-            why = f"not {among}" + (
-                f", not divisible by {policy.keep_every}" if policy.keep_every else "")
+            why = f"not {among}" + (f", not divisible by {policy.keep_every}" if policy.keep_every else "")
             decisions.append(Decision(step, catalog.COMPLETE, True, why))
     return decisions
 
 
-def plan_gc(steps: Sequence[catalog.StepInfo], policy: RetentionPolicy, *, protected: Mapping[int, str],
-            now_unix_s: float, older_than_s: float) -> list[Decision]:
+def plan_gc(
+    steps: Sequence[catalog.StepInfo],
+    policy: RetentionPolicy,
+    *,
+    protected: Mapping[int, str],
+    now_unix_s: float,
+    older_than_s: float,
+) -> list[Decision]:
     """Decide, for each step of a root, what ``spotrun gc`` does (oldest first).
 
     Complete steps follow :func:`plan_retention`. An incomplete or fenced step is deleted
@@ -148,23 +159,33 @@ def plan_gc(steps: Sequence[catalog.StepInfo], policy: RetentionPolicy, *, prote
         if info.status == catalog.COMPLETE:
             continue
         if info.status == catalog.CORRUPT:
-            decisions[info.step] = Decision(info.step, info.status, False,
-                                            f"{info.problem}; reported, never deleted by gc")
+            decisions[info.step] = Decision(
+                info.step, info.status, False, f"{info.problem}; reported, never deleted by gc"
+            )
             continue
         age_s = now_unix_s - info.newest_object_unix_s
         if info.being_deleted:
-            decisions[info.step] = Decision(info.step, info.status, True,
-                                            "an interrupted deletion (deleting.json is its newest object): "
-                                            "finishing it")
+            decisions[info.step] = Decision(
+                info.step,
+                info.status,
+                True,
+                "an interrupted deletion (deleting.json is its newest object): finishing it",
+            )
         elif age_s >= older_than_s:
             decisions[info.step] = Decision(
-                info.step, info.status, True,
-                f"{info.problem}; newest object {age_s:.0f} s old (threshold {older_than_s:g} s)")
+                info.step,
+                info.status,
+                True,
+                f"{info.problem}; newest object {age_s:.0f} s old (threshold {older_than_s:g} s)",
+            )
         else:
             decisions[info.step] = Decision(
-                info.step, info.status, False,
+                info.step,
+                info.status,
+                False,
                 f"newest object {max(age_s, 0.0):.0f} s old, under the {older_than_s:g} s threshold: a save may still "
-                "be writing it")
+                "be writing it",
+            )
     return [decisions[step] for step in sorted(decisions)]
 
 
@@ -177,8 +198,14 @@ class DeletedStep:
     size_bytes: int
 
 
-def delete_step(storage: Storage, step: int, *, why: str, timeout_s: float | None = None,
-                on_deleted: Callable[[int], None] | None = None) -> DeletedStep:
+def delete_step(
+    storage: Storage,
+    step: int,
+    *,
+    why: str,
+    timeout_s: float | None = None,
+    on_deleted: Callable[[int], None] | None = None,
+) -> DeletedStep:
     """Delete every object of ``step``: marker, manifests, the other objects, the marker
     (see the module docstring for why in this order).
 
@@ -200,11 +227,21 @@ def delete_step(storage: Storage, step: int, *, why: str, timeout_s: float | Non
     if not objects:
         return DeletedStep(step, 0, 0)
     end_s = None if timeout_s is None else time.monotonic() + timeout_s
-    storage.put(marker, json.dumps({
-        "format": "spotrun-deletion", "step": step, "why": why, "started_unix_s": time.time(),
-        "hostname": socket.gethostname(), "pid": os.getpid(),
-    }, indent=1).encode("utf-8"))
-    manifests = [o.key for o in objects if parse_manifest_name(o.key[len(prefix):])[0]]
+    storage.put(
+        marker,
+        json.dumps(
+            {
+                "format": "spotrun-deletion",
+                "step": step,
+                "why": why,
+                "started_unix_s": time.time(),
+                "hostname": socket.gethostname(),
+                "pid": os.getpid(),
+            },
+            indent=1,
+        ).encode("utf-8"),
+    )
+    manifests = [o.key for o in objects if parse_manifest_name(o.key[len(prefix) :])[0]]
     rest = [o.key for o in objects if o.key != marker and o.key not in manifests]
 
     def delete(key: str) -> None:
@@ -224,8 +261,9 @@ def delete_step(storage: Storage, step: int, *, why: str, timeout_s: float | Non
         for key in rest:
             delete(key)
     delete(marker)
-    return DeletedStep(step, len([o for o in objects if o.key != marker]),
-                       sum(o.size_bytes for o in objects if o.key != marker))
+    return DeletedStep(
+        step, len([o for o in objects if o.key != marker]), sum(o.size_bytes for o in objects if o.key != marker)
+    )
 
 
 class Retainer:
@@ -263,9 +301,14 @@ class Retainer:
             log.warning("retention not applied after the commit of step %d: %s", step, exc)
         except (SpotrunError, OSError) as exc:
             text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            log.warning("retention (%s) after the commit of step %d failed: %s: %s; the steps it did not "
-                        "delete stay, and the next commit tries again", self.policy.describe(), step,
-                        type(exc).__name__, text)
+            log.warning(
+                "retention (%s) after the commit of step %d failed: %s: %s; the steps it did not "
+                "delete stay, and the next commit tries again",
+                self.policy.describe(),
+                step,
+                type(exc).__name__,
+                text,
+            )
         return deleted
 
     def _apply(self, step: int, incarnation: int, deleted: list[int], end_s: float) -> None:
@@ -280,9 +323,19 @@ class Retainer:
             if not decision.delete:
                 continue
             fencing.check_not_fenced(self.storage, incarnation)  # a newer start may have begun meanwhile
-            done = delete_step(self.storage, decision.step, why=f"retention ({self.policy.describe()}) after "
-                               f"step {step}, incarnation {incarnation}: {decision.reason}",
-                               timeout_s=end_s - time.monotonic())
+            done = delete_step(
+                self.storage,
+                decision.step,
+                why=f"retention ({self.policy.describe()}) after "
+                f"step {step}, incarnation {incarnation}: {decision.reason}",
+                timeout_s=end_s - time.monotonic(),
+            )
             deleted.append(decision.step)
-            log.info("retention (%s): deleted step %d (%s; %d objects, %.1f MiB)", self.policy.describe(),
-                     decision.step, decision.reason, done.objects, done.size_bytes / 2**20)
+            log.info(
+                "retention (%s): deleted step %d (%s; %d objects, %.1f MiB)",
+                self.policy.describe(),
+                decision.step,
+                decision.reason,
+                done.objects,
+                done.size_bytes / 2**20,
+            )

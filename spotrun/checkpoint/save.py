@@ -20,20 +20,19 @@ from typing import Any
 
 import torch
 
-from spotrun.tools import dist
-from spotrun.checkpoint.layout import manifest_key
-from spotrun.checkpoint.manifest_build import build_manifest, tensor_fields
 from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.dtypes import to_stored
 from spotrun.checkpoint.encode import EncodedState, encode_state, structure_digest
+from spotrun.checkpoint.layout import manifest_key
+from spotrun.checkpoint.manifest import Manifest
+from spotrun.checkpoint.manifest_build import build_manifest, tensor_fields
 from spotrun.checkpoint.plan import assign_by_bytes
 from spotrun.checkpoint.rank_index import chunk_key
 from spotrun.checkpoint.restore import reject_step
 from spotrun.checkpoint.shard import ShardLimits, split_into_parts
-from spotrun.checkpoint.sharded import local_box, predicted_box, predicted_grid, writes_chunk
 from spotrun.checkpoint.shard_write import SaveProgress, write_index, write_shard
+from spotrun.checkpoint.sharded import local_box, predicted_box, predicted_grid, writes_chunk
 from spotrun.checkpoint.staging import StagingBuffers
-from spotrun.tools.gc_pause import gc_paused
 from spotrun.errors import (
     CheckpointSaveError,
     CommitUnsupportedError,
@@ -42,9 +41,10 @@ from spotrun.errors import (
     SpotrunError,
     StateMismatchError,
 )
-from spotrun.checkpoint.manifest import Manifest
-from spotrun.tools.progress import progress_bar
 from spotrun.storage.base import Storage
+from spotrun.tools import dist
+from spotrun.tools.gc_pause import gc_paused
+from spotrun.tools.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -209,11 +209,11 @@ def commit_save(
         CheckpointSaveError: writing or committing failed on some rank; nothing committed.
     """
     _agree(storage, prepared, context, group)
-    reports = _write(storage, prepared, context, limits, group=group, abort=abort, progress=progress,
-                     show_progress=show_progress)
+    reports = _write(
+        storage, prepared, context, limits, group=group, abort=abort, progress=progress, show_progress=show_progress
+    )
     manifest = _commit(storage, prepared, context, reports, group=group, abort=abort)
-    return SavedStep(manifest=manifest,
-                     size_bytes=sum(f["size_bytes"] for rep in reports for f in rep["files"]))
+    return SavedStep(manifest=manifest, size_bytes=sum(f["size_bytes"] for rep in reports for f in rep["files"]))
 
 
 def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group: Any) -> None:
@@ -249,8 +249,9 @@ def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group
             f"step {step} is already committed under {storage.uri} ({firsts[0]['committed']}); "
             "not overwriting it - nothing was written"
         )
-    _raise_if_failed(firsts, lambda failed: f"save of step {step} refused: "
-                     + "; ".join(f"rank {r}: {e}" for r, e in failed.items()))
+    _raise_if_failed(
+        firsts, lambda failed: f"save of step {step} refused: " + "; ".join(f"rank {r}: {e}" for r, e in failed.items())
+    )
     digests = [f["digest"] for f in firsts]
     if len(set(digests)) != 1:
         differing = [r for r, d in enumerate(digests) if d != digests[0]]
@@ -260,9 +261,17 @@ def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group
         )
 
 
-def _write(storage: Storage, prepared: PreparedSave, context: SaveContext, limits: ShardLimits | None, *,
-           group: Any, abort: threading.Event | None, progress: SaveProgress | None,
-           show_progress: bool) -> list[dict[str, Any]]:
+def _write(
+    storage: Storage,
+    prepared: PreparedSave,
+    context: SaveContext,
+    limits: ShardLimits | None,
+    *,
+    group: Any,
+    abort: threading.Event | None,
+    progress: SaveProgress | None,
+    show_progress: bool,
+) -> list[dict[str, Any]]:
     """Phase 2 (1 gather): write this rank's shard and index; returns every rank's report
     (its file records and rank state), or raises on every rank when one failed."""
     step, encoded = prepared.step, prepared.encoded
@@ -277,8 +286,14 @@ def _write(storage: Storage, prepared: PreparedSave, context: SaveContext, limit
             progress.bytes_total = bytes_total
             progress.started_monotonic_s = write_started_s
         with progress_bar(bytes_total, f"save step {step}", show=show_progress and dist.local_rank() == 0) as bar:
-            records, index = write_shard(storage, prepared, context.incarnation, parts, abort=abort,
-                                         progress=progress or SaveProgress(on_add=bar.update))
+            records, index = write_shard(
+                storage,
+                prepared,
+                context.incarnation,
+                parts,
+                abort=abort,
+                progress=progress or SaveProgress(on_add=bar.update),
+            )
         if abort is not None and abort.is_set():  # abandoned while its last bytes were written
             raise SaveAbortedError(f"save of step {step} abandoned")
         records.append(write_index(storage, index, context.incarnation))
@@ -292,19 +307,31 @@ def _write(storage: Storage, prepared: PreparedSave, context: SaveContext, limit
             rank_tensors={n: tensor_fields(t) for n, t in encoded.rank_tensors.items()},
         )
     except Exception as exc:  # any failure is reported, so that no rank waits alone at the gather
-        write_error, report = exc, {"ok": False, "error": _describe(exc),
-                                    "aborted": isinstance(exc, SaveAbortedError)}
+        write_error, report = exc, {"ok": False, "error": _describe(exc), "aborted": isinstance(exc, SaveAbortedError)}
         if not isinstance(exc, SaveAbortedError):
             log.error("rank %d failed to write its shard of step %d: %s", prepared.rank, step, report["error"])
     reports = dist.all_gather_json(report, group=group)
-    _raise_if_failed(reports, lambda failed: f"save of step {step} failed on rank(s) {sorted(failed)}: "
-                     + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
-                     + " - nothing was committed", cause=write_error)
+    _raise_if_failed(
+        reports,
+        lambda failed: (
+            f"save of step {step} failed on rank(s) {sorted(failed)}: "
+            + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+            + " - nothing was committed"
+        ),
+        cause=write_error,
+    )
     return reports
 
 
-def _commit(storage: Storage, prepared: PreparedSave, context: SaveContext, reports: list[dict[str, Any]], *,
-            group: Any, abort: threading.Event | None) -> Manifest | None:
+def _commit(
+    storage: Storage,
+    prepared: PreparedSave,
+    context: SaveContext,
+    reports: list[dict[str, Any]],
+    *,
+    group: Any,
+    abort: threading.Event | None,
+) -> Manifest | None:
     """Phase 3 (1 broadcast): rank 0 writes the manifest unless fenced or abandoned; returns
     it on rank 0 (``None`` elsewhere), or raises on every rank when the commit failed."""
     step = prepared.step
@@ -321,16 +348,21 @@ def _commit(storage: Storage, prepared: PreparedSave, context: SaveContext, repo
                 raise SaveAbortedError(f"save of step {step} abandoned before its commit")
             storage.put_if_absent(manifest_key(step, context.incarnation), manifest_json)
         except Exception as exc:  # reported through the broadcast, so no rank waits for it
-            outcome = {"ok": False, "error": _describe(exc), "fenced": isinstance(exc, FencedError),
-                       "aborted": isinstance(exc, SaveAbortedError),
-                       "retryable": not isinstance(exc, (FencedError, CommitUnsupportedError))}
+            outcome = {
+                "ok": False,
+                "error": _describe(exc),
+                "fenced": isinstance(exc, FencedError),
+                "aborted": isinstance(exc, SaveAbortedError),
+                "retryable": not isinstance(exc, (FencedError, CommitUnsupportedError)),
+            }
     outcome = dist.broadcast_json(outcome, group=group)
     _raise_if_failed([outcome], lambda failed: f"commit of step {step} failed on rank 0: {failed[0]}")
     return manifest
 
 
-def _raise_if_failed(reports: list[dict[str, Any]], message: Callable[[dict[int, str]], str],
-                     cause: BaseException | None = None) -> None:
+def _raise_if_failed(
+    reports: list[dict[str, Any]], message: Callable[[dict[int, str]], str], cause: BaseException | None = None
+) -> None:
     """Raise on every rank alike the error that a phase's gathered ``reports`` carry (a failed
     rank's report has an ``error``); ``message`` builds the text from {failed rank: error}.
 
@@ -348,8 +380,9 @@ def _raise_if_failed(reports: list[dict[str, Any]], message: Callable[[dict[int,
     else:
         error = CheckpointSaveError
     said = [rep["retryable"] for rep in failed.values() if "retryable" in rep]
-    raise error(message({r: rep["error"] for r, rep in failed.items()}),
-                retryable=all(said) if said else None) from cause
+    raise error(
+        message({r: rep["error"] for r, rep in failed.items()}), retryable=all(said) if said else None
+    ) from cause
 
 
 def _clear_the_way(storage: Storage, step: int, incarnation: int) -> str | None:

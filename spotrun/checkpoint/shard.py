@@ -17,8 +17,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 
-from spotrun.errors import ConfigError, CorruptShardError
 from spotrun.checkpoint.manifest import FileRecord
+from spotrun.errors import ConfigError, CorruptShardError
 
 #: safetensors refuses to read a file whose JSON header is larger than this.
 SAFETENSORS_MAX_HEADER_BYTES = 100_000_000
@@ -51,11 +51,17 @@ class ShardLimits:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_file_size_bytes, bool) or not isinstance(self.max_file_size_bytes, int) \
-                or self.max_file_size_bytes < 1:
+        if (
+            isinstance(self.max_file_size_bytes, bool)
+            or not isinstance(self.max_file_size_bytes, int)
+            or self.max_file_size_bytes < 1
+        ):
             raise ConfigError(f"max_file_size_bytes must be an integer >= 1, got {self.max_file_size_bytes!r}")
-        if isinstance(self.max_header_bytes, bool) or not isinstance(self.max_header_bytes, int) \
-                or not 2 * _HEADER_RESERVE_BYTES <= self.max_header_bytes <= SAFETENSORS_MAX_HEADER_BYTES:
+        if (
+            isinstance(self.max_header_bytes, bool)
+            or not isinstance(self.max_header_bytes, int)
+            or not 2 * _HEADER_RESERVE_BYTES <= self.max_header_bytes <= SAFETENSORS_MAX_HEADER_BYTES
+        ):
             raise ConfigError(
                 f"max_header_bytes must be an integer from {2 * _HEADER_RESERVE_BYTES} to "
                 f"{SAFETENSORS_MAX_HEADER_BYTES} (safetensors' limit), got {self.max_header_bytes!r}"
@@ -64,8 +70,11 @@ class ShardLimits:
 
 def _entry_bytes(name: str, tensor: torch.Tensor) -> int:
     """Upper bound of ``name``'s entry in a safetensors header (JSON escaping included)."""
-    quoted = len(name) + 2 if name.isascii() and name.isprintable() and '"' not in name and "\\" not in name \
-        else len(json.dumps(name))  # ASCII escapes are never shorter than serde's UTF-8
+    quoted = (
+        len(name) + 2
+        if name.isascii() and name.isprintable() and '"' not in name and "\\" not in name
+        else len(json.dumps(name))
+    )  # ASCII escapes are never shorter than serde's UTF-8
     return quoted + _ENTRY_FIXED_BYTES + 21 * tensor.dim()
 
 
@@ -85,8 +94,10 @@ def split_into_parts(tensors: dict[str, torch.Tensor], limits: ShardLimits) -> l
     for name, tensor in tensors.items():
         entry = _entry_bytes(name, tensor)
         nbytes = tensor.numel() * tensor.element_size()
-        too_big = header + entry > header_budget or \
-            8 + _HEADER_RESERVE_BYTES + header + entry + data + nbytes > limits.max_file_size_bytes
+        too_big = (
+            header + entry > header_budget
+            or 8 + _HEADER_RESERVE_BYTES + header + entry + data + nbytes > limits.max_file_size_bytes
+        )
         if parts[-1] and too_big:
             parts.append([])
             header = data = 0
@@ -110,16 +121,12 @@ def decode_shard(data: bytes, record: FileRecord, *, where: str) -> dict[str, to
             ``where`` (the object's URI) is named in the message.
     """
     if len(data) != record.size_bytes:
-        raise CorruptShardError(
-            f"{where}: {len(data)} bytes, manifest recorded {record.size_bytes}"
-        )
+        raise CorruptShardError(f"{where}: {len(data)} bytes, manifest recorded {record.size_bytes}")
     if record.algorithm != "sha256":
         raise CorruptShardError(f"{where}: decode_shard verifies whole-file sha256 records, not {record.algorithm}")
     digest = sha256_hex(data)
     if digest != record.digest:
-        raise CorruptShardError(
-            f"{where}: sha256 {digest} does not match the manifest's {record.digest}"
-        )
+        raise CorruptShardError(f"{where}: sha256 {digest} does not match the manifest's {record.digest}")
     try:
         return safetensors_load(data)
     except (SafetensorError, KeyError, ValueError, TypeError, RuntimeError, OverflowError) as exc:

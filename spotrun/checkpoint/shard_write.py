@@ -9,13 +9,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from spotrun.checkpoint.layout import file_key, index_name, shard_part_name
+from spotrun.checkpoint.manifest import FileRecord
 from spotrun.checkpoint.rank_index import IndexedFile, RankIndex
 from spotrun.checkpoint.shard import sha256_hex
-from spotrun.checkpoint.stream import CHECKSUM_BLOCK_BYTES, CHECKSUM_CHUNK_BYTES, CHUNKED_BLAKE3, ChunkDigests, ShardSource
-from spotrun.tools.gc_pause import gc_paused
+from spotrun.checkpoint.stream import (
+    CHECKSUM_BLOCK_BYTES,
+    CHECKSUM_CHUNK_BYTES,
+    CHUNKED_BLAKE3,
+    ChunkDigests,
+    ShardSource,
+)
 from spotrun.errors import SaveAbortedError
-from spotrun.checkpoint.manifest import FileRecord
 from spotrun.storage.base import Storage
+from spotrun.tools.gc_pause import gc_paused
 
 if TYPE_CHECKING:
     from spotrun.checkpoint.save import PreparedSave
@@ -53,10 +59,15 @@ class SaveProgress:
         return max(0.0, (self.bytes_total - self.bytes_done) * elapsed_s / self.bytes_done)
 
 
-
-def write_shard(storage: Storage, prepared: PreparedSave, incarnation: int, parts: list[list[str]],
-                *, abort: threading.Event | None = None,
-                progress: SaveProgress | None = None) -> tuple[list[FileRecord], RankIndex]:
+def write_shard(
+    storage: Storage,
+    prepared: PreparedSave,
+    incarnation: int,
+    parts: list[list[str]],
+    *,
+    abort: threading.Event | None = None,
+    progress: SaveProgress | None = None,
+) -> tuple[list[FileRecord], RankIndex]:
     """Stream this rank's shard into storage, one file per part, one file at a time.
 
     Each file's bytes go from the tensors' memory through the backend's bounded buffer
@@ -93,13 +104,25 @@ def write_shard(storage: Storage, prepared: PreparedSave, incarnation: int, part
             if progress is not None:
                 progress.add(len(data))
 
-        storage.put_stream(file_key(prepared.step, path), source, chunk_bytes=CHECKSUM_CHUNK_BYTES,
-                           on_chunk=on_chunk)
-        records.append(FileRecord(path=path, rank=prepared.rank, size_bytes=source.size_bytes,
-                                  digest=digests.hexdigest(), algorithm=CHUNKED_BLAKE3,
-                                  chunk_bytes=CHECKSUM_BLOCK_BYTES))
-        indexed.append(IndexedFile(path=path, size_bytes=source.size_bytes, block_bytes=CHECKSUM_BLOCK_BYTES,
-                                   block_digests=digests.chunk_hexdigests()))
+        storage.put_stream(file_key(prepared.step, path), source, chunk_bytes=CHECKSUM_CHUNK_BYTES, on_chunk=on_chunk)
+        records.append(
+            FileRecord(
+                path=path,
+                rank=prepared.rank,
+                size_bytes=source.size_bytes,
+                digest=digests.hexdigest(),
+                algorithm=CHUNKED_BLAKE3,
+                chunk_bytes=CHECKSUM_BLOCK_BYTES,
+            )
+        )
+        indexed.append(
+            IndexedFile(
+                path=path,
+                size_bytes=source.size_bytes,
+                block_bytes=CHECKSUM_BLOCK_BYTES,
+                block_digests=digests.chunk_hexdigests(),
+            )
+        )
         located.update({n: (part, *source.ranges[n]) for n in names})
     return records, RankIndex(step=prepared.step, rank=prepared.rank, files=indexed, chunks=located)
 

@@ -42,8 +42,10 @@ def local_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (0,) * tensor.dim(), tuple(tensor.shape)
     chunks = tensor.__create_chunk_list__()
     if len(chunks) != 1:
-        raise StateSerializationError(f"a DTensor of placements {tensor.placements} holds {len(chunks)} "
-                                      "boxes of its global tensor on one rank; spotrun saves one")
+        raise StateSerializationError(
+            f"a DTensor of placements {tensor.placements} holds {len(chunks)} "
+            "boxes of its global tensor on one rank; spotrun saves one"
+        )
     return tuple(chunks[0].offsets), tuple(chunks[0].sizes)
 
 

@@ -16,7 +16,6 @@ import torch
 
 from spotrun.checkpoint.stream import byte_view, copy_bytes
 
-
 #: Host copies are split into pieces of at most this many bytes, copied by several threads.
 COPY_PIECE_BYTES = 16 * 2**20
 #: Most threads copying host tensors at once.
@@ -62,8 +61,10 @@ class StagingBuffers:
                 buffer.copy_(tensor, non_blocking=True)
             elif tensor.is_contiguous():
                 target, source = byte_view(buffer), byte_view(tensor)
-                pieces.extend((target[a:a + COPY_PIECE_BYTES], source[a:a + COPY_PIECE_BYTES])
-                              for a in range(0, target.numel(), COPY_PIECE_BYTES))
+                pieces.extend(
+                    (target[a : a + COPY_PIECE_BYTES], source[a : a + COPY_PIECE_BYTES])
+                    for a in range(0, target.numel(), COPY_PIECE_BYTES)
+                )
             else:
                 buffer.copy_(tensor)
             from_cuda = from_cuda or pin

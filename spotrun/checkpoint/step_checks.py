@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from spotrun.checkpoint.manifest import FileRecord, Manifest
 from spotrun.checkpoint.rank_index import RankIndex
 from spotrun.checkpoint.shard import sha256_hex
 from spotrun.checkpoint.stream import WHOLE_SHA256, ChunkDigests
 from spotrun.errors import CorruptShardError
-from spotrun.checkpoint.manifest import FileRecord, Manifest
 
 _TAGS = ("__tensor__", "__tuple__", "__dict__", "__float__")
 
@@ -67,8 +67,10 @@ def block_problems(index: RankIndex, manifest: Manifest) -> dict[str, str]:
         if record is None:
             found[item.path] = f"records {item.path}, which the manifest does not list"
         elif (item.size_bytes, item.block_bytes) != (record.size_bytes, record.chunk_bytes):
-            found[item.path] = (f"records {item.path} as {item.size_bytes} bytes in blocks of {item.block_bytes}; "
-                                f"the manifest records {record.size_bytes} bytes in chunks of {record.chunk_bytes}")
+            found[item.path] = (
+                f"records {item.path} as {item.size_bytes} bytes in blocks of {item.block_bytes}; "
+                f"the manifest records {record.size_bytes} bytes in chunks of {record.chunk_bytes}"
+            )
     return found
 
 
@@ -113,7 +115,7 @@ def _walk(node: Any, path: str, refs: list[str], misplaced: list[str]) -> None:
         if not isinstance(node, dict):
             continue
         if len(node) == 1 and next(iter(node)) in _TAGS:
-            (tag, body), = node.items()
+            ((tag, body),) = node.items()
             if tag == "__tensor__":
                 refs.append(body if isinstance(body, str) else repr(body))
                 if body != path and not misplaced:

@@ -42,9 +42,16 @@ DATA_ALIGNMENT_BYTES = 64
 
 #: safetensors' code of each dtype it stores natively (see :mod:`spotrun.checkpoint.dtypes`).
 SAFETENSORS_CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
     if isinstance(getattr(torch, _name, None), torch.dtype):
@@ -89,8 +96,9 @@ class ShardSource(ByteSource):
             safetensors code.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, object],
-                 *, abort: threading.Event | None = None) -> None:
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], metadata: dict[str, object], *, abort: threading.Event | None = None
+    ) -> None:
         header: dict[str, object] = {}
         meta: dict[str, str] = {}
         for key, value in metadata.items():
@@ -150,8 +158,9 @@ class ShardSource(ByteSource):
             start = self._starts[index]
             source = self._bytes[index]
             take = min(end, start + source.numel()) - position
-            copy_bytes(target[position - offset : position - offset + take],
-                       source[position - start : position - start + take])
+            copy_bytes(
+                target[position - offset : position - offset + take], source[position - start : position - start + take]
+            )
             position += take
             index += 1
 

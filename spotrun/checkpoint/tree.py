@@ -133,7 +133,7 @@ def decode(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
             return skeleton
         raise ManifestError(f"unexpected value of type {type(skeleton).__name__} in a state skeleton")
     if len(skeleton) == 1:
-        (tag, body), = skeleton.items()
+        ((tag, body),) = skeleton.items()
         if tag == "__tensor__":
             try:
                 return tensors[body]
@@ -143,8 +143,10 @@ def decode(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
             _expect(isinstance(body, list), "__tuple__ must hold a list")
             return tuple(decode(v, tensors) for v in body)
         if tag == "__dict__":
-            _expect(isinstance(body, list) and all(isinstance(p, list) and len(p) == 2 for p in body),
-                    "__dict__ must hold [key, value] pairs")
+            _expect(
+                isinstance(body, list) and all(isinstance(p, list) and len(p) == 2 for p in body),
+                "__dict__ must hold [key, value] pairs",
+            )
             return {k: decode(v, tensors) for k, v in body}
         if tag == "__float__":
             _expect(body in ("nan", "inf", "-inf"), f"bad __float__ value {body!r}")

@@ -15,7 +15,8 @@ class StepVerdict:
         mismatch: why the step does not fit this job (a rank's :class:`StateMismatchError`):
             every rank refuses it rather than falling back; ``None`` otherwise.
         corrupt: a file or manifest of the step is corrupt on some rank: rank 0 un-commits
-            the step (:func:`spotrun.checkpoint.restore.reject_step`) before every rank falls back to the next older one.
+            the step (:func:`spotrun.checkpoint.restore.reject_step`) before every rank falls
+            back to the next older one.
     """
 
     failures: dict[int, str]
@@ -34,6 +35,8 @@ def judge(problems: list[dict | None]) -> StepVerdict:
     ``"mismatch": True`` when the step does not fit the job."""
     failed = {rank: p for rank, p in enumerate(problems) if p is not None}
     mismatched = [p["message"] for p in failed.values() if p.get("mismatch")]
-    return StepVerdict(failures={rank: p["message"] for rank, p in failed.items()},
-                       mismatch=mismatched[0] if mismatched else None,
-                       corrupt=any(p["corrupt"] for p in failed.values()))
+    return StepVerdict(
+        failures={rank: p["message"] for rank, p in failed.items()},
+        mismatch=mismatched[0] if mismatched else None,
+        corrupt=any(p["corrupt"] for p in failed.values()),
+    )

@@ -28,13 +28,13 @@ from spotrun.checkpoint.catalog import (
     list_steps,
 )
 from spotrun.checkpoint.layout import file_key, parse_manifest_name, step_dir
+from spotrun.checkpoint.manifest import FileRecord, Manifest
 from spotrun.checkpoint.rank_index import IndexedFile, RankIndex
 from spotrun.checkpoint.step_checks import block_problems, parse_index, skeleton_problems
-from spotrun.checkpoint.strict_json import INDEX_MAX_BYTES
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, WHOLE_SHA256, ChunkDigests, chunk_ranges
+from spotrun.checkpoint.strict_json import INDEX_MAX_BYTES
 from spotrun.checkpoint.verify_tensors import Finding, ShardHeader, check_chunks, check_whole_tensors, read_header
 from spotrun.errors import CorruptShardError, NoCheckpointError, ObjectNotFoundError, ObjectTooShortError
-from spotrun.checkpoint.manifest import FileRecord, Manifest
 from spotrun.storage.base import Storage
 
 #: The status of a step deleted while it was verified (retention of a live job, ``spotrun gc``):
@@ -96,10 +96,18 @@ class StepReport:
 
     def to_json(self) -> dict[str, Any]:
         """The fields ``spotrun verify --json`` prints for a step."""
-        return {"step": self.step, "status": self.status, "verified": self.verified, "ok": self.ok,
-                "files": self.files, "size_bytes": self.size_bytes, "tensors": self.tensors,
-                "algorithms": self.algorithms, "note": self.note,
-                "problems": [{"file": p.path, "reason": p.reason} for p in self.problems]}
+        return {
+            "step": self.step,
+            "status": self.status,
+            "verified": self.verified,
+            "ok": self.ok,
+            "files": self.files,
+            "size_bytes": self.size_bytes,
+            "tensors": self.tensors,
+            "algorithms": self.algorithms,
+            "note": self.note,
+            "problems": [{"file": p.path, "reason": p.reason} for p in self.problems],
+        }
 
 
 def steps_to_verify(storage: Storage, *, step: int | None = None, every: bool = False) -> list[StepInfo]:
@@ -125,13 +133,15 @@ def steps_to_verify(storage: Storage, *, step: int | None = None, every: bool = 
     chosen = complete[-1:] + [s for s in steps if s.status == CORRUPT and s.step > newest]
     if not chosen:
         listed = ", ".join(f"{s.step} {s.status}" for s in steps[-5:])
-        raise NoCheckpointError(f"no complete checkpoint under {storage.uri} to verify"
-                                + (f" (steps: {listed})" if steps else ""))
+        raise NoCheckpointError(
+            f"no complete checkpoint under {storage.uri} to verify" + (f" (steps: {listed})" if steps else "")
+        )
     return chosen
 
 
-def verify_step(storage: Storage, info: StepInfo, *, explicit: bool = False,
-                on_bytes: Callable[[int], object] | None = None) -> StepReport:
+def verify_step(
+    storage: Storage, info: StepInfo, *, explicit: bool = False, on_bytes: Callable[[int], object] | None = None
+) -> StepReport:
     """Check one step (see the module docstring).
 
     Args:
@@ -152,8 +162,9 @@ def verify_step(storage: Storage, info: StepInfo, *, explicit: bool = False,
         if info.status in (INCOMPLETE, FENCED):
             report = StepReport(info.step, info.status, verified=False, note=info.problem)
             if explicit:
-                report.problems.append(Problem(info.step, None, f"{info.status}, not a committed checkpoint: "
-                                                                f"{info.problem}"))
+                report.problems.append(
+                    Problem(info.step, None, f"{info.status}, not a committed checkpoint: {info.problem}")
+                )
             return report
         name = info.manifest_key.rpartition("/")[2] if info.manifest_key else None
         reason = (info.problem or "corrupt").replace(f"{storage.uri}/{info.manifest_key} ", "", 1)
@@ -187,8 +198,11 @@ class _StepCheck:
         data = [(r, size) for r, size in present.items() if not _is_index(r)]
         pool = ThreadPoolExecutor(max_workers=self._storage.read_concurrency, thread_name_prefix="spotrun-verify")
         try:
-            index_jobs = {r.rank: (r.path, pool.submit(self._load_index, r) if r in present else None)
-                          for r in manifest.files if _is_index(r)}
+            index_jobs = {
+                r.rank: (r.path, pool.submit(self._load_index, r) if r in present else None)
+                for r in manifest.files
+                if _is_index(r)
+            }
             header_jobs = {r.path: pool.submit(self._header, r, size) for r, size in data}
             indexes = {rank: (path, None if job is None else job.result()) for rank, (path, job) in index_jobs.items()}
             headers = {path: h for path, job in header_jobs.items() if (h := job.result()) is not None}
@@ -209,9 +223,13 @@ class _StepCheck:
         order = {r.path: i for i, r in enumerate(manifest.files)}
         findings = sorted(self._findings, key=lambda f: -1 if f[0] is None else order.get(f[0], len(order)))
         return StepReport(
-            self._step, self._info.status, verified=True,
+            self._step,
+            self._info.status,
+            verified=True,
             problems=[Problem(self._step, path, reason) for path, reason in findings],
-            files=len(manifest.files), size_bytes=manifest.size_bytes, tensors=len(manifest.tensors),
+            files=len(manifest.files),
+            size_bytes=manifest.size_bytes,
+            tensors=len(manifest.tensors),
             algorithms=sorted({r.algorithm for r in manifest.files}),
         )
 
@@ -230,7 +248,7 @@ class _StepCheck:
     def _check_presence(self) -> dict[FileRecord, int]:
         """Every listed file's size as stored; the ones not stored are reported."""
         prefix = f"{step_dir(self._step)}/"
-        sizes = {o.key[len(prefix):]: o.size_bytes for o in self._storage.list(prefix)}
+        sizes = {o.key[len(prefix) :]: o.size_bytes for o in self._storage.list(prefix)}
         present = {}
         for record in self._manifest.files:
             size = sizes.get(record.path)
@@ -291,8 +309,9 @@ class _StepCheck:
                     found[item.path] = item
         return found
 
-    def _submit_digest(self, pool: ThreadPoolExecutor, record: FileRecord,
-                       indexed: IndexedFile | None) -> Callable[[], None]:
+    def _submit_digest(
+        self, pool: ThreadPoolExecutor, record: FileRecord, indexed: IndexedFile | None
+    ) -> Callable[[], None]:
         """Queue the reads that hash ``record``'s file; returns the function that waits for them
         and reports a mismatch."""
         key = file_key(self._step, record.path)
@@ -303,12 +322,15 @@ class _StepCheck:
             def finish_whole() -> None:
                 if self._settled([whole], record.path) and whole.result() != record.digest:
                     self._add(record.path, f"digest mismatch ({record.algorithm})")
+
             return finish_whole
 
         chunk_bytes = record.chunk_bytes or size
         digests = ChunkDigests(size, chunk_bytes, record.algorithm)
         unit = chunk_bytes * max(1, READ_UNIT_BYTES // chunk_bytes)
-        reads = [pool.submit(self._read, key, start, stop, digests.add_span) for start, stop in chunk_ranges(size, unit)]
+        reads = [
+            pool.submit(self._read, key, start, stop, digests.add_span) for start, stop in chunk_ranges(size, unit)
+        ]
 
         def finish_chunked() -> None:
             if not self._settled(reads, record.path) or digests.hexdigest() == record.digest:
@@ -318,8 +340,12 @@ class _StepCheck:
             if not bad:
                 self._add(record.path, f"digest mismatch ({record.algorithm})")
             for first, last in _runs(bad):
-                self._add(record.path, f"digest mismatch in bytes {first * chunk_bytes}-"
-                                       f"{min((last + 1) * chunk_bytes, size)} ({record.algorithm})")
+                self._add(
+                    record.path,
+                    f"digest mismatch in bytes {first * chunk_bytes}-"
+                    f"{min((last + 1) * chunk_bytes, size)} ({record.algorithm})",
+                )
+
         return finish_chunked
 
     def _settled(self, futures: list[Future], path: str) -> bool:

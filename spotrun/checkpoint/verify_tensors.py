@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from spotrun.checkpoint import reader
 from spotrun.checkpoint.chunks import Chunk, overlap
+from spotrun.checkpoint.manifest import STORED_AS_BYTES, Manifest, TensorRecord
 from spotrun.checkpoint.rank_index import RankIndex, chunk_key
 from spotrun.checkpoint.stream import SAFETENSORS_CODES
 from spotrun.errors import CorruptShardError
-from spotrun.checkpoint.manifest import STORED_AS_BYTES, Manifest, TensorRecord
 from spotrun.storage.base import Storage
 
 #: (file path or ``None`` for the step as a whole, reason): one problem found.
@@ -82,17 +82,24 @@ def parse_header(header: dict, data_start: int, end_bytes: int | None) -> ShardH
             continue
         offsets = raw.get("data_offsets") if isinstance(raw, dict) else None
         shape = raw.get("shape") if isinstance(raw, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1] and isinstance(raw.get("dtype"), str)
-                and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+            and isinstance(raw.get("dtype"), str)
+            and isinstance(shape, list)
+            and all(type(d) is int and d >= 0 for d in shape)
+        ):
             problems.append(f"tensor {name} has no valid dtype, shape and data_offsets in the header")
             continue
         entries[name] = Entry(raw["dtype"], shape, data_start + offsets[0], data_start + offsets[1])
     covered = data_start
     for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
         if entry.begin != covered:
-            problems.append(f"tensor {name} starts at byte {entry.begin}, not at {covered} where the one "
-                            "before it ends")
+            problems.append(
+                f"tensor {name} starts at byte {entry.begin}, not at {covered} where the one before it ends"
+            )
         covered = max(covered, entry.end)
     if end_bytes is not None and covered != end_bytes and not problems:
         problems.append(f"the header describes {covered} bytes, the manifest records {end_bytes}")
@@ -120,12 +127,15 @@ def _mismatch(entry: Entry, key: str, code: str, shape: list[int], nbytes: int, 
     if entry.code == code and entry.shape == shape and entry.end - entry.begin == nbytes:
         return None
     wanted = f"{record.dtype}{shape}" if record.stored_as != STORED_AS_BYTES else f"{record.dtype} as {code}{shape}"
-    return (f"tensor {key} is stored as {entry.code}{entry.shape} ({entry.end - entry.begin} bytes); "
-            f"the manifest says {wanted} ({nbytes} bytes)")
+    return (
+        f"tensor {key} is stored as {entry.code}{entry.shape} ({entry.end - entry.begin} bytes); "
+        f"the manifest says {wanted} ({nbytes} bytes)"
+    )
 
 
-def entry_problem(header: ShardHeader, key: str, record: TensorRecord, lengths: list[int] | tuple[int, ...],
-                  name: str) -> str | None:
+def entry_problem(
+    header: ShardHeader, key: str, record: TensorRecord, lengths: list[int] | tuple[int, ...], name: str
+) -> str | None:
     """Why ``header`` does not hold ``lengths`` elements of tensor ``name`` (its manifest
     ``record``) under ``key`` with the dtype code, shape and byte count the record makes it
     store (the whole tensor in formats 1-3, one chunk in format 4), or ``None``."""
@@ -151,8 +161,9 @@ def check_whole_tensors(manifest: Manifest, headers: dict[str, ShardHeader]) -> 
             yield record.file, problem
 
 
-def check_chunks(manifest: Manifest, indexes: dict[int, tuple[str, RankIndex | None]],
-                 headers: dict[str, ShardHeader]) -> Iterator[Finding]:
+def check_chunks(
+    manifest: Manifest, indexes: dict[int, tuple[str, RankIndex | None]], headers: dict[str, ShardHeader]
+) -> Iterator[Finding]:
     """Format 4: every tensor's chunk layout (:func:`coverage_problem`), and every chunk
     against its writer's index and its file's header (:func:`check_chunk`).
 
@@ -182,8 +193,14 @@ def check_chunks(manifest: Manifest, indexes: dict[int, tuple[str, RankIndex | N
                     yield found
 
 
-def check_chunk(name: str, record: TensorRecord, chunk: Chunk, index_path: str, index: RankIndex,
-                header_of: Callable[[str], ShardHeader | None]) -> Finding | None:
+def check_chunk(
+    name: str,
+    record: TensorRecord,
+    chunk: Chunk,
+    index_path: str,
+    index: RankIndex,
+    header_of: Callable[[str], ShardHeader | None],
+) -> Finding | None:
     """One chunk of tensor ``name`` against its writer's ``index`` (whose file is
     ``index_path``) and the header of the file the index puts it in: the key is in the index,
     and in that file's header with the chunk's dtype code, lengths and byte count, at exactly
@@ -205,8 +222,9 @@ def check_chunk(name: str, record: TensorRecord, chunk: Chunk, index_path: str, 
     problem = entry_problem(header, key, record, chunk.lengths, name)
     entry = header.entries.get(key)
     if problem is None and entry is not None and (entry.begin, entry.end) != (begin, end):
-        problem = (f"tensor {key} lies at bytes {entry.begin}-{entry.end}; rank {chunk.writer}'s "
-                   f"index says {begin}-{end}")
+        problem = (
+            f"tensor {key} lies at bytes {entry.begin}-{entry.end}; rank {chunk.writer}'s index says {begin}-{end}"
+        )
     return None if problem is None else (path, problem)
 
 
@@ -225,8 +243,7 @@ def coverage_problem(name: str, record: TensorRecord) -> str | None:
             active = [a for a in active if a.offsets[0] + a.lengths[0] > chunk.offsets[0]]
         for other in active:
             if overlap((other.offsets, other.lengths), (chunk.offsets, chunk.lengths)) is not None:
-                return (f"tensor {name}: its chunks at offsets {list(other.offsets)} and {list(chunk.offsets)} "
-                        "overlap")
+                return f"tensor {name}: its chunks at offsets {list(other.offsets)} and {list(chunk.offsets)} overlap"
         active.append(chunk)
     covered, total = sum(c.numel for c in chunks), math.prod(record.shape)
     if covered != total:

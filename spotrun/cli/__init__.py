@@ -24,18 +24,22 @@ STARTED_UNIX_S = time.time()
 import argparse  # noqa: E402 (after the clock above)
 import json  # noqa: E402
 import logging  # noqa: E402
-import signal  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
-from spotrun.cli._shared import human_size  # noqa: E402,F401 (spotrun.cli.human_size, as before)
+from spotrun.cli._shared import (  # noqa: E402
+    add_storage_options,
+    human_size,  # noqa: E402,F401 (spotrun.cli.human_size, as before)
+    launch_command,
+    location_of,
+)
 from spotrun.cli.subcommands import register_all  # noqa: E402
-from spotrun.cli._shared import add_storage_options, launch_command, location_of  # noqa: E402
 from spotrun.control.env import DEFAULT_CHECKPOINT_URI  # noqa: E402
 from spotrun.errors import SpotrunError  # noqa: E402
-from spotrun.tools.logs import configure_logging, log_format_from_env  # noqa: E402
 from spotrun.supervisor.config import add_options  # noqa: E402
+from spotrun.tools.logs import configure_logging, log_format_from_env  # noqa: E402
 
 EXIT_USAGE = 2
 
@@ -50,7 +54,9 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
 
     run = sub.add_parser(
-        "run", parents=[common], help="supervise a launch command (usually torchrun)",
+        "run",
+        parents=[common],
+        help="supervise a launch command (usually torchrun)",
         description="Run LAUNCH_COMMAND, resume it from the newest complete checkpoint, turn "
         "preemption notices into emergency checkpoints. The checkpoint storage is checked "
         "first (as spotrun preflight). Exit codes: 0 finished, 143 preempted "
@@ -58,24 +64,37 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
         "command's own code.",
     )
     add_options(run, every_command=False)
-    run.add_argument("--config", metavar="FILE",
-                     help="YAML file of defaults for the options above, keys in snake_case "
-                     "(grace_period_s: 110); options given here override it (see configs/)")
-    run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- LAUNCH_COMMAND...",
-                     help="the command to supervise, e.g. torchrun --nproc-per-node 8 train.py")
+    run.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML file of defaults for the options above, keys in snake_case "
+        "(grace_period_s: 110); options given here override it (see configs/)",
+    )
+    run.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="-- LAUNCH_COMMAND...",
+        help="the command to supervise, e.g. torchrun --nproc-per-node 8 train.py",
+    )
     run.set_defaults(handler=_cmd_run, default_log_level="info")
     if run_defaults:
         run.set_defaults(**run_defaults)
 
     ls = sub.add_parser("ls", parents=[common], help="list checkpoints and whether they are complete")
-    ls.add_argument("uri", metavar="URI", nargs="?", default=DEFAULT_CHECKPOINT_URI,
-                    help=f"checkpoint root: local dir, file:// or s3://bucket/prefix (default {DEFAULT_CHECKPOINT_URI})")
+    ls.add_argument(
+        "uri",
+        metavar="URI",
+        nargs="?",
+        default=DEFAULT_CHECKPOINT_URI,
+        help=f"checkpoint root: local dir, file:// or s3://bucket/prefix (default {DEFAULT_CHECKPOINT_URI})",
+    )
     add_storage_options(ls)
     ls.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     ls.set_defaults(handler=_cmd_ls, default_log_level="warning")
 
     check = sub.add_parser(
-        "preflight", parents=[common],
+        "preflight",
+        parents=[common],
         help="check that the checkpoint storage can be written, read, listed and deleted",
     )
     check.add_argument("uri", metavar="URI", help="checkpoint root: local dir, file:// or s3://bucket/prefix")
@@ -98,8 +117,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from spotrun.supervisor.metrics_export import metrics_observers
     from spotrun.supervisor.observers import Observers
 
-    observers = Observers([EventLogObserver.for_config(config, started_unix_s=STARTED_UNIX_S),
-                           *metrics_observers(config.metrics_port, config.metrics_address, config.metrics_textfile)])
+    observers = Observers(
+        [
+            EventLogObserver.for_config(config, started_unix_s=STARTED_UNIX_S),
+            *metrics_observers(config.metrics_port, config.metrics_address, config.metrics_textfile),
+        ]
+    )
     return supervise(config, observers)
 
 
@@ -112,18 +135,32 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     if not steps:  # the one listing found no step: is anything stored there at all?
         location.check_objects_exist(storage)
     if args.json:
-        print(json.dumps([{**s.to_json(), "meshes": s.manifest.meshes if s.manifest else None,
-                           "layout": _layout(s)} for s in steps], indent=1))
+        print(
+            json.dumps(
+                [
+                    {**s.to_json(), "meshes": s.manifest.meshes if s.manifest else None, "layout": _layout(s)}
+                    for s in steps
+                ],
+                indent=1,
+            )
+        )
         return 0
     if not steps:
         print(f"no checkpoints under {storage.uri}")
         return 0
     rows = [("STEP", "STATUS", "LAYOUT", "SIZE", "TIME (UTC)", "REASON", "PROBLEM")]
     for s in steps:
-        rows.append((
-            str(s.step), s.status, _layout(s) or "-",
-            human_size(s.size_bytes), utc_iso(s.created_unix_s), s.reason or "-", s.problem or "-",
-        ))
+        rows.append(
+            (
+                str(s.step),
+                s.status,
+                _layout(s) or "-",
+                human_size(s.size_bytes),
+                utc_iso(s.created_unix_s),
+                s.reason or "-",
+                s.problem or "-",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
@@ -141,8 +178,10 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
     from spotrun.supervisor.preflight import check_storage
 
     result = check_storage(location_of(args.uri, args))
-    print(f"ok: {result.uri} can be written, read, listed and deleted, and commits without "
-          f"overwriting ({result.commit_primitive}) ({result.elapsed_s:.2f} s)")
+    print(
+        f"ok: {result.uri} can be written, read, listed and deleted, and commits without "
+        f"overwriting ({result.commit_primitive}) ({result.elapsed_s:.2f} s)"
+    )
     return 0
 
 

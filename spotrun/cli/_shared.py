@@ -39,7 +39,7 @@ def launch_command(args: argparse.Namespace) -> list[str]:
     if command and command[0] == "--":
         command = command[1:]
     argv = args.raw_argv
-    given_after_dashes = argv[argv.index("--") + 1:] if "--" in argv else None
+    given_after_dashes = argv[argv.index("--") + 1 :] if "--" in argv else None
     if command and command != given_after_dashes:
         raise ConfigError(
             f"{command[0]!r} is not an option of spotrun {args.subcommand}: put the launch command after "

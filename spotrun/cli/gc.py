@@ -30,7 +30,9 @@ DEFAULT_OLDER_THAN_S = 3600.0
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """Add ``spotrun gc`` to ``sub``."""
     gc = sub.add_parser(
-        "gc", parents=[common], help="delete old steps, dead saves and abandoned uploads under a root",
+        "gc",
+        parents=[common],
+        help="delete old steps, dead saves and abandoned uploads under a root",
         description="Delete the complete steps that --keep-last/--keep-every no longer keep (never the newest "
         "complete step, nor the step the newest start resumed from), incomplete and fenced steps whose newest "
         "object is older than --incomplete-older-than-s, interrupted deletions, and abandoned S3 multipart "
@@ -40,14 +42,29 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "line per step and upload, then a summary. Exit code 0, or 2 on an error.",
     )
     gc.add_argument("uri", metavar="URI", help="checkpoint root: local dir, file:// or s3://bucket/prefix")
-    gc.add_argument("--keep-last", type=int, default=None, metavar="N",
-                    help="keep the N newest complete steps (default: keep every complete step)")
-    gc.add_argument("--keep-every", type=int, default=None, metavar="M",
-                    help="also keep every complete step divisible by M (with --keep-last)")
-    gc.add_argument("--incomplete-older-than-s", type=float, default=DEFAULT_OLDER_THAN_S, metavar="S",
-                    help="delete incomplete and fenced steps and abandoned uploads from this age on, in "
-                    "seconds (default %(default).0f; keep it above the job's save_timeout_s, 300 s by default: "
-                    "anything younger may belong to a save still running)")
+    gc.add_argument(
+        "--keep-last",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep the N newest complete steps (default: keep every complete step)",
+    )
+    gc.add_argument(
+        "--keep-every",
+        type=int,
+        default=None,
+        metavar="M",
+        help="also keep every complete step divisible by M (with --keep-last)",
+    )
+    gc.add_argument(
+        "--incomplete-older-than-s",
+        type=float,
+        default=DEFAULT_OLDER_THAN_S,
+        metavar="S",
+        help="delete incomplete and fenced steps and abandoned uploads from this age on, in "
+        "seconds (default %(default).0f; keep it above the job's save_timeout_s, 300 s by default: "
+        "anything younger may belong to a save still running)",
+    )
     gc.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     add_storage_options(gc)
     gc.set_defaults(handler=run_gc, default_log_level="warning")
@@ -65,14 +82,19 @@ def run_gc(args: argparse.Namespace) -> int:
     if not older_than_s >= 0:
         raise ConfigError(f"--incomplete-older-than-s must be >= 0, got {older_than_s}")
     if older_than_s < DEFAULT_SAVE_TIMEOUT_S:
-        log.warning("--incomplete-older-than-s %g is below a save's default bound (save_timeout_s=%g s): a save "
-                    "still running may be deleted", older_than_s, DEFAULT_SAVE_TIMEOUT_S)
+        log.warning(
+            "--incomplete-older-than-s %g is below a save's default bound (save_timeout_s=%g s): a save "
+            "still running may be deleted",
+            older_than_s,
+            DEFAULT_SAVE_TIMEOUT_S,
+        )
     storage = location_of(args.uri, args).open_existing()
     steps, fences = catalog.list_root(storage)
     protected = {}
     if fences.newest is not None and fences.resumed[fences.newest] is not None:
-        protected[fences.resumed[fences.newest]] = \
+        protected[fences.resumed[fences.newest]] = (
             f"the step the newest start (incarnation {fences.newest}) resumed from"
+        )
     now_unix_s = time.time()
     decisions = plan_gc(steps, policy, protected=protected, now_unix_s=now_unix_s, older_than_s=older_than_s)
     uploads = storage.unfinished_uploads()
@@ -112,8 +134,12 @@ class _Sweeper:
                     self.objects += info.object_count
                     self.size_bytes += info.size_bytes
                 else:
-                    done = delete_step(self.storage, decision.step, why=f"spotrun gc ({self.policy.describe()}): "
-                                       f"{decision.reason}", on_deleted=bar.update)
+                    done = delete_step(
+                        self.storage,
+                        decision.step,
+                        why=f"spotrun gc ({self.policy.describe()}): {decision.reason}",
+                        on_deleted=bar.update,
+                    )
                     self.objects += done.objects
                     self.size_bytes += done.size_bytes
                 self.deleted_steps += 1
@@ -125,23 +151,31 @@ class _Sweeper:
             what = "multipart upload" if upload.upload_id is not None else "temporary file"
             if age_s < older_than_s:
                 self.kept_uploads += 1
-                print(f"{what} {upload.key}: kept, {max(age_s, 0.0):.0f} s old, under the {older_than_s:g} s "
-                      "threshold: a save may still be writing it", flush=True)
+                print(
+                    f"{what} {upload.key}: kept, {max(age_s, 0.0):.0f} s old, under the {older_than_s:g} s "
+                    "threshold: a save may still be writing it",
+                    flush=True,
+                )
                 continue
             if not self.dry_run:
                 self.storage.abort_upload(upload)
             self.aborted += 1
             verb, done = ("abort", "aborted") if upload.upload_id is not None else ("remove", "removed")
-            print(f"{what} {upload.key}: {'would ' + verb if self.dry_run else done}, {age_s:.0f} s old "
-                  f"(threshold {older_than_s:g} s)", flush=True)
+            print(
+                f"{what} {upload.key}: {'would ' + verb if self.dry_run else done}, {age_s:.0f} s old "
+                f"(threshold {older_than_s:g} s)",
+                flush=True,
+            )
 
     def summary(self) -> str:
         from spotrun.cli._shared import human_size
 
         verb = "would delete" if self.dry_run else "deleted"
-        text = (f"{verb} {self.deleted_steps} step(s) ({self.objects} objects, {human_size(self.size_bytes)}) and "
-                f"{self.aborted} unfinished write(s); kept {self.kept_steps} step(s) and {self.kept_uploads} "
-                f"unfinished write(s) under {self.storage.uri}")
+        text = (
+            f"{verb} {self.deleted_steps} step(s) ({self.objects} objects, {human_size(self.size_bytes)}) and "
+            f"{self.aborted} unfinished write(s); kept {self.kept_steps} step(s) and {self.kept_uploads} "
+            f"unfinished write(s) under {self.storage.uri}"
+        )
         if self.corrupt:
             text += f"; corrupt, look at them: step(s) {', '.join(map(str, self.corrupt))}"
         return text

@@ -22,7 +22,9 @@ from spotrun.control.env import DEFAULT_CHECKPOINT_URI
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """Add ``report`` to ``sub``."""
     parser = sub.add_parser(
-        "report", parents=[common], help="goodput of a run: time and steps lost to preemptions",
+        "report",
+        parents=[common],
+        help="goodput of a run: time and steps lost to preemptions",
         description="Per incarnation (one start of the job) and in total: wall time, steps trained, "
         "steps lost (trained, then trained again after a preemption), start-up, restore, time "
         "training was blocked by saves, time from a notice to the exit, and goodput (time training "
@@ -45,23 +47,36 @@ def run(args: argparse.Namespace) -> int:
     """
     from spotrun.checkpoint.fencing import read_fences
     from spotrun.errors import ObjectNotFoundError
-    from spotrun.eventlog.records import EVENTS_DIR, read_events
-    from spotrun.eventlog.goodput import account, launches
     from spotrun.eventlog.advice import advise
+    from spotrun.eventlog.goodput import account, launches
+    from spotrun.eventlog.records import EVENTS_DIR, read_events
 
     storage = location_of(args.uri, args).open_existing()
     objects = read_events(storage)
     if not objects:
-        raise ObjectNotFoundError(errno.ENOENT, f"no event log under {storage.uri} (nothing in {EVENTS_DIR}/: "
-                                  f"spotrun run and the Checkpointer's rank 0 write it)")
-    accounting = account({o.incarnation: o.records for o in objects if o.rank == 0},
-                         launches((o.writer, o.incarnation, o.records) for o in objects if o.rank is None),
-                         read_fences(storage).resumed)
+        raise ObjectNotFoundError(
+            errno.ENOENT,
+            f"no event log under {storage.uri} (nothing in {EVENTS_DIR}/: "
+            f"spotrun run and the Checkpointer's rank 0 write it)",
+        )
+    accounting = account(
+        {o.incarnation: o.records for o in objects if o.rank == 0},
+        launches((o.writer, o.incarnation, o.records) for o in objects if o.rank is None),
+        read_fences(storage).resumed,
+    )
     advice = advise(accounting)
     if args.json:
-        print(json.dumps({"uri": storage.uri, "incarnations": [dataclasses.asdict(r) for r in accounting.incarnations],
-                          "totals": dataclasses.asdict(accounting.totals),
-                          "interval": dataclasses.asdict(advice)}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "uri": storage.uri,
+                    "incarnations": [dataclasses.asdict(r) for r in accounting.incarnations],
+                    "totals": dataclasses.asdict(accounting.totals),
+                    "interval": dataclasses.asdict(advice),
+                },
+                indent=1,
+            )
+        )
     else:
         print(render(storage.uri, accounting, advice))
     return 0
@@ -86,55 +101,106 @@ def _percent(fraction: float | None) -> str:
 def render(uri: str, accounting, advice) -> str:
     """The report as text: a table of incarnations, the totals, the interval suggestion."""
     totals = accounting.totals
-    rows = [("INC", "BEGAN (UTC)", "WALL", "STEPS", "TRAINED", "LOST", "START-UP", "RESTORE", "SAVE STALL",
-             "NOTICE->EXIT", "ENDED")]
+    rows = [
+        (
+            "INC",
+            "BEGAN (UTC)",
+            "WALL",
+            "STEPS",
+            "TRAINED",
+            "LOST",
+            "START-UP",
+            "RESTORE",
+            "SAVE STALL",
+            "NOTICE->EXIT",
+            "ENDED",
+        )
+    ]
     unended = [r for r in accounting.incarnations if not r.end_recorded]
     for r in accounting.incarnations:
         more = "" if r.end_recorded else "+"  # a lower bound: the log stops before the end
-        rows.append(("-" if r.number is None else str(r.number),
-                     time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.began_unix_s)), duration(r.wall_s) + more,
-                     f"{r.resumed_step}->{r.last_step}{more}", f"{r.steps_trained}{more}", f"{r.steps_lost}{more}",
-                     duration(r.startup_s), duration(r.restore_s), duration(r.save_stall_s),
-                     duration(r.notice_to_exit_s), r.ended))
+        rows.append(
+            (
+                "-" if r.number is None else str(r.number),
+                time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.began_unix_s)),
+                duration(r.wall_s) + more,
+                f"{r.resumed_step}->{r.last_step}{more}",
+                f"{r.steps_trained}{more}",
+                f"{r.steps_lost}{more}",
+                duration(r.startup_s),
+                duration(r.restore_s),
+                duration(r.save_stall_s),
+                duration(r.notice_to_exit_s),
+                r.ended,
+            )
+        )
     more = "+" if unended else ""
-    rows.append(("total", "", duration(totals.wall_s) + more, "", f"{totals.steps_trained}{more}",
-                 f"{totals.steps_lost}{more}", duration(totals.startup_s), duration(totals.restore_s),
-                 duration(totals.save_stall_s), duration(totals.notice_to_exit_s), ""))
+    rows.append(
+        (
+            "total",
+            "",
+            duration(totals.wall_s) + more,
+            "",
+            f"{totals.steps_trained}{more}",
+            f"{totals.steps_lost}{more}",
+            duration(totals.startup_s),
+            duration(totals.restore_s),
+            duration(totals.save_stall_s),
+            duration(totals.notice_to_exit_s),
+            "",
+        )
+    )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [f"event log of {uri}: {totals.incarnations} incarnation(s)", ""]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     between_s = totals.elapsed_s - totals.wall_s
-    lines += ["",
-              f"goodput {_percent(totals.goodput)}: {duration(totals.useful_s)} training steps that were kept "
-              f"(steps kept x each incarnation's step time) in {duration(totals.wall_s)} of wall time"
-              + (f" ({duration(between_s)} more between incarnations, not counted)" if between_s > 0.005 else ""),
-              f"lost: {'at least ' if unended else ''}{totals.steps_lost} step(s) trained again after an "
-              f"interruption ({duration(totals.lost_s)})",
-              f"interruptions: {totals.interruptions}, {totals.unsaved_interruptions} of them without a saved stop"
-              + (f"; {advice.interruptions_per_hour:.3g} per hour of wall time"
-                 if advice.interruptions_per_hour is not None else "")]
+    lines += [
+        "",
+        f"goodput {_percent(totals.goodput)}: {duration(totals.useful_s)} training steps that were kept "
+        f"(steps kept x each incarnation's step time) in {duration(totals.wall_s)} of wall time"
+        + (f" ({duration(between_s)} more between incarnations, not counted)" if between_s > 0.005 else ""),
+        f"lost: {'at least ' if unended else ''}{totals.steps_lost} step(s) trained again after an "
+        f"interruption ({duration(totals.lost_s)})",
+        f"interruptions: {totals.interruptions}, {totals.unsaved_interruptions} of them without a saved stop"
+        + (
+            f"; {advice.interruptions_per_hour:.3g} per hour of wall time"
+            if advice.interruptions_per_hour is not None
+            else ""
+        ),
+    ]
     if unended:
-        lines.append(f"+ rank 0 recorded no end of its own (killed without notice, a crashed rank, or still "
-                     f"running): up to "
-                     f"{duration(max(r.event_interval_s or 0.0 for r in unended))} of the end is not in the log "
-                     f"(the interval of the progress record, $SPOTRUN_EVENT_INTERVAL_S): wall time, steps trained "
-                     f"and steps lost may be more than shown, goodput less")
+        lines.append(
+            f"+ rank 0 recorded no end of its own (killed without notice, a crashed rank, or still "
+            f"running): up to "
+            f"{duration(max(r.event_interval_s or 0.0 for r in unended))} of the end is not in the log "
+            f"(the interval of the progress record, $SPOTRUN_EVENT_INTERVAL_S): wall time, steps trained "
+            f"and steps lost may be more than shown, goodput less"
+        )
     lines.append(_advice_text(advice))
     return "\n".join(lines)
 
 
 def _advice_text(advice) -> str:
-    cost = (f"save stall C = {duration(advice.save_stall_s)} (mean of the periodic saves; whole save "
-            f"{duration(advice.save_duration_s)})") if advice.save_stall_s is not None else None
+    cost = (
+        (
+            f"save stall C = {duration(advice.save_stall_s)} (mean of the periodic saves; whole save "
+            f"{duration(advice.save_duration_s)})"
+        )
+        if advice.save_stall_s is not None
+        else None
+    )
     if advice.interval_steps is None:
         return f"checkpoint interval: no suggestion - {advice.reason}" + (f"; measured {cost}" if cost else "")
     current = f"every {advice.current_interval_steps} steps" if advice.current_interval_steps else "no periodic saves"
-    return "\n".join([
-        f"checkpoint interval (Young/Daly): save every {advice.interval_steps} steps "
-        f"(~{duration(advice.interval_s)} of training; now {current})",
-        f"  from {cost}, step time {duration(advice.step_time_s)}, mean time between interruptions that "
-        f"lost work M = {duration(advice.mtbf_s)} ({advice.unsaved_interruptions}); Young sqrt(2CM) = "
-        f"{duration(advice.young_interval_s)}, Daly = {duration(advice.daly_interval_s)}",
-        f"  modelled goodput: {_percent(advice.goodput_model_suggested)} at the suggested interval, "
-        f"{_percent(advice.goodput_model_current)} at the current one (observed {_percent(advice.goodput_observed)})",
-    ])
+    return "\n".join(
+        [
+            f"checkpoint interval (Young/Daly): save every {advice.interval_steps} steps "
+            f"(~{duration(advice.interval_s)} of training; now {current})",
+            f"  from {cost}, step time {duration(advice.step_time_s)}, mean time between interruptions that "
+            f"lost work M = {duration(advice.mtbf_s)} ({advice.unsaved_interruptions}); Young sqrt(2CM) = "
+            f"{duration(advice.young_interval_s)}, Daly = {duration(advice.daly_interval_s)}",
+            f"  modelled goodput: {_percent(advice.goodput_model_suggested)} at the suggested interval, "
+            f"{_percent(advice.goodput_model_current)} at the current one "
+            f"(observed {_percent(advice.goodput_observed)})",
+        ]
+    )

@@ -20,18 +20,22 @@ from spotrun.control.env import DEFAULT_CHECKPOINT_URI
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """Add ``verify`` to ``sub``."""
     parser = sub.add_parser(
-        "verify", parents=[common], help="check a checkpoint's bytes and tensors against its manifest",
+        "verify",
+        parents=[common],
+        help="check a checkpoint's bytes and tensors against its manifest",
         description="Re-read every file of a step and check its size and digest (the algorithm its "
         "manifest records: blake3-chunks since format 3, sha256 before, and for rank index files) and "
         "that every tensor the manifest lists is in its file with the recorded dtype and shape. "
-        "Default: the newest complete step, and any newer committed step that is corrupt. Exit code 0 if all is well, 1 with one line per problem, "
+        "Default: the newest complete step, and any newer committed step that is corrupt. "
+        "Exit code 0 if all is well, 1 with one line per problem, "
         "2 on a spotrun error.",
     )
     parser.add_argument("uri", metavar="URI", nargs="?", default=DEFAULT_CHECKPOINT_URI, help=URI_HELP)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, default=None, metavar="N", help="check step N")
-    which.add_argument("--all", action="store_true",
-                       help="check every step (incomplete and fenced ones are listed, not checked)")
+    which.add_argument(
+        "--all", action="store_true", help="check every step (incomplete and fenced ones are listed, not checked)"
+    )
     add_storage_options(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON report instead of lines")
     parser.set_defaults(handler=run, default_log_level="warning")
@@ -56,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     with progress_bar(sum(_size(s) for s in steps), "verify") as bar:
         for _round in range(1 if args.all or args.step is not None else DEFAULT_MODE_ROUNDS):
             reports += _verify_each(storage, steps, args, bar)
-            if not any(r.deleted for r in reports[-len(steps):]):
+            if not any(r.deleted for r in reports[-len(steps) :]):
                 break
             # by default: the newest complete step was deleted under us (a newer one committed
             # since): check the one a restart would now resume from
@@ -94,8 +98,11 @@ def _verify_each(storage, steps, args: argparse.Namespace, bar) -> list:
         bar.set_description(f"verify step {info.step}")
         report = verify_step(storage, info, explicit=args.step is not None, on_bytes=bar.update)
         if args.step is not None and (report.deleted or info.being_deleted):
-            raise StepDeletedError(errno.ENOENT, f"step {info.step} under {storage.uri} was deleted while verifying it "
-                                   "(the job's retention, --keep-last, or spotrun gc removed it)")
+            raise StepDeletedError(
+                errno.ENOENT,
+                f"step {info.step} under {storage.uri} was deleted while verifying it "
+                "(the job's retention, --keep-last, or spotrun gc removed it)",
+            )
         reports.append(report)
         if not args.json:
             bar.clear()
@@ -114,8 +121,10 @@ def _print_step(report) -> None:
         elif report.ok:
             print(f"step {report.step}: {report.status}, not verified ({report.note})", flush=True)
         return
-    what = (f"{_count(report.files, 'file')}, {human_size(report.size_bytes)}, {_count(report.tensors, 'tensor')}; "
-            f"{', '.join(report.algorithms)}")
+    what = (
+        f"{_count(report.files, 'file')}, {human_size(report.size_bytes)}, {_count(report.tensors, 'tensor')}; "
+        f"{', '.join(report.algorithms)}"
+    )
     verdict = "ok" if report.ok else _count(len(report.problems), "problem")
     print(f"step {report.step}: {verdict} ({what})", flush=True)
 
@@ -130,5 +139,8 @@ def _summary(reports) -> str:
     skipped = sum(1 for r in reports if not r.verified and r.ok and not r.deleted)
     deleted = sum(1 for r in reports if r.deleted)
     text = f"{len(reports)} steps: {len(verified) - sum(1 for r in verified if not r.ok)} ok, {bad} with problems"
-    return (text + (f", {skipped} not verified (incomplete or fenced)" if skipped else "")
-            + (f", {deleted} deleted while verifying (not a problem)" if deleted else ""))
+    return (
+        text
+        + (f", {skipped} not verified (incomplete or fenced)" if skipped else "")
+        + (f", {deleted} deleted while verifying (not a problem)" if deleted else "")
+    )

@@ -91,7 +91,7 @@ class WorkerEnv:
     keep_every: int | None = None
 
     @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> "WorkerEnv":
+    def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
         """Read the variables; raises :class:`~spotrun.errors.ConfigError` on a malformed number."""
         from spotrun.errors import ConfigError
 

@@ -9,11 +9,10 @@ node-local directory (``$SPOTRUN_CONTROL_DIR``) that every worker checks at each
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from spotrun.errors import ConfigError
@@ -121,8 +120,7 @@ def read_commit_report(control_dir: str) -> CommitReport | None:
 
 def write_stop_report(control_dir: str, step: int) -> None:
     """Worker side: report that the workers stopped after ``step`` without saving."""
-    _write_json_atomically(os.path.join(control_dir, STOP_REPORT_FILE),
-                           {"step": step, "stopped_unix_s": time.time()})
+    _write_json_atomically(os.path.join(control_dir, STOP_REPORT_FILE), {"step": step, "stopped_unix_s": time.time()})
 
 
 def read_stop_report(control_dir: str) -> int | None:
@@ -180,9 +178,12 @@ def read_fence_report(control_dir: str) -> FenceReport | None:
         return value if type(value) is kind else None
 
     return FenceReport(
-        incarnation=known("incarnation", int), newer_incarnation=known("newer_incarnation", int),
-        newer_host=known("newer_host", str), newer_pid=known("newer_pid", int),
-        newer_supervisor_pid=known("newer_supervisor_pid", int), message=str(doc.get("message", "")),
+        incarnation=known("incarnation", int),
+        newer_incarnation=known("newer_incarnation", int),
+        newer_host=known("newer_host", str),
+        newer_pid=known("newer_pid", int),
+        newer_supervisor_pid=known("newer_supervisor_pid", int),
+        message=str(doc.get("message", "")),
         fenced_unix_s=float(doc["fenced_unix_s"]) if type(doc.get("fenced_unix_s")) in (int, float) else 0.0,
     )
 
@@ -361,27 +362,43 @@ def read_save_stats(control_dir: str) -> SaveStats | None:
         return None
     try:
         raw = doc.get("in_progress")
-        in_progress = None if raw is None else SaveInProgress(
-            step=_number(raw["step"], int), reason=str(raw["reason"]),
-            started_unix_s=_number(raw["started_unix_s"], float),
-            background=raw.get("background", False) is True,
-            bytes_total=_number(raw.get("bytes_total", 0), int), bytes_done=_number(raw.get("bytes_done", 0), int),
-            remaining_s=_optional(raw.get("remaining_s")), progress_unix_s=_optional(raw.get("progress_unix_s")),
+        in_progress = (
+            None
+            if raw is None
+            else SaveInProgress(
+                step=_number(raw["step"], int),
+                reason=str(raw["reason"]),
+                started_unix_s=_number(raw["started_unix_s"], float),
+                background=raw.get("background", False) is True,
+                bytes_total=_number(raw.get("bytes_total", 0), int),
+                bytes_done=_number(raw.get("bytes_done", 0), int),
+                remaining_s=_optional(raw.get("remaining_s")),
+                progress_unix_s=_optional(raw.get("progress_unix_s")),
+            )
         )
         recent = tuple(
             SaveRecord(
-                step=_number(r["step"], int), reason=str(r["reason"]),
-                size_bytes=_number(r["size_bytes"], int), duration_s=_number(r["duration_s"], float),
+                step=_number(r["step"], int),
+                reason=str(r["reason"]),
+                size_bytes=_number(r["size_bytes"], int),
+                duration_s=_number(r["duration_s"], float),
                 committed_unix_s=_number(r["committed_unix_s"], float),
-                stall_s=_optional(r.get("stall_s")), background=r.get("background", False) is True,
+                stall_s=_optional(r.get("stall_s")),
+                background=r.get("background", False) is True,
             )
             for r in doc.get("recent", [])
         )
         step_time_s = doc.get("step_time_s")
         raw = doc.get("restore")
-        restore = None if raw is None else RestoreRecord(
-            step=_number(raw["step"], int), duration_s=_number(raw["duration_s"], float),
-            bytes_read=_number(raw["bytes_read"], int), restored_unix_s=_number(raw["restored_unix_s"], float),
+        restore = (
+            None
+            if raw is None
+            else RestoreRecord(
+                step=_number(raw["step"], int),
+                duration_s=_number(raw["duration_s"], float),
+                bytes_read=_number(raw["bytes_read"], int),
+                restored_unix_s=_number(raw["restored_unix_s"], float),
+            )
         )
         return SaveStats(
             in_progress=in_progress,

@@ -89,8 +89,13 @@ def announce(kind: str, env: Mapping[str, str] = os.environ) -> str | None:
             try:
                 path = _write(control_dir, kind, env)
             except OSError as exc:
-                log.warning("could not announce this process (pid %d) as a %s listener in %s: %s",
-                            key[0], kind, control_dir, exc)
+                log.warning(
+                    "could not announce this process (pid %d) as a %s listener in %s: %s",
+                    key[0],
+                    kind,
+                    control_dir,
+                    exc,
+                )
                 return None
             _announced[key] = path
         return path
@@ -126,8 +131,13 @@ def _write(control_dir: str, kind: str, env: Mapping[str, str]) -> str:
     os.makedirs(folder, exist_ok=True)
     pid = os.getpid()
     path = os.path.join(folder, f"{kind}-pid-{pid}.json")
-    doc = {"kind": kind, "pid": pid, "rank": _rank(env, "RANK"), "local_rank": _rank(env, "LOCAL_RANK"),
-           "announced_unix_s": time.time()}
+    doc = {
+        "kind": kind,
+        "pid": pid,
+        "rank": _rank(env, "RANK"),
+        "local_rank": _rank(env, "LOCAL_RANK"),
+        "announced_unix_s": time.time(),
+    }
     # No fsync: the directory is node-local and lives only as long as this launch; a reader
     # needs a whole file (the rename), not one that survives a power cut.
     tmp = f"{path}.tmp"
@@ -151,15 +161,19 @@ def _read(path: str) -> Listener | None:
         kind, pid = doc["kind"], doc["pid"]
         rank, local_rank = doc.get("rank"), doc.get("local_rank")
         announced_unix_s = doc["announced_unix_s"]
-        if (kind not in KINDS or not _is_int(pid) or pid <= 0
-                or not all(r is None or _is_int(r) for r in (rank, local_rank))
-                or isinstance(announced_unix_s, bool) or not isinstance(announced_unix_s, (int, float))):
+        if (
+            kind not in KINDS
+            or not _is_int(pid)
+            or pid <= 0
+            or not all(r is None or _is_int(r) for r in (rank, local_rank))
+            or isinstance(announced_unix_s, bool)
+            or not isinstance(announced_unix_s, (int, float))
+        ):
             raise ValueError(f"unexpected fields {doc!r}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.debug("ignoring listener file %s: %s", path, exc)
         return None
-    return Listener(kind=kind, pid=pid, rank=rank, local_rank=local_rank,
-                    announced_unix_s=float(announced_unix_s))
+    return Listener(kind=kind, pid=pid, rank=rank, local_rank=local_rank, announced_unix_s=float(announced_unix_s))
 
 
 def _is_int(value: object) -> bool:

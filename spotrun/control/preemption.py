@@ -67,12 +67,15 @@ def preemption_notice(env: Mapping[str, str] = os.environ) -> PreemptionNotice |
         request = control.read_save_request(control_dir)
     except ConfigError as exc:
         log.warning("%s; taking it as a preemption notice", exc)
-        return PreemptionNotice(reason="unreadable save request", deadline_unix_s=None,
-                                requested_unix_s=time.time())
+        return PreemptionNotice(reason="unreadable save request", deadline_unix_s=None, requested_unix_s=time.time())
     if request is None:
         return None
-    return PreemptionNotice(reason=request.reason, deadline_unix_s=request.deadline_unix_s,
-                            requested_unix_s=request.requested_unix_s, save=request.save)
+    return PreemptionNotice(
+        reason=request.reason,
+        deadline_unix_s=request.deadline_unix_s,
+        requested_unix_s=request.requested_unix_s,
+        save=request.save,
+    )
 
 
 class NoticeWatch:
@@ -82,8 +85,9 @@ class NoticeWatch:
         notice: the notice passed to the callback, ``None`` before.
     """
 
-    def __init__(self, callback: Callable[[PreemptionNotice], object], poll_interval_s: float,
-                 env: Mapping[str, str]) -> None:
+    def __init__(
+        self, callback: Callable[[PreemptionNotice], object], poll_interval_s: float, env: Mapping[str, str]
+    ) -> None:
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
         self.notice: PreemptionNotice | None = None
@@ -123,8 +127,9 @@ class NoticeWatch:
             self._cancelled.wait(self._poll_interval_s)
 
 
-def on_preemption_notice(callback: Callable[[PreemptionNotice], object], poll_interval_s: float = 0.5,
-                         env: Mapping[str, str] = os.environ) -> NoticeWatch:
+def on_preemption_notice(
+    callback: Callable[[PreemptionNotice], object], poll_interval_s: float = 0.5, env: Mapping[str, str] = os.environ
+) -> NoticeWatch:
     """Call ``callback(notice)`` once, from a daemon thread, when a preemption notice comes.
 
     The thread looks every ``poll_interval_s`` seconds. The callback runs in that thread, not

@@ -24,7 +24,10 @@ from spotrun.data.workers import IgnoreStopSignals, stop_signals_blocked
 from spotrun.errors import ConfigError, StateMismatchError
 
 __all__ = [
-    "STATE_VERSION", "ResumableDataLoader", "ResumableDistributedSampler", "samples_digest",
+    "STATE_VERSION",
+    "ResumableDataLoader",
+    "ResumableDistributedSampler",
+    "samples_digest",
 ]
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,7 @@ def _positive_int(name: str, value: Any) -> int:
         raise ConfigError(f"{name} must be a positive int, got {value!r}")
     return value
 
+
 def _batch_size(batch_size: int | None, global_batch_size: int | None, num_replicas: int) -> int:
     """Samples per rank per batch, from ``batch_size`` (per rank, default 1) or
     ``global_batch_size`` (over all ``num_replicas`` ranks); never both."""
@@ -73,14 +77,11 @@ def _batch_size(batch_size: int | None, global_batch_size: int | None, num_repli
         return _positive_int("batch_size", 1 if batch_size is None else batch_size)
     if batch_size is not None:
         raise ConfigError(
-            f"give batch_size (per rank, {batch_size!r}) or global_batch_size "
-            f"({global_batch_size!r}), not both"
+            f"give batch_size (per rank, {batch_size!r}) or global_batch_size ({global_batch_size!r}), not both"
         )
     _positive_int("global_batch_size", global_batch_size)
     if global_batch_size % num_replicas:
-        raise ConfigError(
-            f"global batch {global_batch_size} does not divide by world size {num_replicas}"
-        )
+        raise ConfigError(f"global batch {global_batch_size} does not divide by world size {num_replicas}")
     return global_batch_size // num_replicas
 
 
@@ -132,10 +133,7 @@ class ResumableDistributedSampler(Sampler[int]):
         self.shuffle = bool(shuffle)
         self.seed = seed
         self.drop_last = bool(drop_last)
-        global_batches = (
-            length // self.global_batch_size if self.drop_last
-            else -(-length // self.global_batch_size)
-        )
+        global_batches = length // self.global_batch_size if self.drop_last else -(-length // self.global_batch_size)
         self.total_size = global_batches * self.global_batch_size  # all ranks, per epoch
         self.num_samples = global_batches * self.batch_size  # this rank, per epoch
         self.epoch = 0
@@ -151,9 +149,7 @@ class ResumableDistributedSampler(Sampler[int]):
         if type(epoch) is not int or epoch < 0:
             raise ConfigError(f"epoch must be a non-negative int, got {epoch!r}")
         if type(start_index) is not int or not 0 <= start_index <= self.num_samples:
-            raise ConfigError(
-                f"start_index must be an int in [0, {self.num_samples}], got {start_index!r}"
-            )
+            raise ConfigError(f"start_index must be an int in [0, {self.num_samples}], got {start_index!r}")
         self.epoch, self.start_index = epoch, start_index
 
     def set_epoch(self, epoch: int) -> None:
@@ -246,13 +242,16 @@ class ResumableDataLoader(DataLoader):
                 " (use shuffle=, seed=, num_replicas=, rank=, drop_last= instead)"
             )
         if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
-            raise ConfigError(
-                "ResumableDataLoader needs a map-style dataset with __len__ and __getitem__"
-            )
+            raise ConfigError("ResumableDataLoader needs a map-style dataset with __len__ and __getitem__")
         num_replicas, rank = _world(num_replicas, rank)
         batch_size = _batch_size(batch_size, global_batch_size, num_replicas)
         sampler = ResumableDistributedSampler(
-            len(dataset), num_replicas, rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
+            len(dataset),
+            num_replicas,
+            rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
             batch_size=batch_size,
         )
         self._seed_generator = torch.Generator()
@@ -261,8 +260,12 @@ class ResumableDataLoader(DataLoader):
         user_init = dataloader_kwargs.get("worker_init_fn")
         dataloader_kwargs["worker_init_fn"] = IgnoreStopSignals(user_init)
         super().__init__(
-            dataset, batch_size, sampler=sampler, drop_last=drop_last,
-            generator=self._seed_generator, **dataloader_kwargs,
+            dataset,
+            batch_size,
+            sampler=sampler,
+            drop_last=drop_last,
+            generator=self._seed_generator,
+            **dataloader_kwargs,
         )
         self._epoch = 0
         self._batches_consumed = 0
@@ -366,7 +369,8 @@ class ResumableDataLoader(DataLoader):
         problems = mismatches(saved, own)
         if problems:
             raise StateMismatchError(
-                "data loader state does not fit this loader: " + "; ".join(problems)
+                "data loader state does not fit this loader: "
+                + "; ".join(problems)
                 + ". The rest of the saved epoch cannot be mapped onto this order:"
                 " resume with the saved settings, or start a new run."
             )
@@ -383,5 +387,8 @@ class ResumableDataLoader(DataLoader):
         if saved["world_size"] != own["world_size"]:
             log.info(
                 "data order: resuming epoch %d at global sample %d, saved at world size %d, now %d",
-                saved["epoch"], consumed, saved["world_size"], own["world_size"],
+                saved["epoch"],
+                consumed,
+                saved["world_size"],
+                own["world_size"],
             )

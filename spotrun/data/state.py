@@ -40,8 +40,14 @@ _FIELDS_V1: dict[str, type] = {
 #: Settings that fix the global order: a resume needs every one of them unchanged.
 MUST_MATCH = ("global_batch_size", "dataset_len", "seed", "shuffle", "drop_last")
 _AT_LEAST = {
-    "epoch": 0, "global_samples_consumed": 0, "batches_consumed": 0, "dataset_len": 0,
-    "global_batch_size": 1, "world_size": 1, "num_replicas": 1, "batch_size": 1,
+    "epoch": 0,
+    "global_samples_consumed": 0,
+    "batches_consumed": 0,
+    "dataset_len": 0,
+    "global_batch_size": 1,
+    "world_size": 1,
+    "num_replicas": 1,
+    "batch_size": 1,
 }
 
 
@@ -62,9 +68,7 @@ def parse_state(state: Any) -> dict[str, Any]:
         raise StateMismatchError(f"data loader state must be a dict, got {type(state).__name__}")
     version = state.get("version")
     if type(version) is not int or version not in (1, STATE_VERSION):
-        raise StateMismatchError(
-            f"data loader state version {version!r} is not 1 or {STATE_VERSION}"
-        )
+        raise StateMismatchError(f"data loader state version {version!r} is not 1 or {STATE_VERSION}")
     fields = _FIELDS_V1 if version == 1 else _FIELDS_V2
     unknown = sorted(set(state) - set(fields))
     if unknown:
@@ -73,13 +77,10 @@ def parse_state(state: Any) -> dict[str, Any]:
         if key not in state:
             raise StateMismatchError(f"data loader state lacks the field {key!r}")
         if type(state[key]) is not kind:
-            raise StateMismatchError(
-                f"data loader state field {key!r} is {state[key]!r}, expected a {kind.__name__}"
-            )
+            raise StateMismatchError(f"data loader state field {key!r} is {state[key]!r}, expected a {kind.__name__}")
         if key in _AT_LEAST and state[key] < _AT_LEAST[key]:
             raise StateMismatchError(
-                f"data loader state field {key!r} is {state[key]}, "
-                f"expected at least {_AT_LEAST[key]}"
+                f"data loader state field {key!r} is {state[key]}, expected at least {_AT_LEAST[key]}"
             )
     if version == STATE_VERSION:
         return dict(state)

@@ -31,26 +31,34 @@ def likely_cause(differences: list[Difference], start_step: int | None) -> str:
     """
     world = [d for d in differences if d.key == "world_size"]
     if world:
-        return (f"the two runs ran on different numbers of ranks ({world[0].what}, the resumed run's first; an "
-                "elastic torchrun --nnodes MIN:MAX gets as many nodes as join its rendezvous): a bit-for-bit "
-                "comparison needs the same world size; drill with a fixed --nnodes, or with all MAX nodes up")
+        return (
+            f"the two runs ran on different numbers of ranks ({world[0].what}, the resumed run's first; an "
+            "elastic torchrun --nnodes MIN:MAX gets as many nodes as join its rendezvous): a bit-for-bit "
+            "comparison needs the same world size; drill with a fixed --nnodes, or with all MAX nodes up"
+        )
     settings = [d for d in differences if _is_numerics(d.key)]
     if settings:
         named = "; ".join(f"{d.key.replace(f'/{NUMERICS_STATE_NAME}/', ' ')}: {d.what}" for d in settings)
-        return (f"the two runs computed with different settings ({named}; the resumed run's value first): "
-                "a resume is bit-exact only with the same thread count, torch, CPU type and GPUs "
-                f"(see {_EXACT_RESUME_PAGE})")
+        return (
+            f"the two runs computed with different settings ({named}; the resumed run's value first): "
+            "a resume is bit-exact only with the same thread count, torch, CPU type and GPUs "
+            f"(see {_EXACT_RESUME_PAGE})"
+        )
     only_rngs = all(d.key.startswith("rank ") and "/rng/" in d.key for d in differences)
     if only_rngs and start_step is None:
-        return ("only RNG states differ and both runs started fresh: the job likely does not seed every "
-                "generator at start (Python random, NumPy, torch); seed them, or drill from an existing checkpoint")
+        return (
+            "only RNG states differ and both runs started fresh: the job likely does not seed every "
+            "generator at start (Python random, NumPy, torch); seed them, or drill from an existing checkpoint"
+        )
     if all(_rounding_sized(d) for d in differences):
         largest = max(d.max_relative_diff or 0.0 for d in differences)
-        return (f"only floating-point values differ, by at most {largest:.2g} of their scale, and everything "
-                "else (data position, RNG states, step counters) is identical: both runs did the same steps "
-                "but rounded differently although they recorded the same settings: some kernel's result "
-                "depends on timing (on GPUs: torch.use_deterministic_algorithms(True) and "
-                f"CUBLAS_WORKSPACE_CONFIG=:4096:8; see {_EXACT_RESUME_PAGE})")
+        return (
+            f"only floating-point values differ, by at most {largest:.2g} of their scale, and everything "
+            "else (data position, RNG states, step counters) is identical: both runs did the same steps "
+            "but rounded differently although they recorded the same settings: some kernel's result "
+            "depends on timing (on GPUs: torch.use_deterministic_algorithms(True) and "
+            f"CUBLAS_WORKSPACE_CONFIG=:4096:8; see {_EXACT_RESUME_PAGE})"
+        )
     return "the job has state spotrun does not save and restore, or is not deterministic"
 
 

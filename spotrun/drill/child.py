@@ -8,8 +8,8 @@ import signal
 import subprocess
 import sys
 
-from spotrun.drill.config import DrillConfig
 from spotrun.control.env import STOP_AT_STEP
+from spotrun.drill.config import DrillConfig
 from spotrun.errors import ConfigError
 from spotrun.supervisor import process
 
@@ -19,8 +19,14 @@ log = logging.getLogger(__name__)
 SLACK_S = 60.0
 
 
-def start_supervisor(config: DrillConfig, notice_options: list[str], grace_period_s: float, *,
-                     uri: str | None = None, stop_at_step: int | None = None) -> subprocess.Popen:
+def start_supervisor(
+    config: DrillConfig,
+    notice_options: list[str],
+    grace_period_s: float,
+    *,
+    uri: str | None = None,
+    stop_at_step: int | None = None,
+) -> subprocess.Popen:
     """Start ``spotrun run`` of ``config.command`` on ``uri`` (default: the job's root) with
     ``notice_options`` and ``grace_period_s`` (seconds); ``stop_at_step`` goes to the workers
     as ``$SPOTRUN_STOP_AT_STEP`` (never inherited from the drill's own environment).
@@ -28,8 +34,17 @@ def start_supervisor(config: DrillConfig, notice_options: list[str], grace_perio
     Raises:
         ConfigError: the process cannot be started.
     """
-    command = [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", uri or config.checkpoint_uri,
-               "--grace-period-s", str(grace_period_s), *notice_options]
+    command = [
+        sys.executable,
+        "-m",
+        "spotrun",
+        "run",
+        "--checkpoint-uri",
+        uri or config.checkpoint_uri,
+        "--grace-period-s",
+        str(grace_period_s),
+        *notice_options,
+    ]
     if config.s3_endpoint_url:
         command += ["--s3-endpoint-url", config.s3_endpoint_url]
     if config.log_format:
@@ -37,8 +52,11 @@ def start_supervisor(config: DrillConfig, notice_options: list[str], grace_perio
     env = {k: v for k, v in os.environ.items() if k != STOP_AT_STEP}
     if stop_at_step is not None:
         env[STOP_AT_STEP] = str(stop_at_step)
-    log.info("drill: starting %s%s", " ".join(command[2:6] + ["..."]),
-             "" if stop_at_step is None else f" with {STOP_AT_STEP}={stop_at_step}")
+    log.info(
+        "drill: starting %s%s",
+        " ".join(command[2:6] + ["..."]),
+        "" if stop_at_step is None else f" with {STOP_AT_STEP}={stop_at_step}",
+    )
     try:
         return subprocess.Popen([*command, "--", *config.command], start_new_session=True, env=env)
     except OSError as exc:

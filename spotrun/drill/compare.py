@@ -44,8 +44,12 @@ class Difference:
 
     def to_json(self) -> dict[str, Any]:
         """The difference as JSON values."""
-        return {"key": self.key, "what": self.what, "max_abs_diff": self.max_abs_diff,
-                "max_relative_diff": self.max_relative_diff}
+        return {
+            "key": self.key,
+            "what": self.what,
+            "max_abs_diff": self.max_abs_diff,
+            "max_relative_diff": self.max_relative_diff,
+        }
 
     def __str__(self) -> str:
         extra = "" if self.max_abs_diff is None else f", max abs difference {self.max_abs_diff:.3g}"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spotrun.drill.clouds import clouds
 from spotrun.control.env import DEFAULT_CHECKPOINT_URI
+from spotrun.drill.clouds import clouds
 from spotrun.errors import ConfigError
 from spotrun.storage import StorageLocation, parse_location
 
@@ -90,4 +90,3 @@ class DrillConfig:
     def lead_s(self) -> float:
         """Seconds between the drill's notice and its deadline."""
         return self.grace_period_s if self.grace_period_s is not None else clouds()[self.cloud].lead_s
-

@@ -23,6 +23,7 @@ import time
 
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.catalog import StepInfo
+from spotrun.control.env import STOP_AT_STEP
 from spotrun.drill import child
 from spotrun.drill.cause import likely_cause
 from spotrun.drill.clouds import clouds
@@ -31,7 +32,6 @@ from spotrun.drill.compare import compare_steps
 from spotrun.drill.config import DEFAULT_AFTER_S, DrillConfig
 from spotrun.drill.report import MAX_REPORTED_DIFFERENCES, DrillReport
 from spotrun.drill.scratch import ScratchRoot, copy_step, open_scratch_root
-from spotrun.control.env import STOP_AT_STEP
 from spotrun.errors import SpotrunError
 from spotrun.storage import Storage
 from spotrun.supervisor.launch import find_resume_point
@@ -65,8 +65,11 @@ def run_drill(config: DrillConfig) -> DrillReport:
         _phase_notice(config, storage, cloud, report)
     if report.first_exit_code == EXIT_PREEMPTED_SAVED:
         _phase_restart(config, storage, report)
-    if (config.exact_check and report.emergency_step is not None
-            and report.first_step_after_restart == report.emergency_step + 1):
+    if (
+        config.exact_check
+        and report.emergency_step is not None
+        and report.first_step_after_restart == report.emergency_step + 1
+    ):
         _phase_reference(config, storage, report)
     return report
 
@@ -84,11 +87,14 @@ def _phase_notice(config: DrillConfig, storage: Storage, cloud: DrillCloud, repo
             if code is not None:
                 report.first_exit_code = code
                 if code == 0:
-                    report.problems.append("the job finished before the notice; "
-                                           "use a smaller --after-steps or --after-s")
+                    report.problems.append(
+                        "the job finished before the notice; use a smaller --after-steps or --after-s"
+                    )
                 else:
-                    report.problems.append(f"the job (or spotrun run) failed with exit code {code} before the "
-                                           "notice; its error is in the output above")
+                    report.problems.append(
+                        f"the job (or spotrun run) failed with exit code {code} before the "
+                        "notice; its error is in the output above"
+                    )
                 return
         report.newest_step_at_notice = _newest_complete_step(storage)
         report.notice_unix_s = time.time()
@@ -97,8 +103,9 @@ def _phase_notice(config: DrillConfig, storage: Storage, cloud: DrillCloud, repo
         code = child.wait_exit(proc, config.lead_s + child.SLACK_S)
         report.exit_unix_s = time.time()
         if code is None:
-            report.problems.append(f"spotrun run did not exit within {config.lead_s + child.SLACK_S:.0f} s "
-                                   "of the notice")
+            report.problems.append(
+                f"spotrun run did not exit within {config.lead_s + child.SLACK_S:.0f} s of the notice"
+            )
             return
         report.first_exit_code = code
     finally:
@@ -106,11 +113,14 @@ def _phase_notice(config: DrillConfig, storage: Storage, cloud: DrillCloud, repo
     if code != EXIT_PREEMPTED_SAVED:
         hint = ""
         if code == EXIT_PREEMPTED_NOT_SAVED:
-            hint = ("; no emergency checkpoint committed before the deadline (the supervisor's log above says "
-                    "whether it estimated the save would not fit and why): give it more time "
-                    "(--grace-period-s) or make saves faster")
-        report.problems.append(f"spotrun run exited {code} after the notice, not {EXIT_PREEMPTED_SAVED} "
-                               f"(preempted and saved){hint}")
+            hint = (
+                "; no emergency checkpoint committed before the deadline (the supervisor's log above says "
+                "whether it estimated the save would not fit and why): give it more time "
+                "(--grace-period-s) or make saves faster"
+            )
+        report.problems.append(
+            f"spotrun run exited {code} after the notice, not {EXIT_PREEMPTED_SAVED} (preempted and saved){hint}"
+        )
         return
     newest = _newest_complete(storage)
     if newest is None or (report.newest_step_at_notice is not None and newest.step < report.newest_step_at_notice):
@@ -119,13 +129,16 @@ def _phase_notice(config: DrillConfig, storage: Storage, cloud: DrillCloud, repo
     report.emergency_step, report.emergency_reason = newest.step, newest.reason
     report.commit_unix_s = newest.created_unix_s
     if report.commit_unix_s > report.notice_unix_s + config.lead_s:
-        report.problems.append(f"the emergency checkpoint committed after the deadline "
-                               f"({report.commit_unix_s - report.notice_unix_s:.1f} s after the notice)")
+        report.problems.append(
+            f"the emergency checkpoint committed after the deadline "
+            f"({report.commit_unix_s - report.notice_unix_s:.1f} s after the notice)"
+        )
     cloud.check(report)
 
 
-def _trigger_reached(config: DrillConfig, storage: Storage, launched_s: float, cloud: DrillCloud,
-                     proc: subprocess.Popen) -> bool:
+def _trigger_reached(
+    config: DrillConfig, storage: Storage, launched_s: float, cloud: DrillCloud, proc: subprocess.Popen
+) -> bool:
     if not cloud.ready(proc.pid):
         return False
     if config.after_steps is not None:
@@ -142,17 +155,20 @@ def _phase_restart(config: DrillConfig, storage: Storage, report: DrillReport) -
     resume = find_resume_point(storage)
     report.resume_step = None if resume is None else resume.step
     if report.resume_step != report.emergency_step:
-        report.problems.append(f"the restart resumes from step {report.resume_step}, "
-                               f"not from the emergency step {report.emergency_step}")
+        report.problems.append(
+            f"the restart resumes from step {report.resume_step}, not from the emergency step {report.emergency_step}"
+        )
     stop_at_step = (report.emergency_step or 0) + 1
     report.restart_unix_s = time.time()
     proc = child.start_supervisor(config, ["--notice", "none"], config.restart_timeout_s, stop_at_step=stop_at_step)
     try:
         code = child.wait_exit(proc, config.restart_timeout_s)
         if code is None:
-            report.problems.append(f"the restart did not stop at step {stop_at_step} ({STOP_AT_STEP}) within "
-                                   f"{config.restart_timeout_s:.0f} s; does the job call Checkpointer.end_of_step "
-                                   "after every step?")
+            report.problems.append(
+                f"the restart did not stop at step {stop_at_step} ({STOP_AT_STEP}) within "
+                f"{config.restart_timeout_s:.0f} s; does the job call Checkpointer.end_of_step "
+                "after every step?"
+            )
             child.stop(proc)  # SIGTERM: the workers save at their next step boundary
             code = proc.returncode
         report.restart_exit_code = code
@@ -163,13 +179,16 @@ def _phase_restart(config: DrillConfig, storage: Storage, report: DrillReport) -
         return
     newest = _newest_complete(storage)
     if newest is None or newest.step <= (report.emergency_step or 0):
-        report.problems.append(f"the restart's first checkpoint (step {newest and newest.step}) does not come "
-                               f"after the emergency step {report.emergency_step}: it did not go on from it")
+        report.problems.append(
+            f"the restart's first checkpoint (step {newest and newest.step}) does not come "
+            f"after the emergency step {report.emergency_step}: it did not go on from it"
+        )
         return
     report.first_step_after_restart, report.first_save_unix_s = newest.step, newest.created_unix_s
     if newest.step != stop_at_step:
-        report.problems.append(f"the restart saved step {newest.step}, not step {stop_at_step} where "
-                               f"{STOP_AT_STEP} asked it to stop")
+        report.problems.append(
+            f"the restart saved step {newest.step}, not step {stop_at_step} where {STOP_AT_STEP} asked it to stop"
+        )
 
 
 # --- phase 3: reference --------------------------------------------------------------
@@ -207,15 +226,20 @@ def _run_reference(config: DrillConfig, storage: Storage, scratch: ScratchRoot, 
             return
         log.info("drill: copied step %d (%d objects) to %s", report.start_step, copied, scratch.uri)
     timeout_s = config.restart_timeout_s + 2 * max(0.0, (report.exit_unix_s or 0.0) - (report.launch_unix_s or 0.0))
-    log.warning("drill: reference run from %s to step %d under %s",
-                "a fresh start" if report.start_step is None else f"step {report.start_step}", target, scratch.uri)
+    log.warning(
+        "drill: reference run from %s to step %d under %s",
+        "a fresh start" if report.start_step is None else f"step {report.start_step}",
+        target,
+        scratch.uri,
+    )
     report.reference_unix_s = time.time()
     proc = child.start_supervisor(config, ["--notice", "none"], config.lead_s, uri=scratch.uri, stop_at_step=target)
     try:
         code = child.wait_exit(proc, timeout_s)
         if code is None:
-            report.problems.append(f"the reference run did not stop at step {target} ({STOP_AT_STEP}) "
-                                   f"within {timeout_s:.0f} s")
+            report.problems.append(
+                f"the reference run did not stop at step {target} ({STOP_AT_STEP}) within {timeout_s:.0f} s"
+            )
             child.stop(proc)
             code = proc.returncode
     finally:
@@ -228,13 +252,17 @@ def _run_reference(config: DrillConfig, storage: Storage, scratch: ScratchRoot, 
         report.problems.append(f"cannot list the reference run's checkpoints under {scratch.uri}: {exc}")
         return
     if saved is None or saved.status != catalog.COMPLETE:
-        report.problems.append(f"the reference run (exit code {code}) saved no complete step {target} under "
-                               f"{scratch.uri}: does the job write its checkpoints to $SPOTRUN_CHECKPOINT_URI?")
+        report.problems.append(
+            f"the reference run (exit code {code}) saved no complete step {target} under "
+            f"{scratch.uri}: does the job write its checkpoints to $SPOTRUN_CHECKPOINT_URI?"
+        )
         return
     newest = _newest_complete_step(storage)
     if newest != target:
-        report.problems.append(f"the reference run changed {config.checkpoint_uri} (newest complete step {newest}, "
-                               f"not {target}): does the job write its checkpoints to $SPOTRUN_CHECKPOINT_URI?")
+        report.problems.append(
+            f"the reference run changed {config.checkpoint_uri} (newest complete step {newest}, "
+            f"not {target}): does the job write its checkpoints to $SPOTRUN_CHECKPOINT_URI?"
+        )
     try:
         differences = compare_steps(storage, scratch.storage, target)
     except SpotrunError as exc:

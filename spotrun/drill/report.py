@@ -79,6 +79,7 @@ class DrillReport:
         """Durations in seconds: notice -> commit (0 if the step was saved already),
         commit -> exit of ``spotrun run``, restart -> first step saved, and the reference
         run (launch -> exit)."""
+
         def span(start: float | None, end: float | None) -> float | None:
             return None if start is None or end is None else round(max(0.0, end - start), 3)
 
@@ -122,11 +123,15 @@ class DrillReport:
             f"restart -> first step saved {seconds('restart_to_first_step_saved_s')}",
         ]
         if self.acknowledged_unix_s is not None and self.commit_unix_s is not None:
-            lines.append(f"  azure event acknowledged {self.acknowledged_unix_s - self.commit_unix_s:.2f} s after the commit")
+            lines.append(
+                f"  azure event acknowledged {self.acknowledged_unix_s - self.commit_unix_s:.2f} s after the commit"
+            )
         lines.append(f"  exact resume: {self._exact_summary()}, reference run {seconds('reference_s')}")
-        lines.extend(f"    differs: {d['key']}: {d['what']}"
-                     + ("" if d["max_abs_diff"] is None else f", max abs difference {d['max_abs_diff']:.3g}")
-                     for d in self.differences)
+        lines.extend(
+            f"    differs: {d['key']}: {d['what']}"
+            + ("" if d["max_abs_diff"] is None else f", max abs difference {d['max_abs_diff']:.3g}")
+            for d in self.differences
+        )
         if self.difference_count is not None and self.difference_count > len(self.differences):
             lines.append(f"    ... and {self.difference_count - len(self.differences)} more")
         if self.reference_kept:

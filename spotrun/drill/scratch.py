@@ -63,8 +63,7 @@ def open_scratch_root(location: StorageLocation, override_uri: str | None) -> Sc
             raise ConfigError(f"the reference root {override_uri} already holds objects; give an empty one")
         return ScratchRoot(uri=override_uri, storage=scratch)
     sibling = location.scratch_sibling(REFERENCE_LABEL)
-    return ScratchRoot(uri=sibling.location.uri, storage=sibling.location.open(),
-                       temporary_dir=sibling.temporary_dir)
+    return ScratchRoot(uri=sibling.location.uri, storage=sibling.location.open(), temporary_dir=sibling.temporary_dir)
 
 
 def copy_step(source: Storage, target: Storage, step: int) -> int:

@@ -122,23 +122,39 @@ def advise(accounting: Accounting) -> Advice:
     numbered = [row for row in accounting.incarnations if row.number is not None]
     current = numbered[-1].interval_steps if numbered else None
     n = totals.unsaved_interruptions
-    base = dict(interruptions=totals.interruptions, unsaved_interruptions=n,
-                interruptions_per_hour=totals.interruptions / hours if hours > 0 else None,
-                unsaved_per_hour=n / hours if hours > 0 else None, save_stall_s=stall_s,
-                save_duration_s=duration_s, step_time_s=step_time_s, current_interval_steps=current,
-                goodput_observed=totals.goodput)
+    base = dict(
+        interruptions=totals.interruptions,
+        unsaved_interruptions=n,
+        interruptions_per_hour=totals.interruptions / hours if hours > 0 else None,
+        unsaved_per_hour=n / hours if hours > 0 else None,
+        save_stall_s=stall_s,
+        save_duration_s=duration_s,
+        step_time_s=step_time_s,
+        current_interval_steps=current,
+        goodput_observed=totals.goodput,
+    )
     reason = None
     if n < MIN_UNSAVED_INTERRUPTIONS:
-        reason = (f"too few interruptions that lost work to estimate their rate: {n} (killed without notice, "
-                  f"failed, or an emergency save that did not commit; at least {MIN_UNSAVED_INTERRUPTIONS} needed)")
+        reason = (
+            f"too few interruptions that lost work to estimate their rate: {n} (killed without notice, "
+            f"failed, or an emergency save that did not commit; at least {MIN_UNSAVED_INTERRUPTIONS} needed)"
+        )
     elif stall_s is None:
         reason = "no committed periodic save to measure a save's cost from"
     elif step_time_s is None:
         reason = "no training steps timed"
     if reason is not None:
-        return Advice(reason=reason, mtbf_s=totals.wall_s / n if n else None, young_interval_s=None,
-                      daly_interval_s=None, interval_s=None, interval_steps=None, goodput_model_current=None,
-                      goodput_model_suggested=None, **base)
+        return Advice(
+            reason=reason,
+            mtbf_s=totals.wall_s / n if n else None,
+            young_interval_s=None,
+            daly_interval_s=None,
+            interval_s=None,
+            interval_steps=None,
+            goodput_model_current=None,
+            goodput_model_suggested=None,
+            **base,
+        )
     mtbf_s = totals.wall_s / n
     cost_s = max(stall_s, 1e-9)
     lag_s = max(0.0, duration_s - stall_s)
@@ -146,7 +162,13 @@ def advise(accounting: Accounting) -> Advice:
     interval_s = max(daly_s, duration_s)
     interval_steps = max(1, round(interval_s / step_time_s))
     return Advice(
-        reason=None, mtbf_s=mtbf_s, young_interval_s=young_s, daly_interval_s=daly_s,
-        interval_s=interval_steps * step_time_s, interval_steps=interval_steps,
+        reason=None,
+        mtbf_s=mtbf_s,
+        young_interval_s=young_s,
+        daly_interval_s=daly_s,
+        interval_s=interval_steps * step_time_s,
+        interval_steps=interval_steps,
         goodput_model_current=modelled_goodput(accounting, current * step_time_s, cost_s, lag_s) if current else None,
-        goodput_model_suggested=modelled_goodput(accounting, interval_steps * step_time_s, cost_s, lag_s), **base)
+        goodput_model_suggested=modelled_goodput(accounting, interval_steps * step_time_s, cost_s, lag_s),
+        **base,
+    )

@@ -144,10 +144,13 @@ def launches(supervisor_objects: Iterable[tuple[str, int, Sequence[dict[str, Any
 def _match(start: dict[str, Any], candidates: list[Launch]) -> Launch | None:
     """The launch that started the training start ``start`` (rank 0's start record)."""
     began = start["time_unix_s"] - start.get("restore_s", 0.0)
-    fitting = [launch for launch in candidates
-               if launch.host == key_host(str(start.get("host")))
-               and launch.incarnation == start.get("launch_incarnation")
-               and launch.began_unix_s <= began]
+    fitting = [
+        launch
+        for launch in candidates
+        if launch.host == key_host(str(start.get("host")))
+        and launch.incarnation == start.get("launch_incarnation")
+        and launch.began_unix_s <= began
+    ]
     return max(fitting, key=lambda launch: launch.began_unix_s) if fitting else None
 
 
@@ -183,13 +186,19 @@ def _reached(rank: Sequence[dict[str, Any]], resumed: int) -> tuple[int, float |
     """
     stepped = [r for r in rank if r["event"] in ("progress", "save", "stop", "exit") and isinstance(r.get("step"), int)]
     last = max([resumed] + [r["step"] for r in stepped])
-    at = [r["time_unix_s"] - (float(r.get("duration_s") or 0.0) if r["event"] == "save" else 0.0)
-          for r in sorted(stepped, key=lambda r: r["event"] != "progress") if r["step"] == last]
+    at = [
+        r["time_unix_s"] - (float(r.get("duration_s") or 0.0) if r["event"] == "save" else 0.0)
+        for r in sorted(stepped, key=lambda r: r["event"] != "progress")
+        if r["step"] == last
+    ]
     return last, (at[0] if at else None)
 
 
-def account(rank_objects: Mapping[int, Sequence[dict[str, Any]]], supervisor_launches: Sequence[Launch],
-            resumed_steps: Mapping[int, int | None] | None = None) -> Accounting:
+def account(
+    rank_objects: Mapping[int, Sequence[dict[str, Any]]],
+    supervisor_launches: Sequence[Launch],
+    resumed_steps: Mapping[int, int | None] | None = None,
+) -> Accounting:
     """Account every incarnation (see the module docstring).
 
     Args:
@@ -214,10 +223,24 @@ def account(rank_objects: Mapping[int, Sequence[dict[str, Any]]], supervisor_lau
         position = sharing.index(n)
         next_start = starts[sharing[position + 1]] if position + 1 < len(sharing) else None
         following = resumed_of(numbers[index + 1]) if index + 1 < len(numbers) else None
-        rows.append(_incarnation_row(n, rank_objects[n], starts[n], launch, first_of_launch=position == 0,
-                                     next_start=next_start, resumed=resumed_of(n), following=following))
-    periodic = [r for n in numbers for r in rank_objects[n]
-                if r["event"] == "save" and r.get("reason") in _PERIODIC and r.get("committed")]
+        rows.append(
+            _incarnation_row(
+                n,
+                rank_objects[n],
+                starts[n],
+                launch,
+                first_of_launch=position == 0,
+                next_start=next_start,
+                resumed=resumed_of(n),
+                following=following,
+            )
+        )
+    periodic = [
+        r
+        for n in numbers
+        for r in rank_objects[n]
+        if r["event"] == "save" and r.get("reason") in _PERIODIC and r.get("committed")
+    ]
     owned = {id(launch) for launch in owners.values() if launch is not None}
     for launch in supervisor_launches:  # launches that never started training
         if id(launch) in owned or _overlaps_training(launch, rows):
@@ -227,9 +250,17 @@ def account(rank_objects: Mapping[int, Sequence[dict[str, Any]]], supervisor_lau
     return Accounting(tuple(rows), _totals(rows), tuple(periodic))
 
 
-def _incarnation_row(n: int, records: Sequence[dict[str, Any]], start: dict[str, Any], launch: Launch | None, *,
-                     first_of_launch: bool, next_start: dict[str, Any] | None, resumed: int,
-                     following: int | None) -> Incarnation:
+def _incarnation_row(
+    n: int,
+    records: Sequence[dict[str, Any]],
+    start: dict[str, Any],
+    launch: Launch | None,
+    *,
+    first_of_launch: bool,
+    next_start: dict[str, Any] | None,
+    resumed: int,
+    following: int | None,
+) -> Incarnation:
     """The row of incarnation ``n`` (rank 0's ``records``, its ``start`` record, the launch
     that started it). ``next_start``: the start record of the next incarnation of the same
     launch, where this one ends; ``following``: the step the next incarnation resumed."""
@@ -249,32 +280,66 @@ def _incarnation_row(n: int, records: Sequence[dict[str, Any]], start: dict[str,
     training_s = max(0.0, (last_s or start["time_unix_s"]) - start["time_unix_s"] - stall_s)
     step_time_s = training_s / trained if trained > 0 and training_s > 0 else None
     return Incarnation(
-        number=n, host=start.get("host"), began_unix_s=began, ended_unix_s=max(ended, began),
-        wall_s=max(0.0, ended - began), resumed_step=resumed, last_step=last, steps_trained=trained,
-        steps_kept=kept, steps_lost=lost,
+        number=n,
+        host=start.get("host"),
+        began_unix_s=began,
+        ended_unix_s=max(ended, began),
+        wall_s=max(0.0, ended - began),
+        resumed_step=resumed,
+        last_step=last,
+        steps_trained=trained,
+        steps_kept=kept,
+        steps_lost=lost,
         startup_s=max(0.0, restore_began - began) if first_of_launch and launch is not None else None,
-        restore_s=restore_s, save_stall_s=stall_s, saves=len(saves), training_s=training_s,
-        step_time_s=step_time_s, useful_s=kept * (step_time_s or 0.0), lost_s=lost * (step_time_s or 0.0),
+        restore_s=restore_s,
+        save_stall_s=stall_s,
+        saves=len(saves),
+        training_s=training_s,
+        step_time_s=step_time_s,
+        useful_s=kept * (step_time_s or 0.0),
+        lost_s=lost * (step_time_s or 0.0),
         notice_to_exit_s=_notice_to_exit_s(launch) if next_start is None else None,
-        ended=_ending(launch, records, next_start is None), interval_steps=start.get("interval_steps"),
+        ended=_ending(launch, records, next_start is None),
+        interval_steps=start.get("interval_steps"),
         event_interval_s=start.get("event_interval_s"),
-        end_recorded=_first(records, "exit") is not None or _first(records, "stop") is not None)
+        end_recorded=_first(records, "exit") is not None or _first(records, "stop") is not None,
+    )
 
 
 def _idle_launch_row(launch: Launch) -> Incarnation:
     """The row of a launch that never started training: wall time, no steps."""
     return Incarnation(
-        number=None, host=launch.host, began_unix_s=launch.began_unix_s, ended_unix_s=launch.ended_unix_s,
-        wall_s=launch.ended_unix_s - launch.began_unix_s, resumed_step=0, last_step=0, steps_trained=0,
-        steps_kept=0, steps_lost=0, startup_s=None, restore_s=0.0, save_stall_s=0.0, saves=0, training_s=0.0,
-        step_time_s=None, useful_s=0.0, lost_s=0.0, notice_to_exit_s=_notice_to_exit_s(launch),
-        ended=_ending(launch, (), True), interval_steps=None)
+        number=None,
+        host=launch.host,
+        began_unix_s=launch.began_unix_s,
+        ended_unix_s=launch.ended_unix_s,
+        wall_s=launch.ended_unix_s - launch.began_unix_s,
+        resumed_step=0,
+        last_step=0,
+        steps_trained=0,
+        steps_kept=0,
+        steps_lost=0,
+        startup_s=None,
+        restore_s=0.0,
+        save_stall_s=0.0,
+        saves=0,
+        training_s=0.0,
+        step_time_s=None,
+        useful_s=0.0,
+        lost_s=0.0,
+        notice_to_exit_s=_notice_to_exit_s(launch),
+        ended=_ending(launch, (), True),
+        interval_steps=None,
+    )
+
 
 def _overlaps_training(launch: Launch, rows: Sequence[Incarnation]) -> bool:
     """Whether ``launch`` ran while a counted incarnation did (another node's supervisor of
     a multi-node job: its time is that incarnation's, not counted twice)."""
-    return any(row.number is not None and launch.began_unix_s < row.ended_unix_s
-               and row.began_unix_s < launch.ended_unix_s for row in rows)
+    return any(
+        row.number is not None and launch.began_unix_s < row.ended_unix_s and row.began_unix_s < launch.ended_unix_s
+        for row in rows
+    )
 
 
 def _totals(rows: Sequence[Incarnation]) -> Totals:
@@ -284,16 +349,22 @@ def _totals(rows: Sequence[Incarnation]) -> Totals:
     # every start but the newest was followed by another; one that had finished was not cut short
     interrupted = [row for row in trained[:-1] if row.ended not in ("finished", "exited")]
     return Totals(
-        incarnations=len(rows), wall_s=wall_s,
+        incarnations=len(rows),
+        wall_s=wall_s,
         elapsed_s=(max(r.ended_unix_s for r in rows) - min(r.began_unix_s for r in rows)) if rows else 0.0,
-        steps_trained=sum(r.steps_trained for r in rows), steps_lost=sum(r.steps_lost for r in rows),
-        useful_s=useful_s, lost_s=sum(r.lost_s for r in rows),
-        startup_s=_sum_known(r.startup_s for r in rows), restore_s=sum(r.restore_s for r in rows),
-        save_stall_s=sum(r.save_stall_s for r in rows), notice_to_exit_s=_sum_known(r.notice_to_exit_s for r in rows),
+        steps_trained=sum(r.steps_trained for r in rows),
+        steps_lost=sum(r.steps_lost for r in rows),
+        useful_s=useful_s,
+        lost_s=sum(r.lost_s for r in rows),
+        startup_s=_sum_known(r.startup_s for r in rows),
+        restore_s=sum(r.restore_s for r in rows),
+        save_stall_s=sum(r.save_stall_s for r in rows),
+        notice_to_exit_s=_sum_known(r.notice_to_exit_s for r in rows),
         training_s=sum(r.training_s for r in rows),
         goodput=useful_s / wall_s if wall_s > 0 else None,
         interruptions=len(interrupted),
-        unsaved_interruptions=sum(1 for r in interrupted if r.ended not in SAVED_ENDINGS))
+        unsaved_interruptions=sum(1 for r in interrupted if r.ended not in SAVED_ENDINGS),
+    )
 
 
 def _sum_known(values: Iterable[float | None]) -> float | None:

@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from spotrun.tools import process_local
 from spotrun.checkpoint import strict_json
 from spotrun.errors import ConfigError, ObjectNotFoundError, UnsafeObjectError
 from spotrun.storage.base import Storage
+from spotrun.tools import process_local
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,11 @@ def parse_records(data: bytes, where: str) -> tuple[dict[str, Any], ...]:
             record = strict_json.loads(line.encode(), max_bytes=None, what="event record")  # no RecursionError
         except ValueError:
             record = None
-        if not isinstance(record, dict) or not isinstance(record.get("event"), str) \
-                or not isinstance(record.get("time_unix_s"), (int, float)):
+        if (
+            not isinstance(record, dict)
+            or not isinstance(record.get("event"), str)
+            or not isinstance(record.get("time_unix_s"), (int, float))
+        ):
             log.warning("%s line %d is not an event record; skipped", where, number)
             continue
         records.append(record)
@@ -181,8 +184,14 @@ class EventLog:
         flush_timeout_s: most seconds one write may take, retries included.
     """
 
-    def __init__(self, storage: Storage, key: str, *, progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
-                 flush_timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        key: str,
+        *,
+        progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
+        flush_timeout_s: float = FLUSH_TIMEOUT_S,
+    ) -> None:
         self.storage = storage
         self.key = key
         self._interval_s = progress_interval_s
@@ -232,8 +241,12 @@ class EventLog:
             self._changed.notify()
         thread.join(timeout_s)
         if thread.is_alive():
-            log.warning("the event log %s/%s was not written within %.0f s; its last records may be lost",
-                        self.storage.uri, self.key, timeout_s)
+            log.warning(
+                "the event log %s/%s was not written within %.0f s; its last records may be lost",
+                self.storage.uri,
+                self.key,
+                timeout_s,
+            )
 
     # --- the writer thread ------------------------------------------------------
 
@@ -248,8 +261,7 @@ class EventLog:
             with self._changed:
                 # Records are written at once; progress alone waits for the interval (the timed wake).
                 while not self._closing and len(self._lines) == self._written_lines:
-                    if not self._changed.wait(max(self._interval_s, 0.05)) \
-                            and self._progress != self._written_progress:
+                    if not self._changed.wait(max(self._interval_s, 0.05)) and self._progress != self._written_progress:
                         break
                 lines, progress, closing = list(self._lines), self._progress, self._closing
                 if closing and len(lines) == self._written_lines and progress == self._written_progress:
@@ -273,9 +285,12 @@ class EventLog:
                 self.storage.put(self.key, body.encode("utf-8"))
         except Exception as exc:  # noqa: BLE001 - the event log never stops the job
             if not self._failing:
-                log.warning("cannot write the event log %s/%s: %s (tried again at the next record)",
-                            self.storage.uri, self.key, exc.strerror if isinstance(exc, OSError) and exc.strerror
-                            else exc)
+                log.warning(
+                    "cannot write the event log %s/%s: %s (tried again at the next record)",
+                    self.storage.uri,
+                    self.key,
+                    exc.strerror if isinstance(exc, OSError) and exc.strerror else exc,
+                )
             self._failing = True
             return False
         if self._failing:

@@ -96,8 +96,9 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(batch, seq, -1)  # (B, T, h * C/H)
         return self.resid_dropout(self.proj(y), keys)  # (B, T, C)
 
-    def _attention_with_keyed_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                      keys: SampleKeys) -> torch.Tensor:
+    def _attention_with_keyed_dropout(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: SampleKeys
+    ) -> torch.Tensor:
         """Causal attention whose weights (B, h, T, T) are dropped by sample-keyed masks drawn
         for all H heads, of which this rank keeps its own ``h``."""
         local_heads, seq = q.shape[1], q.shape[2]
@@ -170,8 +171,9 @@ class GPT(nn.Module):
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                dropout_keys: SampleKeys | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, dropout_keys: SampleKeys | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next-byte logits, and the mean cross-entropy loss if ``targets`` is given.
 
         Args:

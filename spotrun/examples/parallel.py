@@ -162,9 +162,12 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
     block, over the 1-D ``tp_mesh``; records each attention's first global head."""
     heads_per_rank = model.config.heads // tp_mesh.size()
     plan = {
-        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
         "attn.proj": RowwiseParallel(),
-        "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(),
+        "mlp.fc": ColwiseParallel(),
+        "mlp.proj": RowwiseParallel(),
     }
     for block in model.blocks:
         parallelize_module(block, tp_mesh, plan)
@@ -194,8 +197,8 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> float:
     the split layers on (dp, tp)), which ``torch.nn.utils.clip_grad_norm_`` refuses. Every
     rank sums the squares of its local gradient pieces, each weighted by 1 / (number of ranks
     holding a copy of that piece: the world size over the product of the mesh sizes of the
-    sharded dimensions, ``Shard`` or FSDP2's strided shard; a plain tensor is on every rank), and one all-reduce over all ranks
-    adds them up, in float64.
+    sharded dimensions, ``Shard`` or FSDP2's strided shard; a plain tensor is on every rank),
+    and one all-reduce over all ranks adds them up, in float64.
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     grads = [param.grad for param in parameters if param.grad is not None]

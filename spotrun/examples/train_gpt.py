@@ -48,46 +48,96 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=2, help="transformer blocks (default: %(default)s)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=64, help="tokens per sample (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="global batch: samples per step over all data-parallel ranks; must divide by "
-                        "their number, world size / --tp (default: %(default)s)")
-    p.add_argument("--fsdp", action="store_true",
-                   help="shard parameters, gradients and optimizer state with FSDP2 instead of DDP")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel degree: ranks that split each block; divides the world size "
-                        "and --heads (default: %(default)s)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="global batch: samples per step over all data-parallel ranks; must divide by "
+        "their number, world size / --tp (default: %(default)s)",
+    )
+    p.add_argument(
+        "--fsdp", action="store_true", help="shard parameters, gradients and optimizer state with FSDP2 instead of DDP"
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: ranks that split each block; divides the world size "
+        "and --heads (default: %(default)s)",
+    )
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
-    p.add_argument("--schedule", choices=("onecycle", "cosine", "constant"), default="onecycle",
-                   help="learning-rate schedule (default: %(default)s)")
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help="steps of LR warm-up; for onecycle, the rising phase (default: 10%% of --steps)")
-    p.add_argument("--weight-decay", type=float, default=0.1,
-                   help="AdamW weight decay on matrices (default: %(default)s)")
+    p.add_argument(
+        "--schedule",
+        choices=("onecycle", "cosine", "constant"),
+        default="onecycle",
+        help="learning-rate schedule (default: %(default)s)",
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="steps of LR warm-up; for onecycle, the rising phase (default: 10%% of --steps)",
+    )
+    p.add_argument(
+        "--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default: %(default)s)"
+    )
     p.add_argument("--dropout", type=float, default=0.1, help="dropout probability (default: %(default)s)")
-    p.add_argument("--sample-keyed-dropout", action="store_true",
-                   help="draw each dropout mask from (seed, sample index, layer, step) instead of the "
-                        "rank's generator: the same masks at any world size or layout")
+    p.add_argument(
+        "--sample-keyed-dropout",
+        action="store_true",
+        help="draw each dropout mask from (seed, sample index, layer, step) instead of the "
+        "rank's generator: the same masks at any world size or layout",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the model init and data order (default: %(default)s)")
-    p.add_argument("--save-interval", type=int, default=100,
-                   help="save every this many steps; 0 = only on request and at the end (default: %(default)s)")
-    p.add_argument("--sync-saves", action="store_true",
-                   help="periodic saves block training until they commit (default: written in the background)")
-    p.add_argument("--no-checkpoints", action="store_true",
-                   help="train without spotrun: no restore, no saves, no save requests (comparisons only)")
-    p.add_argument("--checkpoint-uri", default=None,
-                   help="checkpoint root (directory or s3://...); default $SPOTRUN_CHECKPOINT_URI, else ./checkpoints")
+    p.add_argument(
+        "--save-interval",
+        type=int,
+        default=100,
+        help="save every this many steps; 0 = only on request and at the end (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sync-saves",
+        action="store_true",
+        help="periodic saves block training until they commit (default: written in the background)",
+    )
+    p.add_argument(
+        "--no-checkpoints",
+        action="store_true",
+        help="train without spotrun: no restore, no saves, no save requests (comparisons only)",
+    )
+    p.add_argument(
+        "--checkpoint-uri",
+        default=None,
+        help="checkpoint root (directory or s3://...); default $SPOTRUN_CHECKPOINT_URI, else ./checkpoints",
+    )
     p.add_argument("--log-file", default=None, help="append one JSON line per step here (rank 0)")
-    p.add_argument("--log-interval", type=int, default=25,
-                   help="report loss and tokens/s to stderr every this many steps (default: %(default)s)")
+    p.add_argument(
+        "--log-interval",
+        type=int,
+        default=25,
+        help="report loss and tokens/s to stderr every this many steps (default: %(default)s)",
+    )
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes (default: %(default)s)")
-    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                   help="cap on the training text, in bytes (default: %(default)s)")
-    p.add_argument("--step-sleep-s", type=float, default=0.0,
-                   help="pause after every step, in seconds, to slow a run down for tests (default: %(default)s)")
-    p.add_argument("--intra-op-threads", type=int, default=None,
-                   help="torch intra-op threads per process (default: $OMP_NUM_THREADS, else on CPU the "
-                        "CPUs of this process divided by the processes on this node); a resume is "
-                        "bit-identical to an uninterrupted run only with the same count")
+    p.add_argument(
+        "--max-bytes",
+        type=int,
+        default=DEFAULT_MAX_BYTES,
+        help="cap on the training text, in bytes (default: %(default)s)",
+    )
+    p.add_argument(
+        "--step-sleep-s",
+        type=float,
+        default=0.0,
+        help="pause after every step, in seconds, to slow a run down for tests (default: %(default)s)",
+    )
+    p.add_argument(
+        "--intra-op-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads per process (default: $OMP_NUM_THREADS, else on CPU the "
+        "CPUs of this process divided by the processes on this node); a resume is "
+        "bit-identical to an uninterrupted run only with the same count",
+    )
     args = p.parse_args(argv)
     if args.intra_op_threads is not None and args.intra_op_threads < 1:
         p.error("--intra-op-threads must be at least 1")
@@ -147,7 +197,9 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.o
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
-def build_scheduler(opt: torch.optim.Optimizer, schedule: str, steps: int, warmup_steps: int) -> lr_scheduler.LRScheduler:
+def build_scheduler(
+    opt: torch.optim.Optimizer, schedule: str, steps: int, warmup_steps: int
+) -> lr_scheduler.LRScheduler:
     """The LR schedule over ``steps`` optimizer steps, peaking at the optimizer's ``lr``.
 
     Built from torch's schedulers without lambdas, so ``state_dict()`` holds only JSON
@@ -159,8 +211,11 @@ def build_scheduler(opt: torch.optim.Optimizer, schedule: str, steps: int, warmu
         ConfigError: unknown ``schedule``, or too few ``steps`` for ``onecycle``.
     """
     peak_lr = opt.param_groups[0]["lr"]
-    ramp = (lr_scheduler.LinearLR(opt, start_factor=1.0 / (warmup_steps + 1), total_iters=warmup_steps)
-            if warmup_steps else None)
+    ramp = (
+        lr_scheduler.LinearLR(opt, start_factor=1.0 / (warmup_steps + 1), total_iters=warmup_steps)
+        if warmup_steps
+        else None
+    )
     if schedule == "onecycle":
         rise_steps = max(warmup_steps, 2)  # OneCycleLR divides by (phase length - 1)
         if steps < rise_steps + 2:
@@ -208,18 +263,27 @@ class FixedLengthSchedule:
         mine = self.sched.state_dict()
         saved_end = schedule_steps(state)
         if _kind(state) != _kind(mine) or (saved_end is None) != (schedule_steps(mine) is None):
-            raise spotrun.StateMismatchError(f"the checkpoint's LR schedule is not a --schedule {self.schedule} "
-                                             "schedule")
+            raise spotrun.StateMismatchError(
+                f"the checkpoint's LR schedule is not a --schedule {self.schedule} schedule"
+            )
         if saved_end is not None and saved_end != self.steps:
             raise spotrun.StateMismatchError(
                 f"the checkpoint's --schedule {self.schedule} LR schedule ends at step {saved_end} (the --steps "
                 f"it was started with), not at --steps {self.steps}: a fixed-length schedule cannot be extended "
-                f"or shortened (--steps {saved_end} resumes it)")
+                f"or shortened (--steps {saved_end} resumes it)"
+            )
         self.sched.load_state_dict(state)
 
 
-def train_step(model: nn.Module, parallel: Parallel, opt: torch.optim.Optimizer, sched: lr_scheduler.LRScheduler,
-               x: torch.Tensor, y: torch.Tensor, keys: SampleKeys | None) -> tuple[torch.Tensor, float]:
+def train_step(
+    model: nn.Module,
+    parallel: Parallel,
+    opt: torch.optim.Optimizer,
+    sched: lr_scheduler.LRScheduler,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    keys: SampleKeys | None,
+) -> tuple[torch.Tensor, float]:
     """One optimizer step on the local batch ``x``, ``y`` (each (B, T)) with ``model`` (the module
     to call: a DDP wrapper or the sharded model); returns (this rank's mean loss, lr used)."""
     lr = sched.get_last_lr()[0]
@@ -258,8 +322,13 @@ class Progress:
         self._window_steps += 1
         if step % self._interval == 0:
             elapsed_s = time.perf_counter() - self._window_start
-            log.info("step %d: loss %.4f, lr %.3g, %.0f tokens/s", step, loss, lr,
-                     self._window_steps * self._tokens_per_step / elapsed_s)
+            log.info(
+                "step %d: loss %.4f, lr %.3g, %.0f tokens/s",
+                step,
+                loss,
+                lr,
+                self._window_steps * self._tokens_per_step / elapsed_s,
+            )
             self._window_start = time.perf_counter()
             self._window_steps = 0
 
@@ -276,8 +345,9 @@ def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None
     torch.manual_seed(args.seed)  # identical replicas: every rank draws the same init
     random.seed(args.seed)  # unused here, but saved with every checkpoint: a fresh start is reproducible
     np.random.seed(args.seed)
-    config = GPTConfig(block_size=args.block_size, width=args.width, depth=args.depth,
-                       heads=args.heads, dropout=args.dropout)
+    config = GPTConfig(
+        block_size=args.block_size, width=args.width, depth=args.depth, heads=args.heads, dropout=args.dropout
+    )
     model = GPT(config).to(rt.device)
     parallel = Parallel(layout, rt.device)
     trained = parallel.wrap(model, rt.device)  # the module to call; `model` stays the raw one
@@ -285,23 +355,50 @@ def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None
     sched = build_scheduler(opt, args.schedule, args.steps, args.warmup_steps)
     dataset = StdlibText(args.block_size, max_bytes=args.max_bytes)
     loader = spotrun.ResumableDataLoader(
-        IndexedSamples(dataset), batch_size=per_rank_batch, shuffle=True, seed=args.seed,
-        num_replicas=layout.dp, rank=parallel.dp_rank, num_workers=args.num_workers,
+        IndexedSamples(dataset),
+        batch_size=per_rank_batch,
+        shuffle=True,
+        seed=args.seed,
+        num_replicas=layout.dp,
+        rank=parallel.dp_rank,
+        num_workers=args.num_workers,
         pin_memory=rt.device.type == "cuda",
     )
-    log.info("model: %d parameters; data: %d bytes, %d samples of %d tokens; %s on %s; "
-             "global batch %d, %d per data-parallel rank", model.num_parameters(), dataset.data.numel(),
-             len(dataset), args.block_size, layout.describe(), rt.device, args.batch_size, per_rank_batch)
+    log.info(
+        "model: %d parameters; data: %d bytes, %d samples of %d tokens; %s on %s; "
+        "global batch %d, %d per data-parallel rank",
+        model.num_parameters(),
+        dataset.data.numel(),
+        len(dataset),
+        args.block_size,
+        layout.describe(),
+        rt.device,
+        args.batch_size,
+        per_rank_batch,
+    )
 
-    ckpt = None if args.no_checkpoints else spotrun.Checkpointer(
-        state={"model": model, "optimizer": opt, "scheduler": FixedLengthSchedule(sched, args.schedule, args.steps),
-               "data": loader},
-        uri=args.checkpoint_uri, interval_steps=args.save_interval, background_saves=not args.sync_saves,
+    ckpt = (
+        None
+        if args.no_checkpoints
+        else spotrun.Checkpointer(
+            state={
+                "model": model,
+                "optimizer": opt,
+                "scheduler": FixedLengthSchedule(sched, args.schedule, args.steps),
+                "data": loader,
+            },
+            uri=args.checkpoint_uri,
+            interval_steps=args.save_interval,
+            background_saves=not args.sync_saves,
+        )
     )
     try:
         step = ckpt.restore() if ckpt else 0
-        log.info("incarnation %s: %s", ckpt.incarnation if ckpt else "-",
-                 f"resumed from step {step}" if step else "fresh start")
+        log.info(
+            "incarnation %s: %s",
+            ckpt.incarnation if ckpt else "-",
+            f"resumed from step {step}" if step else "fresh start",
+        )
         progress = Progress(args, metrics)
         trained.train()
         while step < args.steps:
@@ -328,8 +425,9 @@ def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None
         if progress.first_loss is None:
             log.info("nothing to do: step %d already reached", step)
         else:
-            log.info("finished at step %d: first loss %.4f, final loss %.4f",
-                     step, progress.first_loss, progress.last_loss)
+            log.info(
+                "finished at step %d: first loss %.4f, final loss %.4f", step, progress.first_loss, progress.last_loss
+            )
     finally:
         if ckpt:
             ckpt.close()
@@ -364,8 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rt = setup_runtime()
     # text, or one JSON object per line under spotrun run --log-format json ($SPOTRUN_LOG_FORMAT)
-    configure_logging(logging.INFO if rt.rank == 0 else logging.WARNING, prefix=f"[rank {rt.rank}]",
-                      fields={"rank": rt.rank})
+    configure_logging(
+        logging.INFO if rt.rank == 0 else logging.WARNING, prefix=f"[rank {rt.rank}]", fields={"rank": rt.rank}
+    )
     threads, source = intra_op_threads(args.intra_op_threads, rt)
     if threads is not None:
         # Always through torch.set_num_threads, also for a count from $OMP_NUM_THREADS: it
@@ -387,8 +486,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot train: %s", exc)
         return 2
     except spotrun.StateMismatchError as exc:  # the checkpoint does not fit these settings; every rank finds the same
-        log.error("cannot resume: %s (nothing was changed; resume with the settings it was saved with, or "
-                  "--checkpoint-uri elsewhere; --batch-size is the global batch)", exc)
+        log.error(
+            "cannot resume: %s (nothing was changed; resume with the settings it was saved with, or "
+            "--checkpoint-uri elsewhere; --batch-size is the global batch)",
+            exc,
+        )
         return 2
     finally:
         if metrics is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.chunk_reader import ChunkReader
+from spotrun.checkpoint.manifest import Manifest
 from spotrun.checkpoint.restore import read_whole_tensors
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, ShardSource
 from spotrun.errors import (
@@ -26,9 +27,8 @@ from spotrun.errors import (
     StepDeletedError,
 )
 from spotrun.export.plan import INDEX_NAME, WEIGHT_FILE_RE, ExportPlan, ExportShard, plan_export
-from spotrun.checkpoint.manifest import Manifest
-from spotrun.tools.progress import progress_bar
 from spotrun.storage.base import Storage
+from spotrun.tools.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +74,23 @@ def find_step(storage: Storage, step: int | None) -> catalog.StepInfo:
         return info
     why = "absent" if info is None else f"{info.status}: {info.problem}"
     complete = [str(s.step) for s in catalog.list_steps(storage) if s.status == catalog.COMPLETE]
-    raise ObjectNotFoundError(errno.ENOENT, f"step {step} under {storage.uri} is not complete ({why}); "
-                                            f"newest complete steps: {', '.join(complete[-10:]) or 'none'}")
+    raise ObjectNotFoundError(
+        errno.ENOENT,
+        f"step {step} under {storage.uri} is not complete ({why}); "
+        f"newest complete steps: {', '.join(complete[-10:]) or 'none'}",
+    )
 
 
-def export_hf(source: Storage, out: Storage, *, step: int | None = None, state_name: str = "model",
-              max_shard_size_bytes: int = 5 * 10**9, tied: str = "copy", overwrite: bool = False) -> ExportResult:
+def export_hf(
+    source: Storage,
+    out: Storage,
+    *,
+    step: int | None = None,
+    state_name: str = "model",
+    max_shard_size_bytes: int = 5 * 10**9,
+    tied: str = "copy",
+    overwrite: bool = False,
+) -> ExportResult:
     """Export ``state_name`` of ``step`` under ``source`` as Hugging Face safetensors into ``out``.
 
     Args:
@@ -112,15 +123,20 @@ def export_hf(source: Storage, out: Storage, *, step: int | None = None, state_n
     existing = sorted(o.key for o in out.list("") if "/" not in o.key and WEIGHT_FILE_RE.match(o.key))
     if existing and not overwrite:
         shown = ", ".join(existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
-        raise ExportError(f"{out.uri} already holds exported weights ({shown}); pass --overwrite to replace "
-                          "them, or choose another output")
+        raise ExportError(
+            f"{out.uri} already holds exported weights ({shown}); pass --overwrite to replace "
+            "them, or choose another output"
+        )
     if INDEX_NAME in existing:
         out.delete(INDEX_NAME)  # first: no index may name a half-replaced set of files
     try:
         for attempt in range(NEWEST_STEP_ATTEMPTS if step is None else 1):
             if attempt:  # the newest complete step was deleted under us: export the newest now
-                log.warning("step %d was deleted while exporting it (the job's retention); exporting the newest "
-                            "complete step instead", plan.step)
+                log.warning(
+                    "step %d was deleted while exporting it (the job's retention); exporting the newest "
+                    "complete step instead",
+                    plan.step,
+                )
                 info = find_step(source, None)
                 manifest = info.manifest
                 assert manifest is not None
@@ -136,13 +152,18 @@ def export_hf(source: Storage, out: Storage, *, step: int | None = None, state_n
                     out.delete(name)
         else:
             raise StepDeletedError(
-                errno.ENOENT, f"step {plan.step} under {source.uri} was deleted while exporting it (the job's "
+                errno.ENOENT,
+                f"step {plan.step} under {source.uri} was deleted while exporting it (the job's "
                 "retention, --keep-last, or spotrun gc removed it); nothing of it was left in "
-                f"{out.uri}: export again, or a step the job keeps (--keep-every)")
+                f"{out.uri}: export again, or a step the job keeps (--keep-every)",
+            )
     except BaseException:
         if existing:
-            log.error("the earlier export in %s is no longer usable: its index was removed before this export "
-                      "began writing; export again", out.uri)
+            log.error(
+                "the earlier export in %s is no longer usable: its index was removed before this export "
+                "began writing; export again",
+                out.uri,
+            )
         raise
     removed = tuple(name for name in existing if name not in file_sizes)
     for name in removed:
@@ -150,8 +171,9 @@ def export_hf(source: Storage, out: Storage, *, step: int | None = None, state_n
     return ExportResult(plan=plan, out_uri=out.uri, file_sizes=file_sizes, removed=removed)
 
 
-def _write_files(source: Storage, out: Storage, manifest: Manifest, plan: ExportPlan,
-                 file_sizes: dict[str, int]) -> None:
+def _write_files(
+    source: Storage, out: Storage, manifest: Manifest, plan: ExportPlan, file_sizes: dict[str, int]
+) -> None:
     """Write the planned files, the index last; ``file_sizes`` gets each file written."""
     reader = ChunkReader(source, manifest) if manifest.format_version >= 4 else None
     with progress_bar(2 * plan.total_size_bytes, f"export step {plan.step}: read + write") as bar:
@@ -162,8 +184,15 @@ def _write_files(source: Storage, out: Storage, manifest: Manifest, plan: Export
         file_sizes[INDEX_NAME] = len(index)
 
 
-def _write_shard(source: Storage, out: Storage, manifest: Manifest, plan: ExportPlan, shard: ExportShard,
-                 reader: ChunkReader | None, bar) -> int:
+def _write_shard(
+    source: Storage,
+    out: Storage,
+    manifest: Manifest,
+    plan: ExportPlan,
+    shard: ExportShard,
+    reader: ChunkReader | None,
+    bar,
+) -> int:
     """Read one output file's tensors, stream the file out, and return its size in bytes."""
     sizes: dict[str, int] = {}
     for tensor in shard.tensors:  # a tied pair in one file is read once
@@ -175,8 +204,9 @@ def _write_shard(source: Storage, out: Storage, manifest: Manifest, plan: Export
     file = ShardSource({t.key: values[t.source] for t in shard.tensors}, plan.metadata())
     # the bar counted each tensor's bytes twice: a tied copy is read once, and the header is written too
     bar.total += (sum(sizes.values()) - shard.size_bytes) + (file.size_bytes - shard.size_bytes)
-    out.put_stream(shard.filename, file, chunk_bytes=CHECKSUM_CHUNK_BYTES,
-                   on_chunk=lambda _offset, data: bar.update(len(data)))
+    out.put_stream(
+        shard.filename, file, chunk_bytes=CHECKSUM_CHUNK_BYTES, on_chunk=lambda _offset, data: bar.update(len(data))
+    )
     return file.size_bytes
 
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from spotrun.checkpoint.dtypes import dtype_from_name
+from spotrun.checkpoint.manifest import Manifest
 from spotrun.checkpoint.stream import SAFETENSORS_CODES
 from spotrun.errors import ExportError
-from spotrun.checkpoint.manifest import Manifest
 
 #: Hugging Face's name of an unsharded model's file (an earlier export may have left one).
 SINGLE_FILE_NAME = "model.safetensors"
@@ -31,8 +31,17 @@ WEIGHT_FILE_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.jso
 TIED_MODES = ("copy", "drop")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -147,8 +156,10 @@ def plan_export(manifest: Manifest, state_name: str, max_shard_size_bytes: int, 
     if tied not in TIED_MODES:
         raise ExportError(f"tied must be one of {TIED_MODES}, got {tied!r}")
     if state_name not in manifest.state:
-        raise ExportError(f"step {manifest.step} has no state {state_name!r}; its states are "
-                          f"{', '.join(sorted(manifest.state)) or '(none)'} (choose one with --state)")
+        raise ExportError(
+            f"step {manifest.step} has no state {state_name!r}; its states are "
+            f"{', '.join(sorted(manifest.state)) or '(none)'} (choose one with --state)"
+        )
     leaves: list[tuple[str, str]] = []
     skipped: list[str] = []
     _flatten(manifest.state[state_name], "", leaves, skipped)
@@ -157,13 +168,20 @@ def plan_export(manifest: Manifest, state_name: str, max_shard_size_bytes: int, 
     tensors, tied_keys = _resolve(manifest, state_name, leaves)
     if tied == "drop":
         tensors = [t for t in tensors if t.key not in tied_keys]
-    return ExportPlan(step=manifest.step, state_name=state_name, shards=_shards(tensors, max_shard_size_bytes),
-                      tied=tied_keys, dropped_tied=tied == "drop", skipped=tuple(skipped))
+    return ExportPlan(
+        step=manifest.step,
+        state_name=state_name,
+        shards=_shards(tensors, max_shard_size_bytes),
+        tied=tied_keys,
+        dropped_tied=tied == "drop",
+        skipped=tuple(skipped),
+    )
 
 
 def _flatten(node: Any, path: str, leaves: list[tuple[str, str]], skipped: list[str]) -> None:
     """Collect ``(key, manifest tensor name)`` of every tensor in a state skeleton
     (:mod:`spotrun.checkpoint.tree`), keys joined with ``.``; non-tensor leaves go to ``skipped``."""
+
     def child(name: object) -> str:
         return f"{path}.{name}" if path else str(name)
 
@@ -185,8 +203,9 @@ def _flatten(node: Any, path: str, leaves: list[tuple[str, str]], skipped: list[
         skipped.append(path)
 
 
-def _resolve(manifest: Manifest, state_name: str,
-             leaves: list[tuple[str, str]]) -> tuple[list[ExportedTensor], dict[str, str]]:
+def _resolve(
+    manifest: Manifest, state_name: str, leaves: list[tuple[str, str]]
+) -> tuple[list[ExportedTensor], dict[str, str]]:
     """Each key's tensor record, checked; and which keys are tied to which."""
     tensors: list[ExportedTensor] = []
     seen: set[str] = set()
@@ -204,8 +223,10 @@ def _resolve(manifest: Manifest, state_name: str,
         dtype = dtype_from_name(record.dtype)
         if dtype not in SAFETENSORS_CODES:
             exportable = ", ".join(sorted(str(d).removeprefix("torch.") for d in SAFETENSORS_CODES))
-            raise ExportError(f"tensor {key!r} has dtype {record.dtype}, which a safetensors file cannot hold "
-                              f"for every reader; exportable dtypes: {exportable}")
+            raise ExportError(
+                f"tensor {key!r} has dtype {record.dtype}, which a safetensors file cannot hold "
+                f"for every reader; exportable dtypes: {exportable}"
+            )
         tensors.append(ExportedTensor(key, source, dtype, tuple(record.shape)))
         kept = key_of_source.get(source) or first_key.setdefault(source, key)
         if kept != key:

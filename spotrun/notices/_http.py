@@ -99,7 +99,7 @@ def request(
         return HttpResponse(status=response.status, headers=response.msg, body=data)
     except PollProblem:
         raise
-    except (socket.timeout, TimeoutError) as exc:
+    except TimeoutError as exc:
         raise PollProblem("timeout", f"no answer from {url} within {timeout_s:g} s") from exc
     except ConnectionRefusedError as exc:
         raise PollProblem("refused", f"connection to {url} refused") from exc
@@ -118,7 +118,7 @@ def request(
 def _set_timeout(conn: http.client.HTTPConnection, deadline: float) -> None:
     remaining_s = deadline - time.monotonic()
     if remaining_s <= 0:
-        raise socket.timeout("deadline passed")
+        raise TimeoutError("deadline passed")
     if conn.sock is not None:
         conn.sock.settimeout(remaining_s)
 

@@ -39,8 +39,9 @@ def field(obj: dict[str, Any], name: str, kind: type | tuple[type, ...], what: s
     """
     value = obj.get(name)
     if value is None or not isinstance(value, kind) or (isinstance(value, bool) and bool not in _tuple(kind)):
-        raise PollProblem(f"bad {what}.{name}",
-                          f"{what} field {name!r} is missing or not {_names(kind)}: {value!r:.80}")
+        raise PollProblem(
+            f"bad {what}.{name}", f"{what} field {name!r} is missing or not {_names(kind)}: {value!r:.80}"
+        )
     return value
 
 

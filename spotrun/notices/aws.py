@@ -62,9 +62,15 @@ class AwsSource(PolledSource):
 
     name = "aws"
 
-    def __init__(self, endpoint: str | None = None, *, poll_period_s: float = DEFAULT_POLL_PERIOD_S,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, token_ttl_s: int = MAX_TOKEN_TTL_S,
-                 retry_after_error_s: float | None = None):
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        poll_period_s: float = DEFAULT_POLL_PERIOD_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        token_ttl_s: int = MAX_TOKEN_TTL_S,
+        retry_after_error_s: float | None = None,
+    ):
         super().__init__(poll_period_s=poll_period_s, retry_after_error_s=retry_after_error_s)
         self.endpoint = _http.check_base_url(endpoint or endpoint_from_env(), "AWS metadata endpoint")
         if isinstance(token_ttl_s, bool) or not isinstance(token_ttl_s, int) or not 1 <= token_ttl_s <= MAX_TOKEN_TTL_S:
@@ -96,10 +102,12 @@ class AwsSource(PolledSource):
             doc = _parse.json_object(body, "spot/instance-action")
             action = _parse.field(doc, "action", str, "spot/instance-action")
             if action not in ACTIONS:
-                raise PollProblem("bad spot/instance-action.action",
-                                  f"spot/instance-action has an unknown action {action!r:.40}")
-            deadline_unix_s = _parse.rfc3339_unix_s(_parse.field(doc, "time", str, "spot/instance-action"),
-                                                   "spot/instance-action")
+                raise PollProblem(
+                    "bad spot/instance-action.action", f"spot/instance-action has an unknown action {action!r:.40}"
+                )
+            deadline_unix_s = _parse.rfc3339_unix_s(
+                _parse.field(doc, "time", str, "spot/instance-action"), "spot/instance-action"
+            )
         except PollProblem as problem:
             self.problems.report(problem.key, problem.message + "; ignored")
             return None
@@ -108,8 +116,9 @@ class AwsSource(PolledSource):
     def _rebalance(self, body: bytes) -> Finding | None:
         try:
             doc = _parse.json_object(body, "rebalance recommendation")
-            _parse.rfc3339_unix_s(_parse.field(doc, "noticeTime", str, "rebalance recommendation"),
-                                  "rebalance recommendation")
+            _parse.rfc3339_unix_s(
+                _parse.field(doc, "noticeTime", str, "rebalance recommendation"), "rebalance recommendation"
+            )
         except PollProblem as problem:
             self.problems.report(problem.key, problem.message + "; ignored")
             return None
@@ -139,8 +148,12 @@ class AwsSource(PolledSource):
         self._token = None
         requested_at = time.monotonic()
         try:
-            response = _http.request(self.endpoint + TOKEN_PATH, method="PUT",
-                                     headers={TTL_HEADER: str(self.token_ttl_s)}, timeout_s=self.timeout_s)
+            response = _http.request(
+                self.endpoint + TOKEN_PATH,
+                method="PUT",
+                headers={TTL_HEADER: str(self.token_ttl_s)},
+                timeout_s=self.timeout_s,
+            )
         except PollProblem as problem:
             hint = _HOP_LIMIT_HINT if problem.key == "timeout" else ""
             raise PollProblem(problem.key, f"token request failed: {problem.message}{hint}") from problem
@@ -160,8 +173,7 @@ class AwsSource(PolledSource):
 def probe(endpoint: str, timeout_s: float) -> bool:
     """True if an IMDSv2 token can be obtained from ``endpoint`` within ``timeout_s`` seconds."""
     try:
-        response = _http.request(endpoint + TOKEN_PATH, method="PUT", headers={TTL_HEADER: "60"},
-                                 timeout_s=timeout_s)
+        response = _http.request(endpoint + TOKEN_PATH, method="PUT", headers={TTL_HEADER: "60"}, timeout_s=timeout_s)
     except PollProblem:
         return False
     return response.status == 200 and bool(response.body.strip())

@@ -64,10 +64,17 @@ class AzureSource(PolledSource):
 
     name = "azure"
 
-    def __init__(self, endpoint: str | None = None, *, vm_name: str | None = None,
-                 event_types: tuple[str, ...] = STOP_EVENT_TYPES, poll_period_s: float = DEFAULT_POLL_PERIOD_S,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, first_call_timeout_s: float = DEFAULT_FIRST_CALL_TIMEOUT_S,
-                 retry_after_error_s: float | None = None):
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        vm_name: str | None = None,
+        event_types: tuple[str, ...] = STOP_EVENT_TYPES,
+        poll_period_s: float = DEFAULT_POLL_PERIOD_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        first_call_timeout_s: float = DEFAULT_FIRST_CALL_TIMEOUT_S,
+        retry_after_error_s: float | None = None,
+    ):
         super().__init__(poll_period_s=poll_period_s, retry_after_error_s=retry_after_error_s)
         self.endpoint = _http.check_base_url(endpoint or DEFAULT_ENDPOINT, "Azure metadata endpoint")
         self.events_url = f"{self.endpoint}{EVENTS_PATH}?{urlencode({'api-version': API_VERSION})}"
@@ -112,8 +119,9 @@ class AzureSource(PolledSource):
             raise PollProblem("bad event.EventId", f"unusable EventId {event_id!r:.80}")
         resources = _parse.field(event, "Resources", list, "event")
         if not any(isinstance(r, str) and r.casefold() == vm_name.casefold() for r in resources):
-            log.debug("azure notices: ignoring %s event %s for %r, not this VM (%s)",
-                      event_type, event_id, resources, vm_name)
+            log.debug(
+                "azure notices: ignoring %s event %s for %r, not this VM (%s)", event_type, event_id, resources, vm_name
+            )
             return None
         not_before = event.get("NotBefore", "")
         if not isinstance(not_before, str):
@@ -123,8 +131,12 @@ class AzureSource(PolledSource):
         else:
             deadline_unix_s = time.time() + MIN_NOTICE_S
         body = json.dumps(event, sort_keys=True).encode()
-        return Finding(kind=f"scheduled event {event_type} {event_id}", body=body,
-                       deadline_unix_s=deadline_unix_s, acknowledge=lambda: self.acknowledge(event_id))
+        return Finding(
+            kind=f"scheduled event {event_type} {event_id}",
+            body=body,
+            deadline_unix_s=deadline_unix_s,
+            acknowledge=lambda: self.acknowledge(event_id),
+        )
 
     def acknowledge(self, event_id: str) -> None:
         """POST ``{"StartRequests": [{"EventId": event_id}]}``: the VM is ready for the event.
@@ -135,8 +147,9 @@ class AzureSource(PolledSource):
         body = json.dumps({"StartRequests": [{"EventId": event_id}]}).encode()
         headers = {**METADATA_HEADER, "Content-Type": "application/json"}
         try:
-            response = _http.request(self.events_url, method="POST", headers=headers, body=body,
-                                     timeout_s=self.timeout_s)
+            response = _http.request(
+                self.events_url, method="POST", headers=headers, body=body, timeout_s=self.timeout_s
+            )
         except PollProblem as problem:
             raise AcknowledgeError(f"acknowledging scheduled event {event_id}: {problem.message}") from problem
         if response.status != 200:
@@ -149,8 +162,10 @@ class AzureSource(PolledSource):
         try:
             name = lookup_vm_name(self.endpoint, self.timeout_s)
         except PollProblem as problem:
-            raise PollProblem(f"vm name {problem.key}",
-                              f"cannot learn this VM's name ({problem.message}); pass the VM name as an option")
+            raise PollProblem(
+                f"vm name {problem.key}",
+                f"cannot learn this VM's name ({problem.message}); pass the VM name as an option",
+            ) from problem
         log.info("azure notices: this VM is %r (from the instance metadata service)", name)
         self.vm_name = name
         return name
@@ -194,7 +209,12 @@ def build(options: NoticeOptions, environ: Mapping[str, str]) -> list[NoticeSour
     Raises:
         ConfigError: a bad endpoint URL.
     """
-    return [AzureSource(
-        endpoint(options, environ).url, vm_name=options.azure_vm_name, timeout_s=options.http_timeout_s,
-        first_call_timeout_s=options.azure_first_call_timeout_s, **options.poll_timing(),
-    )]
+    return [
+        AzureSource(
+            endpoint(options, environ).url,
+            vm_name=options.azure_vm_name,
+            timeout_s=options.http_timeout_s,
+            first_call_timeout_s=options.azure_first_call_timeout_s,
+            **options.poll_timing(),
+        )
+    ]

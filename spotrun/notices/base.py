@@ -118,8 +118,9 @@ class ProblemLog:
             first = key not in self._seen
             self._seen.add(key)
         level = logging.WARNING if first else logging.DEBUG
-        log.log(level, "%s notices: %s%s", self.source_name, message,
-                " (logged once; retrying quietly)" if first else "")
+        log.log(
+            level, "%s notices: %s%s", self.source_name, message, " (logged once; retrying quietly)" if first else ""
+        )
 
 
 class NoticeSource(abc.ABC):
@@ -180,8 +181,9 @@ class PolledSource(NoticeSource):
         """Poll in a daemon thread, posting new notices with ``inbox.post``."""
         log.info("watching for preemption notices: %s", self.describe())
         poller = NoticePoller(self, inbox.post)
-        self._thread = threading.Thread(target=poller.run, args=(self._stop_event,),
-                                        name=f"spotrun-notice-{self.name}", daemon=True)
+        self._thread = threading.Thread(
+            target=poller.run, args=(self._stop_event,), name=f"spotrun-notice-{self.name}", daemon=True
+        )
         self._thread.start()
 
     def stop(self, timeout_s: float) -> None:
@@ -199,8 +201,7 @@ class PolledSource(NoticeSource):
 class NoticePoller:
     """Polls one source, de-duplicates its findings and posts new ones as notices."""
 
-    def __init__(self, source: PolledSource, post: Callable[[Notice], None], *,
-                 clock: Callable[[], float] = time.time):
+    def __init__(self, source: PolledSource, post: Callable[[Notice], None], *, clock: Callable[[], float] = time.time):
         self.source = source
         self._post = post
         self._clock = clock
@@ -229,8 +230,11 @@ class NoticePoller:
             if not self._is_new(finding):
                 continue
             notice = Notice(
-                source=self.source.name, kind=finding.kind, received_unix_s=received_unix_s,
-                deadline_unix_s=finding.deadline_unix_s, acknowledge=finding.acknowledge,
+                source=self.source.name,
+                kind=finding.kind,
+                received_unix_s=received_unix_s,
+                deadline_unix_s=finding.deadline_unix_s,
+                acknowledge=finding.acknowledge,
             )
             try:
                 self._post(notice)
@@ -294,7 +298,7 @@ class NoticeWatch:
         for source in reversed(sources):
             source.stop(max(0.0, end - time.monotonic()))
 
-    def __enter__(self) -> "NoticeWatch":
+    def __enter__(self) -> NoticeWatch:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

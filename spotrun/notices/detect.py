@@ -26,8 +26,10 @@ log = logging.getLogger(__name__)
 
 
 #: How a user opts in where ``auto`` finds no cloud (logged with that finding).
-OPT_IN_HINT = (f"name the source (--notice aws, gcp or azure) or set its endpoint ({aws.ENDPOINT_ENV}, "
-               f"{gcp.HOST_ENV}, --aws-metadata-endpoint, --gcp-metadata-host, --azure-metadata-endpoint)")
+OPT_IN_HINT = (
+    f"name the source (--notice aws, gcp or azure) or set its endpoint ({aws.ENDPOINT_ENV}, "
+    f"{gcp.HOST_ENV}, --aws-metadata-endpoint, --gcp-metadata-host, --azure-metadata-endpoint)"
+)
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,10 @@ class DetectionPlan:
             found = f"no DMI facts readable under {self.dmi.root} (hidden, as in some containers)"
         else:
             found = f"DMI ({self.dmi.describe()}) names no cloud"
-        return (f"--notice auto: {found}: no metadata server probed, no cloud notices (signals still are); "
-                f"to poll one, {OPT_IN_HINT}")
+        return (
+            f"--notice auto: {found}: no metadata server probed, no cloud notices (signals still are); "
+            f"to poll one, {OPT_IN_HINT}"
+        )
 
 
 def plan_detection(options: NoticeOptions, *, environ: Mapping[str, str] | None = None) -> DetectionPlan:
@@ -75,8 +79,9 @@ def plan_detection(options: NoticeOptions, *, environ: Mapping[str, str] | None 
     return DetectionPlan(dmi=facts, dmi_cloud=dmi_cloud, probes=probes)
 
 
-def detect_cloud(options: NoticeOptions, *, environ: Mapping[str, str] | None = None,
-                 plan: DetectionPlan | None = None) -> str | None:
+def detect_cloud(
+    options: NoticeOptions, *, environ: Mapping[str, str] | None = None, plan: DetectionPlan | None = None
+) -> str | None:
     """The cloud ``auto`` uses: of the candidates of ``plan`` (default :func:`plan_detection`),
     the first whose metadata server answers like its cloud, or ``None``.
 
@@ -111,9 +116,14 @@ def detect_cloud(options: NoticeOptions, *, environ: Mapping[str, str] | None = 
             log.info("detected %s: its metadata server answered", cloud)
             return cloud
     if plan.dmi_cloud is not None:
-        log.warning("DMI says this is %s but its metadata server at %s did not answer within %.1f s (IMDS "
-                    "disabled, or on AWS in a container an IMDS hop limit below 2?): no %s notices",
-                    plan.dmi_cloud, plan.probes[plan.dmi_cloud][0], timeout_s, plan.dmi_cloud)
+        log.warning(
+            "DMI says this is %s but its metadata server at %s did not answer within %.1f s (IMDS "
+            "disabled, or on AWS in a container an IMDS hop limit below 2?): no %s notices",
+            plan.dmi_cloud,
+            plan.probes[plan.dmi_cloud][0],
+            timeout_s,
+            plan.dmi_cloud,
+        )
     else:
         log.info("no metadata server answered within %.1f s", timeout_s)
     return None
@@ -122,12 +132,21 @@ def detect_cloud(options: NoticeOptions, *, environ: Mapping[str, str] | None = 
 def always_on_sources(options: NoticeOptions, *, environ: Mapping[str, str] | None = None) -> list[NoticeSource]:
     """The sources that run whatever ``--notice`` says (the signal source)."""
     env = os.environ if environ is None else environ
-    return [source for registration in SOURCES.values() if registration.always
-            for source in registration.build(options, env)]
+    return [
+        source
+        for registration in SOURCES.values()
+        if registration.always
+        for source in registration.build(options, env)
+    ]
 
 
-def build_sources(choice: NoticeChoice, options: NoticeOptions, *,
-                  environ: Mapping[str, str] | None = None, plan: DetectionPlan | None = None) -> list[NoticeSource]:
+def build_sources(
+    choice: NoticeChoice,
+    options: NoticeOptions,
+    *,
+    environ: Mapping[str, str] | None = None,
+    plan: DetectionPlan | None = None,
+) -> list[NoticeSource]:
     """The sources ``choice`` adds to :func:`always_on_sources`.
 
     With ``choice.auto`` this runs :func:`detect_cloud` first (given ``plan``, or a new
@@ -143,14 +162,22 @@ def build_sources(choice: NoticeChoice, options: NoticeOptions, *,
         cloud = detect_cloud(options, environ=env, plan=plan)
         if cloud is not None:
             names.add(cloud)
-        names.update(name for name, registration in SOURCES.items()
-                     if registration.in_auto is not None and registration.in_auto(options))
-    return [source for name, registration in SOURCES.items() if name in names and not registration.always
-            for source in registration.build(options, env)]
+        names.update(
+            name
+            for name, registration in SOURCES.items()
+            if registration.in_auto is not None and registration.in_auto(options)
+        )
+    return [
+        source
+        for name, registration in SOURCES.items()
+        if name in names and not registration.always
+        for source in registration.build(options, env)
+    ]
 
 
-def start_sources(choice: NoticeChoice, options: NoticeOptions, watch: NoticeWatch, *,
-                  environ: Mapping[str, str] | None = None) -> None:
+def start_sources(
+    choice: NoticeChoice, options: NoticeOptions, watch: NoticeWatch, *, environ: Mapping[str, str] | None = None
+) -> None:
     """Start on ``watch`` the always-on sources, then those of ``choice``.
 
     Where ``auto`` has candidate clouds to probe, the sources of ``choice`` are built and
@@ -167,12 +194,14 @@ def start_sources(choice: NoticeChoice, options: NoticeOptions, watch: NoticeWat
     if plan is None or not plan.probes:
         watch.start(build_sources(choice, options, environ=env, plan=plan))
         return
-    threading.Thread(target=_detect_then_start, args=(choice, options, watch, env, plan),
-                     name="spotrun-notice-detect", daemon=True).start()
+    threading.Thread(
+        target=_detect_then_start, args=(choice, options, watch, env, plan), name="spotrun-notice-detect", daemon=True
+    ).start()
 
 
-def _detect_then_start(choice: NoticeChoice, options: NoticeOptions, watch: NoticeWatch,
-                       environ: Mapping[str, str], plan: DetectionPlan) -> None:
+def _detect_then_start(
+    choice: NoticeChoice, options: NoticeOptions, watch: NoticeWatch, environ: Mapping[str, str], plan: DetectionPlan
+) -> None:
     try:
         sources = build_sources(choice, options, environ=environ, plan=plan)
     except Exception as exc:  # a probe must never take the supervisor down

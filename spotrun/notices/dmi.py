@@ -20,8 +20,15 @@ DMI_ROOT_ENV = "SPOTRUN_DMI_ROOT"
 AZURE_CHASSIS_ASSET_TAG = "7783-7084-3265-9085-8269-3286-77"
 #: The DMI files read, in the order they are reported.
 FIELDS = (
-    "sys_vendor", "product_name", "product_version", "board_vendor", "bios_vendor", "bios_version",
-    "chassis_asset_tag", "product_serial", "product_uuid",
+    "sys_vendor",
+    "product_name",
+    "product_version",
+    "board_vendor",
+    "bios_vendor",
+    "bios_version",
+    "chassis_asset_tag",
+    "product_serial",
+    "product_uuid",
 )
 _MAX_FIELD_BYTES = 256  # SMBIOS strings are short; never read more than this from a file
 

@@ -63,10 +63,18 @@ class GcpValueSource(PolledSource):
 
     name = "gcp"
 
-    def __init__(self, base_url: str | None = None, *, path: str, notice_values: Mapping[str, tuple[str, float]],
-                 quiet_values: tuple[str, ...], poll_period_s: float = DEFAULT_POLL_PERIOD_S,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, wait_timeout_s: int = DEFAULT_WAIT_TIMEOUT_S,
-                 retry_after_error_s: float = DEFAULT_RETRY_AFTER_ERROR_S):
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        path: str,
+        notice_values: Mapping[str, tuple[str, float]],
+        quiet_values: tuple[str, ...],
+        poll_period_s: float = DEFAULT_POLL_PERIOD_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        wait_timeout_s: int = DEFAULT_WAIT_TIMEOUT_S,
+        retry_after_error_s: float = DEFAULT_RETRY_AFTER_ERROR_S,
+    ):
         super().__init__(poll_period_s=poll_period_s, retry_after_error_s=retry_after_error_s)
         self.base_url = _http.check_base_url(base_url or base_url_from_env(), "GCP metadata host")
         if isinstance(wait_timeout_s, bool) or not isinstance(wait_timeout_s, int) or wait_timeout_s < 1:
@@ -108,25 +116,35 @@ class GcpValueSource(PolledSource):
         return []
 
 
-def preempted_source(base_url: str | None = None, *, window_s: float = DEFAULT_PREEMPT_WINDOW_S,
-                     **kwargs: object) -> GcpValueSource:
+def preempted_source(
+    base_url: str | None = None, *, window_s: float = DEFAULT_PREEMPT_WINDOW_S, **kwargs: object
+) -> GcpValueSource:
     """A source for ``instance/preempted``: ``TRUE`` is a stop notice due ``window_s`` seconds later."""
-    return GcpValueSource(base_url, path=PREEMPTED_PATH, quiet_values=("FALSE",),
-                          notice_values={"TRUE": ("instance/preempted TRUE", window_s)}, **kwargs)
+    return GcpValueSource(
+        base_url,
+        path=PREEMPTED_PATH,
+        quiet_values=("FALSE",),
+        notice_values={"TRUE": ("instance/preempted TRUE", window_s)},
+        **kwargs,
+    )
 
 
 def maintenance_source(base_url: str | None = None, **kwargs: object) -> GcpValueSource:
     """A source for ``instance/maintenance-event``: TERMINATE_ON_HOST_MAINTENANCE, due in 60 s."""
     return GcpValueSource(
-        base_url, path=MAINTENANCE_PATH, quiet_values=("NONE", "MIGRATE_ON_HOST_MAINTENANCE"),
-        notice_values={"TERMINATE_ON_HOST_MAINTENANCE": (
-            "maintenance-event TERMINATE_ON_HOST_MAINTENANCE", MAINTENANCE_WINDOW_S)},
+        base_url,
+        path=MAINTENANCE_PATH,
+        quiet_values=("NONE", "MIGRATE_ON_HOST_MAINTENANCE"),
+        notice_values={
+            "TERMINATE_ON_HOST_MAINTENANCE": ("maintenance-event TERMINATE_ON_HOST_MAINTENANCE", MAINTENANCE_WINDOW_S)
+        },
         **kwargs,
     )
 
 
-def gcp_sources(base_url: str | None = None, *, window_s: float = DEFAULT_PREEMPT_WINDOW_S,
-                **kwargs: object) -> list[GcpValueSource]:
+def gcp_sources(
+    base_url: str | None = None, *, window_s: float = DEFAULT_PREEMPT_WINDOW_S, **kwargs: object
+) -> list[GcpValueSource]:
     """Both GCP sources (preempted and maintenance-event) with the same options."""
     return [preempted_source(base_url, window_s=window_s, **kwargs), maintenance_source(base_url, **kwargs)]
 
@@ -153,7 +171,12 @@ def build(options: NoticeOptions, environ: Mapping[str, str]) -> list[NoticeSour
     Raises:
         ConfigError: a bad host.
     """
-    return list(gcp_sources(
-        endpoint(options, environ).url, window_s=options.gcp_window_s, timeout_s=options.http_timeout_s,
-        wait_timeout_s=options.gcp_wait_timeout_s, **options.poll_timing(),
-    ))
+    return list(
+        gcp_sources(
+            endpoint(options, environ).url,
+            window_s=options.gcp_window_s,
+            timeout_s=options.http_timeout_s,
+            wait_timeout_s=options.gcp_wait_timeout_s,
+            **options.poll_timing(),
+        )
+    )

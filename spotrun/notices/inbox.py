@@ -87,7 +87,7 @@ class Inbox:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-    def __enter__(self) -> "Inbox":
+    def __enter__(self) -> Inbox:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -63,8 +63,14 @@ class NoticeOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "notice_signals", frozenset(self.notice_signals))
-        for name in ("gcp_window_s", "poll_period_s", "retry_after_error_s", "http_timeout_s",
-                     "azure_first_call_timeout_s", "detect_timeout_s"):
+        for name in (
+            "gcp_window_s",
+            "poll_period_s",
+            "retry_after_error_s",
+            "http_timeout_s",
+            "azure_first_call_timeout_s",
+            "detect_timeout_s",
+        ):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"notice option {name} must be > 0, got {value}")

@@ -44,13 +44,15 @@ class Registration:
 
 
 #: The sources by name, in the order they are listed, probed and started.
-SOURCES: Mapping[str, Registration] = MappingProxyType({
-    "aws": Registration(aws.build, endpoint=aws.endpoint, probe=aws.probe),
-    "gcp": Registration(gcp.build, endpoint=gcp.endpoint, probe=gcp.probe),
-    "azure": Registration(azure.build, endpoint=azure.endpoint, probe=azure.probe),
-    "signal": Registration(signals.build, always=True),
-    "file": Registration(files.build, in_auto=files.configured),
-})
+SOURCES: Mapping[str, Registration] = MappingProxyType(
+    {
+        "aws": Registration(aws.build, endpoint=aws.endpoint, probe=aws.probe),
+        "gcp": Registration(gcp.build, endpoint=gcp.endpoint, probe=gcp.probe),
+        "azure": Registration(azure.build, endpoint=azure.endpoint, probe=azure.probe),
+        "signal": Registration(signals.build, always=True),
+        "file": Registration(files.build, in_auto=files.configured),
+    }
+)
 SOURCE_NAMES = tuple(SOURCES)
 #: The sources ``auto`` can detect.
 CLOUDS = tuple(name for name, registration in SOURCES.items() if registration.probe is not None)
@@ -83,7 +85,6 @@ def parse_notice_option(value: str) -> NoticeChoice:
     unknown = [p for p in parts if p not in SOURCES]
     if not value.strip() or unknown:
         raise ConfigError(
-            f"--notice: expected auto, none or a comma-separated list of {', '.join(SOURCE_NAMES)}; "
-            f"got {value!r}"
+            f"--notice: expected auto, none or a comma-separated list of {', '.join(SOURCE_NAMES)}; got {value!r}"
         )
     return NoticeChoice(auto=False, names=frozenset(parts))

@@ -31,14 +31,28 @@ CHILD_EVENT = "child"
 
 #: Signals that report a fault in the process itself: they keep their default action.
 FAULT_SIGNALS = frozenset(
-    getattr(signal, name) for name in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGTRAP", "SIGSYS", "SIGABRT")
+    getattr(signal, name)
+    for name in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGTRAP", "SIGSYS", "SIGABRT")
     if hasattr(signal, name)
 )
 
 # Default action "terminate" or "core dump" (signal(7)), faults excluded.
 _TERMINATING_NAMES = (
-    "SIGHUP", "SIGINT", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGTERM",
-    "SIGSTKFLT", "SIGXCPU", "SIGXFSZ", "SIGVTALRM", "SIGPROF", "SIGIO", "SIGPWR",
+    "SIGHUP",
+    "SIGINT",
+    "SIGQUIT",
+    "SIGUSR1",
+    "SIGUSR2",
+    "SIGPIPE",
+    "SIGALRM",
+    "SIGTERM",
+    "SIGSTKFLT",
+    "SIGXCPU",
+    "SIGXFSZ",
+    "SIGVTALRM",
+    "SIGPROF",
+    "SIGIO",
+    "SIGPWR",
 )
 _RT = re.compile(r"RTM(IN|AX)(?:([+-])(\d+))?")
 
@@ -79,8 +93,7 @@ def parse_signal(token: str) -> int:
         offset = int(match.group(3) or 0) * (-1 if match.group(2) == "-" else 1)
         number = base + offset
         if not signal.SIGRTMIN <= number <= signal.SIGRTMAX:
-            raise ConfigError(f"{token.strip()!r} is outside SIGRTMIN..SIGRTMAX "
-                              f"({signal.SIGRTMIN}..{signal.SIGRTMAX})")
+            raise ConfigError(f"{token.strip()!r} is outside SIGRTMIN..SIGRTMAX ({signal.SIGRTMIN}..{signal.SIGRTMAX})")
         return number
     number = getattr(signal, f"SIG{bare}", None)
     if not isinstance(number, signal.Signals):
@@ -108,8 +121,9 @@ def parse_notice_signals(text: str | Iterable[str]) -> frozenset[int]:
         return frozenset()
     if not tokens:
         raise ConfigError("--notice-signals is empty: give signal names (TERM,INT,...) or none")
-    return frozenset(_terminating_signal(token, "--notice-signals", "cannot be a notice signal", " (or none)")
-                     for token in tokens)
+    return frozenset(
+        _terminating_signal(token, "--notice-signals", "cannot be a notice signal", " (or none)") for token in tokens
+    )
 
 
 def parse_notify_signal(token: str) -> int:
@@ -130,7 +144,7 @@ def _terminating_signal(token: str, option: str, refused: str, more_choices: str
     except ConfigError as exc:
         raise ConfigError(f"{option}: {exc}") from None
     if number not in allowed:
-        why = ("reports a fault and keeps its default action" if number in FAULT_SIGNALS else refused)
+        why = "reports a fault and keeps its default action" if number in FAULT_SIGNALS else refused
         raise ConfigError(
             f"{option}: {signal_name(number)} {why}; choose from "
             f"{', '.join(signal_name(s)[3:] for s in sorted(allowed) if s < getattr(signal, 'SIGRTMIN', 999))}"

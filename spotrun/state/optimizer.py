@@ -49,8 +49,9 @@ class OptimizerState:
         names = self._names()
         groups = []
         for group in self.optimizer.param_groups:
-            groups.append({**{k: v for k, v in group.items() if k != "params"},
-                           "params": [names[id(p)] for p in group["params"]]})
+            groups.append(
+                {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+            )
         return {"state": {}, "param_groups": groups}
 
     def prepare_for_restore(self) -> None:
@@ -71,12 +72,16 @@ class OptimizerState:
             self.optimizer.load_state_dict(_placed_like_params(self.optimizer, state))
             return
         if not state.get("state"):  # never stepped when saved: no state to place
-            ids = {name: i for i, name in enumerate(
-                self._names()[id(p)] for g in self.optimizer.param_groups for p in g["params"])}
+            ids = {
+                name: i
+                for i, name in enumerate(self._names()[id(p)] for g in self.optimizer.param_groups for p in g["params"])
+            }
             try:
                 positional = [{**g, "params": [ids[name] for name in g["params"]]} for g in groups]
             except KeyError as exc:
-                raise StateMismatchError(f"saved optimizer state names parameter {exc}, which this model lacks") from None
+                raise StateMismatchError(
+                    f"saved optimizer state names parameter {exc}, which this model lacks"
+                ) from None
             self.optimizer.load_state_dict({"state": {}, "param_groups": positional})
             return
         set_optimizer_state_dict(self.module, self.optimizer, state)
@@ -95,7 +100,6 @@ def pair_optimizers(state: dict[str, Any]) -> dict[str, Any]:
         if len(owners) == 1:
             paired[name] = OptimizerState(owners[0], obj)
     return paired
-
 
 
 def _placed_like_params(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
@@ -117,8 +121,16 @@ def _placed_like_params(optimizer: torch.optim.Optimizer, state: dict[str, Any])
         offsets, lengths = local_box(param)
         box = tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
         placed[key] = {
-            name: DTensor.from_local(value[box].clone(), param.device_mesh, param.placements, run_check=False,
-                                     shape=param.shape, stride=param.stride())
-            if isinstance(value, torch.Tensor) and not is_dtensor(value) and value.shape == param.shape else value
-            for name, value in values.items()}
+            name: DTensor.from_local(
+                value[box].clone(),
+                param.device_mesh,
+                param.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
+            if isinstance(value, torch.Tensor) and not is_dtensor(value) and value.shape == param.shape
+            else value
+            for name, value in values.items()
+        }
     return {**state, "state": placed}

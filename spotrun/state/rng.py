@@ -66,9 +66,7 @@ class RNGState:
             random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss_next"]))
             npst = state["numpy"]
             keys = npst["keys"].numpy().astype(np.uint32)
-            np.random.set_state(
-                (npst["kind"], keys, npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
-            )
+            np.random.set_state((npst["kind"], keys, npst["pos"], npst["has_gauss"], npst["cached_gaussian"]))
             torch.set_rng_state(state["torch_cpu"])
             cuda_states = state["cuda"]
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError, OverflowError) as exc:
@@ -77,9 +75,10 @@ class RNGState:
             count = torch.cuda.device_count()
             if count != len(cuda_states):
                 log.warning(
-                    "checkpoint holds RNG states of %d CUDA devices, this process sees %d; "
-                    "restoring the first %d",
-                    len(cuda_states), count, min(count, len(cuda_states)),
+                    "checkpoint holds RNG states of %d CUDA devices, this process sees %d; restoring the first %d",
+                    len(cuda_states),
+                    count,
+                    min(count, len(cuda_states)),
                 )
             for index, device_state in enumerate(cuda_states[:count]):
                 torch.cuda.set_rng_state(device_state, device=index)

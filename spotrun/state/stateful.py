@@ -8,7 +8,6 @@ import torch
 
 from spotrun.errors import ConfigError, StateMismatchError
 
-
 #: The attribute (and state_dict key segment) under which ``torch.compile`` keeps a module.
 COMPILED_SEGMENT = "_orig_mod"
 

@@ -157,8 +157,9 @@ class Storage(abc.ABC):
         """
         self._put_if_absent(_check_key(key), memoryview(data).cast("B"))
 
-    def put_stream(self, key: str, source: ByteSource, *, chunk_bytes: int,
-                   on_chunk: ChunkCallback | None = None) -> None:
+    def put_stream(
+        self, key: str, source: ByteSource, *, chunk_bytes: int, on_chunk: ChunkCallback | None = None
+    ) -> None:
         """Store ``source``'s bytes under ``key``, replacing any old object, atomically (as
         :meth:`put`), holding a bounded buffer rather than the object in memory.
 
@@ -257,8 +258,7 @@ class Storage(abc.ABC):
     def _abort_upload(self, upload: UnfinishedUpload) -> None:
         """Default: nothing to discard."""
 
-    def _put_stream(self, key: str, source: ByteSource, chunk_bytes: int,
-                    on_chunk: ChunkCallback | None) -> None:
+    def _put_stream(self, key: str, source: ByteSource, chunk_bytes: int, on_chunk: ChunkCallback | None) -> None:
         """Default: build the object in memory, then :meth:`_put` (backends override)."""
         data = bytearray(source.size_bytes)
         view = memoryview(data)
@@ -274,7 +274,9 @@ class Storage(abc.ABC):
         data = memoryview(self._get(key))
         total = sum(len(v) for v in views)
         if offset < 0 or offset + total > len(data):
-            raise ObjectTooShortError(5, f"read of {key}: bytes {offset}-{offset + total} are past its end ({len(data)})")
+            raise ObjectTooShortError(
+                5, f"read of {key}: bytes {offset}-{offset + total} are past its end ({len(data)})"
+            )
         for view in views:
             view[:] = data[offset : offset + len(view)]
             offset += len(view)

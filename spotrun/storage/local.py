@@ -61,8 +61,9 @@ def _is_temporary(name: str) -> bool:
 def _translate(exc: OSError, what: str, *, writing: bool = False) -> StorageError:
     if isinstance(exc, FileNotFoundError) and writing:  # a directory on the way could not be made
         where = f" ({exc.filename})" if exc.filename else ""
-        return StorageError(errno.ENOENT, f"{what}: cannot create the directory to hold it{where}: "
-                                          f"{exc.strerror or exc}")
+        return StorageError(
+            errno.ENOENT, f"{what}: cannot create the directory to hold it{where}: {exc.strerror or exc}"
+        )
     if isinstance(exc, FileNotFoundError):
         return ObjectNotFoundError(errno.ENOENT, f"{what}: no such object")
     if isinstance(exc, PermissionError):
@@ -137,9 +138,7 @@ class LocalStorage(Storage):
         # the directories of the key, made where missing, none of them a link (a step directory
         # planted as a link would take the save outside the root)
         beneath.close_all(beneath.open_dirs(self._root, key.split("/")[:-1], create=True))
-        tmp = os.path.join(
-            directory, f".{os.path.basename(final)}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        )
+        tmp = os.path.join(directory, f".{os.path.basename(final)}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             write(fd)
@@ -184,8 +183,7 @@ class LocalStorage(Storage):
                 raise
             raise _translate(exc, f"put {self._path(key)}", writing=True) from exc
 
-    def _put_stream(self, key: str, source: ByteSource, chunk_bytes: int,
-                    on_chunk: ChunkCallback | None) -> None:
+    def _put_stream(self, key: str, source: ByteSource, chunk_bytes: int, on_chunk: ChunkCallback | None) -> None:
         """Write ``source`` chunk by chunk to a temporary file, fsync, rename onto ``key``.
 
         Helper threads copy the next chunks out of the source into page-aligned bounce
@@ -198,8 +196,12 @@ class LocalStorage(Storage):
         size = source.size_bytes
         starts = list(range(0, size, chunk_bytes))
         # O_DIRECT needs every write to start at an aligned offset: chunks of an aligned size
-        direct = self._direct_io and size >= DIRECT_IO_MIN_BYTES and chunk_bytes % _DIRECT_ALIGN_BYTES == 0 \
+        direct = (
+            self._direct_io
+            and size >= DIRECT_IO_MIN_BYTES
+            and chunk_bytes % _DIRECT_ALIGN_BYTES == 0
             and _set_direct(fd, True)
+        )
         buffer_bytes = -(-min(chunk_bytes, max(size, 1)) // _DIRECT_ALIGN_BYTES) * _DIRECT_ALIGN_BYTES
         buffers = [mmap.mmap(-1, buffer_bytes) for _ in range(min(len(starts), _FILL_AHEAD + 1))]
 
@@ -263,8 +265,10 @@ class LocalStorage(Storage):
                     raise _translate(exc, f"read {path}") from exc
                 if count == 0:
                     raise ObjectTooShortError(
-                        errno.EIO, f"read {path}: the object ends at byte {offset}, before the "
-                                   f"{sum(len(v) for v in pending[first:])} bytes asked for")
+                        errno.EIO,
+                        f"read {path}: the object ends at byte {offset}, before the "
+                        f"{sum(len(v) for v in pending[first:])} bytes asked for",
+                    )
                 offset += count
                 while first < len(pending) and count >= len(pending[first]):
                     count -= len(pending[first])
@@ -318,8 +322,11 @@ class LocalStorage(Storage):
                 "S3 API (--checkpoint-uri s3://bucket/prefix) instead of a FUSE mount",
             ) from exc
         if self._commit_primitive is None:
-            log.info("%s has no hard links (%s): checkpoints commit with renameat2 RENAME_NOREPLACE",
-                     self._root, link_failure)
+            log.info(
+                "%s has no hard links (%s): checkpoints commit with renameat2 RENAME_NOREPLACE",
+                self._root,
+                link_failure,
+            )
         self._commit_primitive = RENAME_NOREPLACE
 
     # --- reading --------------------------------------------------------------
@@ -347,15 +354,24 @@ class LocalStorage(Storage):
         return ObjectInfo(key=key, size_bytes=st.st_size, mtime_s=st.st_mtime)
 
     def _list(self, prefix: str) -> list[ObjectInfo]:
-        return [ObjectInfo(key=key, size_bytes=st.st_size if refused is None else 0,
-                           mtime_s=st.st_mtime if st is not None else 0.0, refused=refused)
-                for key, st, refused in self._walk(prefix, temporary=False)]
+        return [
+            ObjectInfo(
+                key=key,
+                size_bytes=st.st_size if refused is None else 0,
+                mtime_s=st.st_mtime if st is not None else 0.0,
+                refused=refused,
+            )
+            for key, st, refused in self._walk(prefix, temporary=False)
+        ]
 
     def _unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
         """The hidden temporary files of writers that never renamed them (a killed writer's,
         or a running one's), with their last modification."""
-        return [UnfinishedUpload(key=key, time_unix_s=st.st_mtime)
-                for key, st, refused in self._walk(prefix, temporary=True) if refused is None]
+        return [
+            UnfinishedUpload(key=key, time_unix_s=st.st_mtime)
+            for key, st, refused in self._walk(prefix, temporary=True)
+            if refused is None
+        ]
 
     def _abort_upload(self, upload: UnfinishedUpload) -> None:
         if not _is_temporary(upload.key.rpartition("/")[2]):

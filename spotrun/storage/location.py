@@ -26,10 +26,12 @@ from spotrun.storage.base import Storage
 
 #: URI scheme -> ``"module:class"`` of its :class:`StorageLocation`, imported when a URI of that
 #: scheme is parsed (so local use never imports boto3). A URI without a scheme is a ``file`` path.
-BACKENDS: Mapping[str, str] = MappingProxyType({
-    "file": "spotrun.storage.local_location:LocalLocation",
-    "s3": "spotrun.storage.s3_location:S3Location",
-})
+BACKENDS: Mapping[str, str] = MappingProxyType(
+    {
+        "file": "spotrun.storage.local_location:LocalLocation",
+        "s3": "spotrun.storage.s3_location:S3Location",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,10 @@ def parse_location(uri: str, *, endpoint_url: str | None = None) -> StorageLocat
     target = BACKENDS.get(scheme if separator else "file")
     if target is None:
         schemes = [f"{name}://" for name in BACKENDS]
-        raise ConfigError(f"unsupported checkpoint URI scheme in {uri!r}: use a local path, "
-                          f"{', '.join(schemes[:-1])} or {schemes[-1]}")
+        raise ConfigError(
+            f"unsupported checkpoint URI scheme in {uri!r}: use a local path, "
+            f"{', '.join(schemes[:-1])} or {schemes[-1]}"
+        )
     module_name, _, class_name = target.partition(":")
     location_class = getattr(importlib.import_module(module_name), class_name)
     return location_class(uri, endpoint_url=endpoint_url)
@@ -166,4 +170,3 @@ def check_endpoint_url(endpoint_url: str | None) -> None:
     parts = urllib.parse.urlsplit(endpoint_url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ConfigError(f"--s3-endpoint-url must be an http:// or https:// URL, got {endpoint_url!r}")
-

@@ -186,20 +186,30 @@ class S3Storage(Storage):
                 what,
             )
 
-    def _put_stream(self, key: str, source: ByteSource, chunk_bytes: int,
-                    on_chunk: ChunkCallback | None) -> None:
+    def _put_stream(self, key: str, source: ByteSource, chunk_bytes: int, on_chunk: ChunkCallback | None) -> None:
         what = self._what("put", key)
         call = self._caller(what)
         with self._translated(what):
             if source.size_bytes >= self._options.multipart_threshold_bytes:
                 s3_transfer.upload_stream(
-                    self._client, call, bucket=self._bucket, key=self._key(key), source=source,
-                    chunk_bytes=chunk_bytes, on_chunk=on_chunk, **self._transfer_kwargs(),
+                    self._client,
+                    call,
+                    bucket=self._bucket,
+                    key=self._key(key),
+                    source=source,
+                    chunk_bytes=chunk_bytes,
+                    on_chunk=on_chunk,
+                    **self._transfer_kwargs(),
                 )
             else:
                 s3_transfer.put_from_source(
-                    self._client, call, bucket=self._bucket, key=self._key(key), source=source,
-                    chunk_bytes=chunk_bytes, on_chunk=on_chunk,
+                    self._client,
+                    call,
+                    bucket=self._bucket,
+                    key=self._key(key),
+                    source=source,
+                    chunk_bytes=chunk_bytes,
+                    on_chunk=on_chunk,
                 )
 
     def _put_if_absent(self, key: str, data: memoryview) -> None:
@@ -218,9 +228,7 @@ class S3Storage(Storage):
         def attempt() -> None:
             nonlocal attempts
             attempts += 1
-            self._client.put_object(
-                Bucket=self._bucket, Key=self._key(key), Body=body, IfNoneMatch="*"
-            )
+            self._client.put_object(Bucket=self._bucket, Key=self._key(key), Body=body, IfNoneMatch="*")
 
         try:
             with self._translated(what):
@@ -261,7 +269,10 @@ class S3Storage(Storage):
         call = self._caller(what)
         with self._translated(what):
             return s3_download.download(
-                self._client, call, bucket=self._bucket, key=self._key(key),
+                self._client,
+                call,
+                bucket=self._bucket,
+                key=self._key(key),
                 **self._transfer_kwargs(),
             )
 
@@ -278,20 +289,21 @@ class S3Storage(Storage):
         call = self._caller(what)
         with self._translated(what):
             s3_download.read_into(
-                self._client, call, bucket=self._bucket, key=self._key(key), offset=offset,
-                views=views, **self._transfer_kwargs(),
+                self._client,
+                call,
+                bucket=self._bucket,
+                key=self._key(key),
+                offset=offset,
+                views=views,
+                **self._transfer_kwargs(),
             )
 
     def _stat(self, key: str) -> ObjectInfo:
         what = self._what("stat", key)
         call = self._caller(what)
         with self._translated(what):
-            head = call(
-                lambda: self._client.head_object(Bucket=self._bucket, Key=self._key(key)), what
-            )
-        return ObjectInfo(
-            key=key, size_bytes=int(head["ContentLength"]), mtime_s=head["LastModified"].timestamp()
-        )
+            head = call(lambda: self._client.head_object(Bucket=self._bucket, Key=self._key(key)), what)
+        return ObjectInfo(key=key, size_bytes=int(head["ContentLength"]), mtime_s=head["LastModified"].timestamp())
 
     def _list(self, prefix: str) -> list[ObjectInfo]:
         root = f"{self._prefix}/" if self._prefix else ""
@@ -301,9 +313,7 @@ class S3Storage(Storage):
         infos: list[ObjectInfo] = []
         with self._translated(what):
             while True:
-                page = call(
-                    lambda kwargs=dict(request): self._client.list_objects_v2(**kwargs), what
-                )
+                page = call(lambda kwargs=dict(request): self._client.list_objects_v2(**kwargs), what)
                 for obj in page.get("Contents", []):
                     key = obj["Key"][len(root) :]
                     if not key or key.endswith("/"):  # "directory" markers made by consoles
@@ -337,9 +347,13 @@ class S3Storage(Storage):
             while True:
                 page = call(lambda kwargs=dict(request): self._client.list_multipart_uploads(**kwargs), what)
                 for upload in page.get("Uploads", []):
-                    uploads.append(UnfinishedUpload(key=upload["Key"][len(root):],
-                                                    time_unix_s=upload["Initiated"].timestamp(),
-                                                    upload_id=upload["UploadId"]))
+                    uploads.append(
+                        UnfinishedUpload(
+                            key=upload["Key"][len(root) :],
+                            time_unix_s=upload["Initiated"].timestamp(),
+                            upload_id=upload["UploadId"],
+                        )
+                    )
                 if not page.get("IsTruncated"):
                     return uploads
                 request["KeyMarker"] = page["NextKeyMarker"]
@@ -352,7 +366,11 @@ class S3Storage(Storage):
         call = self._caller(what)
         try:
             with self._translated(what):
-                call(lambda: self._client.abort_multipart_upload(
-                    Bucket=self._bucket, Key=self._key(upload.key), UploadId=upload.upload_id), what)
+                call(
+                    lambda: self._client.abort_multipart_upload(
+                        Bucket=self._bucket, Key=self._key(upload.key), UploadId=upload.upload_id
+                    ),
+                    what,
+                )
         except ObjectNotFoundError:  # NoSuchUpload: completed or aborted meanwhile
             pass

@@ -63,13 +63,10 @@ class S3Options:
     def __post_init__(self) -> None:
         if self.part_size_bytes < MIN_PART_SIZE_BYTES:
             raise ConfigError(
-                f"part_size_bytes must be >= {MIN_PART_SIZE_BYTES} (S3 minimum), "
-                f"got {self.part_size_bytes}"
+                f"part_size_bytes must be >= {MIN_PART_SIZE_BYTES} (S3 minimum), got {self.part_size_bytes}"
             )
         if self.multipart_threshold_bytes < 1:
-            raise ConfigError(
-                f"multipart_threshold_bytes must be positive, got {self.multipart_threshold_bytes}"
-            )
+            raise ConfigError(f"multipart_threshold_bytes must be positive, got {self.multipart_threshold_bytes}")
         if self.max_concurrency < 1:
             raise ConfigError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         for name in ("retry_deadline_s", "connect_timeout_s", "read_timeout_s"):
@@ -113,8 +110,6 @@ def make_client(options: S3Options) -> Any:
         response_checksum_validation="when_required",
     )
     try:
-        return session.client(
-            "s3", region_name=region, endpoint_url=options.endpoint_url, config=config
-        )
+        return session.client("s3", region_name=region, endpoint_url=options.endpoint_url, config=config)
     except ValueError as exc:
         raise ConfigError(f"bad S3 endpoint URL {options.endpoint_url!r}: {exc}") from exc

@@ -45,14 +45,10 @@ def _object_size(response: dict[str, Any]) -> int | None:
 
 def _past_end(what: str, start: int, stop: int, size_bytes: int | None) -> StorageError:
     size = "?" if size_bytes is None else str(size_bytes)
-    return ObjectTooShortError(
-        errno.EIO, f"read of {what}: bytes {start}-{stop} are past its end ({size} bytes)"
-    )
+    return ObjectTooShortError(errno.EIO, f"read of {what}: bytes {start}-{stop} are past its end ({size} bytes)")
 
 
-def _open_range(
-    client: Any, *, bucket: str, key: str, start: int, stop: int, etag: str | None
-) -> dict[str, Any]:
+def _open_range(client: Any, *, bucket: str, key: str, start: int, stop: int, etag: str | None) -> dict[str, Any]:
     """One ``GET`` of bytes ``[start, stop)``; the answer with its body still unread.
 
     Raises:
@@ -62,9 +58,7 @@ def _open_range(
     what = f"s3://{bucket}/{key}"
     extra = {"IfMatch": etag} if etag is not None else {}
     try:
-        response = client.get_object(
-            Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", **extra
-        )
+        response = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", **extra)
     except ClientError as exc:
         if error_code(exc) == "InvalidRange":
             raise _past_end(what, start, stop, None) from exc
@@ -132,8 +126,10 @@ def _fetch_all(
         pending = [opened] if opened is not None else []
 
         def attempt() -> None:
-            response = pending.pop() if pending else _open_range(
-                client, bucket=bucket, key=key, start=start, stop=stop, etag=etag
+            response = (
+                pending.pop()
+                if pending
+                else _open_range(client, bucket=bucket, key=key, start=start, stop=stop, etag=etag)
             )
             try:
                 consume(index, response["Body"])
@@ -158,9 +154,7 @@ def _fetch_all(
             run_parts(executor, tasks)
     except ClientError as exc:
         if is_precondition_failed(exc):
-            raise StorageError(
-                errno.EAGAIN, f"get {what}: the object was replaced while it was being read"
-            ) from exc
+            raise StorageError(errno.EAGAIN, f"get {what}: the object was replaced while it was being read") from exc
         raise
     finally:
         first["Body"].close()  # no-op once read; frees the connection if never read
@@ -203,8 +197,16 @@ def read_into(
         a, b = ranges[index]
         read_body_into(body, slice_views(views, a - offset, b - offset))
 
-    _fetch_all(client, call, bucket=bucket, key=key, ranges=ranges, first=first,
-               consume=consume, max_concurrency=max_concurrency)
+    _fetch_all(
+        client,
+        call,
+        bucket=bucket,
+        key=key,
+        ranges=ranges,
+        first=first,
+        consume=consume,
+        max_concurrency=max_concurrency,
+    )
 
 
 def download(
@@ -255,6 +257,14 @@ def download(
             raise IncompleteReadError(actual_bytes=len(data), expected_bytes=b - a)
         bodies[index] = data
 
-    _fetch_all(client, call, bucket=bucket, key=key, ranges=ranges, first=first,
-               consume=consume, max_concurrency=max_concurrency)
+    _fetch_all(
+        client,
+        call,
+        bucket=bucket,
+        key=key,
+        ranges=ranges,
+        first=first,
+        consume=consume,
+        max_concurrency=max_concurrency,
+    )
     return b"".join(bodies)

@@ -112,16 +112,12 @@ def is_retryable(exc: BaseException) -> bool:
 
 def is_precondition_failed(exc: BaseException) -> bool:
     """Whether ``exc`` says a conditional request's precondition did not hold (412)."""
-    return isinstance(exc, ClientError) and (
-        error_code(exc) in PRECONDITION_CODES or http_status(exc) == 412
-    )
+    return isinstance(exc, ClientError) and (error_code(exc) in PRECONDITION_CODES or http_status(exc) == 412)
 
 
 def is_not_implemented(exc: BaseException) -> bool:
     """Whether ``exc`` is a ``501 NotImplemented``: the store lacks a feature the request used."""
-    return isinstance(exc, ClientError) and (
-        error_code(exc) in NOT_IMPLEMENTED_CODES or http_status(exc) == 501
-    )
+    return isinstance(exc, ClientError) and (error_code(exc) in NOT_IMPLEMENTED_CODES or http_status(exc) == 501)
 
 
 def is_conditional_conflict(exc: BaseException) -> bool:
@@ -149,9 +145,7 @@ def translate(exc: Exception, *, what: str, bucket: str) -> StorageError:
         code = error_code(exc)
         status = http_status(exc)
         if code == "NoSuchBucket":
-            return ObjectNotFoundError(
-                errno.ENOENT, f"{what}: bucket {bucket!r} does not exist (NoSuchBucket)"
-            )
+            return ObjectNotFoundError(errno.ENOENT, f"{what}: bucket {bucket!r} does not exist (NoSuchBucket)")
         if code in NOT_FOUND_CODES or status == 404:
             return ObjectNotFoundError(errno.ENOENT, f"{what}: no such object ({code or status})")
         if code in PERMISSION_CODES or status == 403:

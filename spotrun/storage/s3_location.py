@@ -58,8 +58,11 @@ class S3Location(StorageLocation):
 
         given: dict[str, Any] = {"endpoint_url": self.endpoint_url} if self.endpoint_url else {}
         if timeout_s is not None:
-            given.update(connect_timeout_s=min(QUICK_CONNECT_TIMEOUT_S, timeout_s),
-                         read_timeout_s=timeout_s, retry_deadline_s=timeout_s)
+            given.update(
+                connect_timeout_s=min(QUICK_CONNECT_TIMEOUT_S, timeout_s),
+                read_timeout_s=timeout_s,
+                retry_deadline_s=timeout_s,
+            )
         return S3Storage.from_uri(self.given_uri, **{**given, **options})
 
     def worker_env(self) -> dict[str, str]:

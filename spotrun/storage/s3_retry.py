@@ -104,9 +104,7 @@ class RetryPolicy:
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(self.should_retry),
-            wait=tenacity.wait_random_exponential(
-                multiplier=self.initial_backoff_s, max=self.max_backoff_s
-            ),
+            wait=tenacity.wait_random_exponential(multiplier=self.initial_backoff_s, max=self.max_backoff_s),
             stop=past_deadline,
             sleep=self.sleep,
             before_sleep=log_retry,

@@ -35,10 +35,7 @@ def part_ranges(size_bytes: int, part_size_bytes: int) -> list[tuple[int, int]]:
 
     The last range holds the remainder; an empty object gives no ranges.
     """
-    return [
-        (start, min(start + part_size_bytes, size_bytes))
-        for start in range(0, size_bytes, part_size_bytes)
-    ]
+    return [(start, min(start + part_size_bytes, size_bytes)) for start in range(0, size_bytes, part_size_bytes)]
 
 
 def stream_part_size(size_bytes: int, part_size_bytes: int, chunk_bytes: int) -> int:
@@ -109,7 +106,10 @@ def run_parts(executor: ThreadPoolExecutor, tasks: list[Callable[[], Any]]) -> l
 
 
 def fill_buffer(
-    source: ByteSource, buffer: bytearray, offset: int, chunk_bytes: int,
+    source: ByteSource,
+    buffer: bytearray,
+    offset: int,
+    chunk_bytes: int,
     on_chunk: ChunkCallback | None,
 ) -> None:
     """Read bytes ``[offset, offset + len(buffer))`` of ``source`` into ``buffer``, chunk by
@@ -209,8 +209,7 @@ def upload_stream(
             buffers.give(buffer)
 
     tasks = [
-        (lambda n=number, a=start, b=stop: upload_part(n, a, b))
-        for number, (start, stop) in enumerate(ranges, start=1)
+        (lambda n=number, a=start, b=stop: upload_part(n, a, b)) for number, (start, stop) in enumerate(ranges, start=1)
     ]
     try:
         with ThreadPoolExecutor(
@@ -263,10 +262,12 @@ def _abort(client: Any, call: CallWithRetry, *, bucket: str, key: str, upload_id
     except ClientError as exc:
         if error_code(exc) == "NoSuchUpload":  # already gone: completed or aborted
             return
-        log.error("%s failed (%s); the upload stays open until a lifecycle rule removes it",
-                  what, error_code(exc) or http_status(exc))
+        log.error(
+            "%s failed (%s); the upload stays open until a lifecycle rule removes it",
+            what,
+            error_code(exc) or http_status(exc),
+        )
     except Exception as exc:  # noqa: BLE001 - the original error must win
-        log.error("%s failed (%s); the upload stays open until a lifecycle rule removes it",
-                  what, type(exc).__name__)
+        log.error("%s failed (%s); the upload stays open until a lifecycle rule removes it", what, type(exc).__name__)
     else:
         log.info("aborted multipart upload of s3://%s/%s", bucket, key)

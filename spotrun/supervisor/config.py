@@ -19,15 +19,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from spotrun.control import env as spotrun_env
 from spotrun.checkpoint.retention import RetentionPolicy
+from spotrun.control import env as spotrun_env
 from spotrun.control.env import DEFAULT_CHECKPOINT_URI, default_safety_margin_s
 from spotrun.errors import ConfigError
-from spotrun.tools.logs import LOG_FORMATS, LOG_LEVELS
 from spotrun.notices import SOURCE_NAMES, NoticeOptions, parse_notice_option
+from spotrun.notices.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals, parse_notify_signal
 from spotrun.storage import StorageLocation, parse_location
 from spotrun.storage.location import check_endpoint_url
-from spotrun.notices.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals, parse_notify_signal
+from spotrun.tools.logs import LOG_FORMATS, LOG_LEVELS
 
 #: Upper bound of the wait before a crash restart, in seconds.
 MAX_RESTART_BACKOFF_S = 300.0
@@ -71,26 +71,52 @@ class OptionSpec:
         if self.kind is bool:
             parser.add_argument(self.flag, action="store_true", default=self.default, help=self.help)
             return
-        parser.add_argument(self.flag, type=None if self.kind is str else self.kind, default=self.default,
-                            choices=self.choices, metavar=self.metavar, help=self.help)
+        parser.add_argument(
+            self.flag,
+            type=None if self.kind is str else self.kind,
+            default=self.default,
+            choices=self.choices,
+            metavar=self.metavar,
+            help=self.help,
+        )
 
 
-def option(default: object, help: str, *, metavar: str | None = None, choices: tuple[str, ...] | None = None,
-           null_in_file: bool | None = None, every_command: bool = False, list_in_file: bool = False,
-           check_in_file: Callable[[str], None] | None = None) -> Any:
+def option(
+    default: object,
+    help: str,
+    *,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    null_in_file: bool | None = None,
+    every_command: bool = False,
+    list_in_file: bool = False,
+    check_in_file: Callable[[str], None] | None = None,
+) -> Any:
     """A field of :class:`SupervisorConfig` that is an option (arguments as :class:`OptionSpec`'s;
     ``null_in_file`` defaults to whether the type admits ``None``)."""
-    return field(default=default, metadata={"option": dict(
-        help=help, metavar=metavar, choices=choices, null_in_file=null_in_file, every_command=every_command,
-        list_in_file=list_in_file, check_in_file=check_in_file)})
+    return field(
+        default=default,
+        metadata={
+            "option": dict(
+                help=help,
+                metavar=metavar,
+                choices=choices,
+                null_in_file=null_in_file,
+                every_command=every_command,
+                list_in_file=list_in_file,
+                check_in_file=check_in_file,
+            )
+        },
+    )
 
 
 def _check_notice_in_file(value: str) -> None:
     try:
         parse_notice_option(value)
     except ConfigError:
-        raise ConfigError(f"notice must be auto, none or a comma-separated list of {', '.join(SOURCE_NAMES)}; "
-                          f"got {value!r}") from None
+        raise ConfigError(
+            f"notice must be auto, none or a comma-separated list of {', '.join(SOURCE_NAMES)}; got {value!r}"
+        ) from None
 
 
 def _check_signals_in_file(value: str) -> None:
@@ -111,81 +137,136 @@ class SupervisorConfig:
 
     command: tuple[str, ...] = field(metadata={"doc": "the launch command and its arguments (torchrun ...)"})
     checkpoint_uri: str = option(
-        DEFAULT_CHECKPOINT_URI, "checkpoint root: local dir, file:// or s3://bucket/prefix (default %(default)s)",
-        metavar="URI")
+        DEFAULT_CHECKPOINT_URI,
+        "checkpoint root: local dir, file:// or s3://bucket/prefix (default %(default)s)",
+        metavar="URI",
+    )
     s3_endpoint_url: str | None = option(
-        None, "S3 endpoint for s3:// URIs, e.g. http://minio:9000 (default: the standard AWS settings such as "
-        "AWS_ENDPOINT_URL); run passes it on to the workers", metavar="URL")
+        None,
+        "S3 endpoint for s3:// URIs, e.g. http://minio:9000 (default: the standard AWS settings such as "
+        "AWS_ENDPOINT_URL); run passes it on to the workers",
+        metavar="URL",
+    )
     grace_period_s: float = option(
-        30.0, "seconds from a notice to the hard kill (default %(default)s, as Kubernetes); the emergency "
-        "checkpoint must commit by notice + grace period - safety margin", metavar="S")
+        30.0,
+        "seconds from a notice to the hard kill (default %(default)s, as Kubernetes); the emergency "
+        "checkpoint must commit by notice + grace period - safety margin",
+        metavar="S",
+    )
     # None: computed from the grace period (spotrun.control.env.default_safety_margin_s); a file gives a number.
     safety_margin_s: float | None = option(
-        None, "seconds kept free before the end of the grace period (default 5, or half the grace period when "
-        "that is less)", metavar="S", null_in_file=False)
+        None,
+        "seconds kept free before the end of the grace period (default 5, or half the grace period when that is less)",
+        metavar="S",
+        null_in_file=False,
+    )
     stop_timeout_s: float = option(
-        5.0, "seconds between SIGTERM and SIGKILL when stopping the command (default %(default)s); after a "
-        "notice SIGKILL comes halfway through the safety margin at the latest", metavar="S")
+        5.0,
+        "seconds between SIGTERM and SIGKILL when stopping the command (default %(default)s); after a "
+        "notice SIGKILL comes halfway through the safety margin at the latest",
+        metavar="S",
+    )
     max_restarts: int = option(0, "restarts after a crash without a notice (default %(default)s)", metavar="N")
     restart_backoff_s: float = option(
-        10.0, "wait before the first restart, doubled each time, at most 300 s (default %(default)s)", metavar="S")
+        10.0, "wait before the first restart, doubled each time, at most 300 s (default %(default)s)", metavar="S"
+    )
     rerun_finished: bool = option(
-        False, "start the command even if this command line already finished on this root and its newest "
-        "complete checkpoint is unchanged since (by default spotrun then exits 0 without starting it)")
+        False,
+        "start the command even if this command line already finished on this root and its newest "
+        "complete checkpoint is unchanged since (by default spotrun then exits 0 without starting it)",
+    )
     notice: str = option(
-        "auto", "preemption notice sources besides the notice signals (always on): auto (default: probe only a "
+        "auto",
+        "preemption notice sources besides the notice signals (always on): auto (default: probe only a "
         "cloud that the DMI facts under /sys/class/dmi/id name or whose endpoint is set; nothing off a cloud), "
         "none, or a comma-separated list of aws, gcp, azure, file, signal (signals are on anyway)",
-        metavar="auto|none|LIST", list_in_file=True, check_in_file=_check_notice_in_file)
+        metavar="auto|none|LIST",
+        list_in_file=True,
+        check_in_file=_check_notice_in_file,
+    )
     notice_signals: str = option(
-        DEFAULT_NOTICE_SIGNALS, "signals to spotrun that are preemption notices, comma-separated, or none "
+        DEFAULT_NOTICE_SIGNALS,
+        "signals to spotrun that are preemption notices, comma-separated, or none "
         "(default %(default)s: SLURM's --signal=USR1@N and submitit's USR2 included); every other signal that "
         "would end spotrun (ALRM, PIPE, QUIT, RTMIN+N, ...) is logged and ignored",
-        metavar="LIST", list_in_file=True, check_in_file=_check_signals_in_file)
+        metavar="LIST",
+        list_in_file=True,
+        check_in_file=_check_signals_in_file,
+    )
     notify_signal: str | None = option(
-        None, "for a job that saves with its own framework: deliver every notice at once as this signal "
+        None,
+        "for a job that saves with its own framework: deliver every notice at once as this signal "
         "(TERM, USR1, ...) to the worker processes (the ranks of torch's elastic agent, never the launcher); "
         "default: SIGTERM, "
         "and only to workers that never announced spotrun's protocol (a Checkpointer or "
-        "spotrun.preemption_notice())", metavar="SIGNAL", check_in_file=_check_signal_in_file)
+        "spotrun.preemption_notice())",
+        metavar="SIGNAL",
+        check_in_file=_check_signal_in_file,
+    )
     announce_timeout_s: float = option(
-        10.0, "seconds a worker may run without announcing spotrun's protocol before a notice reaches it as "
+        10.0,
+        "seconds a worker may run without announcing spotrun's protocol before a notice reaches it as "
         "a signal (default %(default)s; a notice before that waits for the announcement or this age)",
-        metavar="S")
+        metavar="S",
+    )
     notice_file: str | None = option(
-        None, "drill: a notice when this file appears (its JSON may set deadline_unix_s)", metavar="PATH")
+        None, "drill: a notice when this file appears (its JSON may set deadline_unix_s)", metavar="PATH"
+    )
     aws_metadata_endpoint: str | None = option(
-        None, "AWS IMDS base URL (default $AWS_EC2_METADATA_SERVICE_ENDPOINT, else http://169.254.169.254)",
-        metavar="URL")
+        None,
+        "AWS IMDS base URL (default $AWS_EC2_METADATA_SERVICE_ENDPOINT, else http://169.254.169.254)",
+        metavar="URL",
+    )
     gcp_metadata_host: str | None = option(
-        None, "GCP metadata server (default $GCE_METADATA_HOST, else metadata.google.internal)",
-        metavar="HOST[:PORT]")
+        None, "GCP metadata server (default $GCE_METADATA_HOST, else metadata.google.internal)", metavar="HOST[:PORT]"
+    )
     azure_metadata_endpoint: str | None = option(
-        None, "Azure IMDS base URL (default http://169.254.169.254)", metavar="URL")
+        None, "Azure IMDS base URL (default http://169.254.169.254)", metavar="URL"
+    )
     azure_vm_name: str | None = option(
-        None, "this VM's name in Azure Scheduled Events (default: asked from IMDS)", metavar="NAME")
+        None, "this VM's name in Azure Scheduled Events (default: asked from IMDS)", metavar="NAME"
+    )
     metrics_port: int | None = option(
-        None, "serve Prometheus metrics on http://ADDRESS:PORT/metrics while spotrun runs (0: a free port, "
-        "named in the log)", metavar="PORT")
+        None,
+        "serve Prometheus metrics on http://ADDRESS:PORT/metrics while spotrun runs (0: a free port, named in the log)",
+        metavar="PORT",
+    )
     metrics_address: str | None = option(
-        None, "address of the metrics endpoint (default 0.0.0.0: every interface, as a Prometheus scraping "
-        "pods needs; 127.0.0.1 keeps it to this machine)", metavar="ADDRESS")
+        None,
+        "address of the metrics endpoint (default 0.0.0.0: every interface, as a Prometheus scraping "
+        "pods needs; 127.0.0.1 keeps it to this machine)",
+        metavar="ADDRESS",
+    )
     metrics_textfile: str | None = option(
-        None, "write the metrics to this .prom file for node_exporter's textfile collector (atomically, at "
-        "every event, every 15 s and at exit: it keeps the exit code)", metavar="PATH")
+        None,
+        "write the metrics to this .prom file for node_exporter's textfile collector (atomically, at "
+        "every event, every 15 s and at exit: it keeps the exit code)",
+        metavar="PATH",
+    )
     keep_last: int | None = option(
-        None, "retention: the workers keep the N newest complete steps and delete older ones after each "
-        "commit (default: keep every step; passed as SPOTRUN_KEEP_LAST)", metavar="N")
+        None,
+        "retention: the workers keep the N newest complete steps and delete older ones after each "
+        "commit (default: keep every step; passed as SPOTRUN_KEEP_LAST)",
+        metavar="N",
+    )
     keep_every: int | None = option(
-        None, "retention: also keep every step divisible by M (with --keep-last; passed as SPOTRUN_KEEP_EVERY)",
-        metavar="M")
+        None,
+        "retention: also keep every step divisible by M (with --keep-last; passed as SPOTRUN_KEEP_EVERY)",
+        metavar="M",
+    )
     log_level: str | None = option(
-        None, "log verbosity on stderr (default: info for run and drill, warning for the other commands)",
-        choices=LOG_LEVELS, every_command=True)
+        None,
+        "log verbosity on stderr (default: info for run and drill, warning for the other commands)",
+        choices=LOG_LEVELS,
+        every_command=True,
+    )
     log_format: str | None = option(
-        None, "log lines on stderr: text, or json (one object per line: time, level, logger, message, ...); "
+        None,
+        "log lines on stderr: text, or json (one object per line: time, level, logger, message, ...); "
         "default $SPOTRUN_LOG_FORMAT, else text. run passes it to the launch command as $SPOTRUN_LOG_FORMAT",
-        choices=LOG_FORMATS, every_command=True)
+        choices=LOG_FORMATS,
+        every_command=True,
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
@@ -238,9 +319,14 @@ class SupervisorConfig:
     @property
     def notice_options(self) -> NoticeOptions:
         """The notice sources' endpoints, Azure VM name, drill file and notice signals."""
-        return NoticeOptions(aws_endpoint=self.aws_metadata_endpoint, gcp_host=self.gcp_metadata_host,
-                             azure_endpoint=self.azure_metadata_endpoint, azure_vm_name=self.azure_vm_name,
-                             notice_file=self.notice_file, notice_signals=self.notice_signal_numbers)
+        return NoticeOptions(
+            aws_endpoint=self.aws_metadata_endpoint,
+            gcp_host=self.gcp_metadata_host,
+            azure_endpoint=self.azure_metadata_endpoint,
+            azure_vm_name=self.azure_vm_name,
+            notice_file=self.notice_file,
+            notice_signals=self.notice_signal_numbers,
+        )
 
     def retention_env(self) -> dict[str, str]:
         """The retention variables for the launch command (only those given)."""
@@ -270,8 +356,9 @@ def option_specs() -> tuple[OptionSpec, ...]:
         null_in_file = meta["null_in_file"]
         if null_in_file is None:
             null_in_file = type(None) in typing.get_args(hints[f.name])
-        specs.append(OptionSpec(name=f.name, kind=kinds[0], default=f.default,
-                                **{**meta, "null_in_file": null_in_file}))
+        specs.append(
+            OptionSpec(name=f.name, kind=kinds[0], default=f.default, **{**meta, "null_in_file": null_in_file})
+        )
     return tuple(specs)
 
 

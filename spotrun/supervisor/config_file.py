@@ -25,9 +25,7 @@ _EXPANSION = re.compile(r"\$\$|\$\{([^}]*)\}|\$\{")
 _REFERENCE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?", re.DOTALL)
 
 
-def load_run_config(
-    path: str | os.PathLike[str], environ: Mapping[str, str] | None = None
-) -> dict[str, object]:
+def load_run_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> dict[str, object]:
     """Read a ``spotrun run`` config file and return its values as option defaults.
 
     Args:
@@ -63,10 +61,7 @@ def load_run_config(
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(
-            f"{where}: the top level must be a mapping of option names to values, "
-            f"got {_type_name(data)}"
-        )
+        raise ConfigError(f"{where}: the top level must be a mapping of option names to values, got {_type_name(data)}")
     specs = {spec.name: spec for spec in option_specs()}
     return {str(key): _convert(where, specs, key, value, env) for key, value in data.items()}
 
@@ -99,15 +94,12 @@ def expand_env(text: str, environ: Mapping[str, str]) -> str:
     return _EXPANSION.sub(replace, text)
 
 
-def _convert(where: str, specs: dict[str, OptionSpec], key: object, value: object,
-             env: Mapping[str, str]) -> object:
+def _convert(where: str, specs: dict[str, OptionSpec], key: object, value: object, env: Mapping[str, str]) -> object:
     spec = specs.get(key) if isinstance(key, str) else None
     if spec is None:
         hint = difflib.get_close_matches(str(key).replace("-", "_"), specs, n=1)
         did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
-        raise ConfigError(
-            f"{where}: unknown key {key!r}{did_you_mean}; valid keys: {', '.join(specs)}"
-        )
+        raise ConfigError(f"{where}: unknown key {key!r}{did_you_mean}; valid keys: {', '.join(specs)}")
     if value is None and spec.null_in_file:
         return None
     if spec.list_in_file and isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -173,8 +165,15 @@ def _type_error(where: str, spec: OptionSpec, value: object) -> ConfigError:
 
 
 def _type_name(value: object) -> str:
-    names = {bool: "boolean", int: "integer", float: "number", str: "string",
-             list: "list", dict: "mapping", type(None): "null"}
+    names = {
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "list",
+        dict: "mapping",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spotrun.checkpoint.in_flight import Choice, choose
-from spotrun.control.files import SaveInProgress, SaveStats, full_save_estimate
 from spotrun.checkpoint.manifest import Manifest
 from spotrun.checkpoint.rank_layout import ranks
+from spotrun.control.files import SaveInProgress, SaveStats, full_save_estimate
 
 #: Seconds added to a manifest's recorded shard-write time for the rest of a save (the
 #: collectives, the manifest's conditional put), when no whole save was measured yet.
@@ -76,27 +76,39 @@ class SaveEstimate:
         parts = []
         if self.in_flight_step is not None and self.in_flight_background:
             written = f" ({self.in_flight_written})" if self.in_flight_written else ""
-            parts.append(f"{self.in_flight_s:.1f} s to finish the background save of step {self.in_flight_step} "
-                         f"in flight{written}")
+            parts.append(
+                f"{self.in_flight_s:.1f} s to finish the background save of step {self.in_flight_step} "
+                f"in flight{written}"
+            )
         elif self.in_flight_step is not None:
             parts.append(f"{self.in_flight_s:.1f} s to finish the save of step {self.in_flight_step} in progress")
         parts.append(f"{self.boundary_s:.1f} s to the next step boundary")
         if self.allowance_s:
             scaled = f" ({self.write_scaled})" if self.write_scaled else ""
-            parts.append(f"{self.save_s:.1f} s to save {_amount(self.size_bytes)}: the recorded shard write of "
-                         f"{self.save_s - self.allowance_s:.1f} s{scaled} + {self.allowance_s:.1f} s allowed for "
-                         "the commit")
+            parts.append(
+                f"{self.save_s:.1f} s to save {_amount(self.size_bytes)}: the recorded shard write of "
+                f"{self.save_s - self.allowance_s:.1f} s{scaled} + {self.allowance_s:.1f} s allowed for "
+                "the commit"
+            )
         else:
-            parts.append(f"{self.save_s:.1f} s to save {_amount(self.size_bytes)} at "
-                         f"{_amount(self.throughput_bytes_per_s)}/s")
+            parts.append(
+                f"{self.save_s:.1f} s to save {_amount(self.size_bytes)} at {_amount(self.throughput_bytes_per_s)}/s"
+            )
         # a background save in flight goes on while the workers reach the boundary: the longer of the two counts
-        how = "the longer of the first two, then the save" if self.in_flight_step is not None and \
-            self.in_flight_background else "in sequence"
+        how = (
+            "the longer of the first two, then the save"
+            if self.in_flight_step is not None and self.in_flight_background
+            else "in sequence"
+        )
         return f"{self.total_s:.1f} s ({', '.join(parts)}: {how}; from {self.basis})"
 
 
 def estimate_emergency_save(
-    stats: SaveStats | None, resumed: Manifest | None, now_unix_s: float, *, ranks_now: int | None = None,
+    stats: SaveStats | None,
+    resumed: Manifest | None,
+    now_unix_s: float,
+    *,
+    ranks_now: int | None = None,
 ) -> SaveEstimate | None:
     """Estimate the emergency save from the measurements at hand (see the module docstring).
 
@@ -145,8 +157,9 @@ def estimate_emergency_save(
         allowance_s=allowance_s,
         write_scaled=scaled,
         in_flight_background=in_progress is not None and in_progress.background,
-        in_flight_written=None if in_progress is None or not in_progress.bytes_total else
-        f"{_amount(in_progress.bytes_done)} of {_amount(in_progress.bytes_total)} written",
+        in_flight_written=None
+        if in_progress is None or not in_progress.bytes_total
+        else f"{_amount(in_progress.bytes_done)} of {_amount(in_progress.bytes_total)} written",
     )
 
 
@@ -187,23 +200,34 @@ def decide(estimate: SaveEstimate, left_s: float) -> Decision:
     left = f"the {left_s:.1f} s left before the deadline"
     if choice is Choice.FINISH_THEN_SAVE:
         first = f" (after the save of step {step} in flight commits)" if step is not None else ""
-        return Decision(True, choice, f"emergency checkpoint requested: estimated {estimate.describe()} fits in "
-                                      f"{left}{first}")
+        return Decision(
+            True, choice, f"emergency checkpoint requested: estimated {estimate.describe()} fits in {left}{first}"
+        )
     if choice is Choice.ABANDON_AND_SAVE:
-        return Decision(True, choice, (
-            f"emergency checkpoint requested: finishing the background save of step {step} in flight first "
-            f"would take {estimate.describe()}, more than {left}; the workers abandon it and save the current "
-            f"step ({estimate.boundary_s + estimate.save_s:.1f} s)"))
+        return Decision(
+            True,
+            choice,
+            (
+                f"emergency checkpoint requested: finishing the background save of step {step} in flight first "
+                f"would take {estimate.describe()}, more than {left}; the workers abandon it and save the current "
+                f"step ({estimate.boundary_s + estimate.save_s:.1f} s)"
+            ),
+        )
     if choice is Choice.FINISH_ONLY and step is not None:
         after = f"after the save of step {step} in progress commits, "
     elif step is not None:
         after = f"abandoning the background save of step {step} in flight (it cannot commit in time either), "
     else:
         after = ""
-    return Decision(False, choice, (
-        f"NOT saving: an emergency checkpoint would take {estimate.describe()}, more than {left}; the workers "
-        f"stop {after}at their next step boundary without saving, and the newest complete checkpoint stays "
-        "the resume point"))
+    return Decision(
+        False,
+        choice,
+        (
+            f"NOT saving: an emergency checkpoint would take {estimate.describe()}, more than {left}; the workers "
+            f"stop {after}at their next step boundary without saving, and the newest complete checkpoint stays "
+            "the resume point"
+        ),
+    )
 
 
 def _throughput(size_bytes: int, duration_s: float) -> float:

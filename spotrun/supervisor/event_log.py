@@ -42,8 +42,9 @@ class EventLogObserver:
             ``start`` record; ``None``: the ``start`` record's own time is the beginning.
     """
 
-    def __init__(self, open_root: Callable[[], Storage], *, host: str | None = None,
-                 started_unix_s: float | None = None) -> None:
+    def __init__(
+        self, open_root: Callable[[], Storage], *, host: str | None = None, started_unix_s: float | None = None
+    ) -> None:
         self._open_root = open_root
         self._started_unix_s = started_unix_s
         self._storage: Storage | None = None

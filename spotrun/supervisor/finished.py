@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from spotrun.checkpoint import catalog, strict_json
 from spotrun.checkpoint.catalog import StepInfo
 from spotrun.errors import ObjectNotFoundError, SpotrunError
-from spotrun.tools.logs import utc_iso_ms
 from spotrun.storage import Storage
+from spotrun.tools.logs import utc_iso_ms
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +72,26 @@ def record_finished(storage: Storage, command: Sequence[str]) -> StepInfo | None
         with storage.deadline(RECORD_TIMEOUT_S):
             newest = catalog.newest_complete(storage)
             if newest is not None:
-                storage.put(record_key(command), json.dumps({
-                    "format": _FORMAT, "command": list(command), "step": newest.step,
-                    "step_created_unix_s": newest.created_unix_s, "finished_unix_s": time.time(),
-                    "host": socket.gethostname()}, indent=1).encode())
+                storage.put(
+                    record_key(command),
+                    json.dumps(
+                        {
+                            "format": _FORMAT,
+                            "command": list(command),
+                            "step": newest.step,
+                            "step_created_unix_s": newest.created_unix_s,
+                            "finished_unix_s": time.time(),
+                            "host": socket.gethostname(),
+                        },
+                        indent=1,
+                    ).encode(),
+                )
     except (SpotrunError, OSError) as exc:
-        log.warning("could not record that the job finished under %s (a start of the same command will "
-                    "launch it again): %s", storage.uri, exc)
+        log.warning(
+            "could not record that the job finished under %s (a start of the same command will launch it again): %s",
+            storage.uri,
+            exc,
+        )
         return None
     return newest
 
@@ -88,9 +101,11 @@ def finished_line(uri: str, newest: StepInfo | None, endpoint_url: str | None = 
     if newest is None:
         return f"training finished; no complete spotrun checkpoint found under {uri}"
     root = shlex.quote(uri) + (f" --s3-endpoint-url {shlex.quote(endpoint_url)}" if endpoint_url else "")
-    return (f"training finished: the checkpoint is step {newest.step} under {uri}; `spotrun ls {root}` lists its "
-            f"steps, `spotrun export {root} --format hf OUT` writes step {newest.step}'s model as Hugging Face "
-            "safetensors into OUT")
+    return (
+        f"training finished: the checkpoint is step {newest.step} under {uri}; `spotrun ls {root}` lists its "
+        f"steps, `spotrun export {root} --format hf OUT` writes step {newest.step}'s model as Hugging Face "
+        "safetensors into OUT"
+    )
 
 
 def finished_step(storage: Storage, command: Sequence[str]) -> StepInfo | None:
@@ -100,19 +115,29 @@ def finished_step(storage: Storage, command: Sequence[str]) -> StepInfo | None:
     key = record_key(command)
     try:
         with storage.deadline(RECORD_TIMEOUT_S):
-            record = strict_json.loads(storage.get(key), max_bytes=strict_json.RECORD_MAX_BYTES,
-                                       what="finished-run record")
+            record = strict_json.loads(
+                storage.get(key), max_bytes=strict_json.RECORD_MAX_BYTES, what="finished-run record"
+            )
             newest = catalog.newest_complete(storage)
     except ObjectNotFoundError:
         return None
     except (SpotrunError, OSError, ValueError) as exc:
         log.warning("cannot read %s/%s (%s): starting the command", storage.uri, key, exc)
         return None
-    if (not isinstance(record, dict) or record.get("format") != _FORMAT or record.get("command") != list(command)
-            or newest is None or record.get("step") != newest.step
-            or record.get("step_created_unix_s") != newest.created_unix_s):
+    if (
+        not isinstance(record, dict)
+        or record.get("format") != _FORMAT
+        or record.get("command") != list(command)
+        or newest is None
+        or record.get("step") != newest.step
+        or record.get("step_created_unix_s") != newest.created_unix_s
+    ):
         return None
-    log.info("the job already finished: this command exited 0 at %s with step %d as its newest complete "
-             "checkpoint, and it still is; not starting it again (exit 0; --rerun-finished starts it anyway): %s",
-             utc_iso_ms(record.get("finished_unix_s") or 0.0), newest.step, shlex.join(command))
+    log.info(
+        "the job already finished: this command exited 0 at %s with step %d as its newest complete "
+        "checkpoint, and it still is; not starting it again (exit 0; --rerun-finished starts it anyway): %s",
+        utc_iso_ms(record.get("finished_unix_s") or 0.0),
+        newest.step,
+        shlex.join(command),
+    )
     return newest

@@ -53,8 +53,14 @@ class DeliveryChoice:
 ANNOUNCE_WAIT_SHARE = 0.25
 
 
-def choose_delivery(kinds: Sequence[str], *, signal_forced: bool, oldest_worker_age_s: float | None,
-                    announce_timeout_s: float, decide_in_s: float | None = None) -> DeliveryChoice:
+def choose_delivery(
+    kinds: Sequence[str],
+    *,
+    signal_forced: bool,
+    oldest_worker_age_s: float | None,
+    announce_timeout_s: float,
+    decide_in_s: float | None = None,
+) -> DeliveryChoice:
     """Pure decision: how to deliver a notice now.
 
     Args:
@@ -77,8 +83,7 @@ def choose_delivery(kinds: Sequence[str], *, signal_forced: bool, oldest_worker_
     if decide_in_s is not None and decide_in_s < _MIN_RECHECK_S:  # (a timer may wake a little early)
         return DeliveryChoice(Delivery.SIGNAL)
     age_s = oldest_worker_age_s if oldest_worker_age_s is not None else 0.0
-    recheck_in_s = announce_timeout_s - age_s if decide_in_s is None else min(announce_timeout_s - age_s,
-                                                                                 decide_in_s)
+    recheck_in_s = announce_timeout_s - age_s if decide_in_s is None else min(announce_timeout_s - age_s, decide_in_s)
     return DeliveryChoice(Delivery.UNDECIDED, recheck_in_s=max(_MIN_RECHECK_S, recheck_in_s))
 
 
@@ -90,10 +95,13 @@ def describe_delivery(notify_signal: int | None, announce_timeout_s: float) -> s
     """The start-up log line saying how notices will reach the workers (``notify_signal``:
     the ``--notify-signal`` number, or None when not given)."""
     if notify_signal is not None:
-        return (f"--notify-signal {signal_name(notify_signal)}: every notice goes at once as that signal to the "
-                "worker processes, unless they run a spotrun Checkpointer")
-    return (f"workers that have not announced spotrun's protocol after {announce_timeout_s:.1f} s get a notice "
-            "as SIGTERM")
+        return (
+            f"--notify-signal {signal_name(notify_signal)}: every notice goes at once as that signal to the "
+            "worker processes, unless they run a spotrun Checkpointer"
+        )
+    return (
+        f"workers that have not announced spotrun's protocol after {announce_timeout_s:.1f} s get a notice as SIGTERM"
+    )
 
 
 #: What torch's elastic agent (``LocalElasticAgent``, run by torchrun, ``python -m
@@ -174,8 +182,9 @@ class NoticeDelivery:
         announce_timeout_s: see :func:`choose_delivery`.
     """
 
-    def __init__(self, control_dir: str, child_pid: int, *, notify_signal: int, forced: bool,
-                 announce_timeout_s: float) -> None:
+    def __init__(
+        self, control_dir: str, child_pid: int, *, notify_signal: int, forced: bool, announce_timeout_s: float
+    ) -> None:
         self._control_dir = control_dir
         self._child_pid = child_pid
         self.notify_signal = notify_signal
@@ -192,9 +201,12 @@ class NoticeDelivery:
         workers = worker_processes(self._child_pid)
         kinds = [listener.kind for listener in read_listeners(self._control_dir)]
         choice = choose_delivery(
-            kinds, signal_forced=self._forced, oldest_worker_age_s=oldest_age_s(workers),
+            kinds,
+            signal_forced=self._forced,
+            oldest_worker_age_s=oldest_age_s(workers),
             announce_timeout_s=self._announce_timeout_s,
-            decide_in_s=None if self._decide_by_unix_s is None else self._decide_by_unix_s - time.time())
+            decide_in_s=None if self._decide_by_unix_s is None else self._decide_by_unix_s - time.time(),
+        )
         if choice.delivery is not Delivery.UNDECIDED:
             self.choice = choice
         return choice
@@ -229,25 +241,35 @@ class NoticeDelivery:
             self._decide_by_unix_s = now_unix_s + ANNOUNCE_WAIT_SHARE * max(0.0, deadline_unix_s - now_unix_s)
         choice = self.current()
         if choice.delivery is Delivery.UNDECIDED:
-            log.info("no worker has announced spotrun's protocol yet: deciding how to deliver the notice "
-                     "in %.1f s at the latest", choice.recheck_in_s)
+            log.info(
+                "no worker has announced spotrun's protocol yet: deciding how to deliver the notice "
+                "in %.1f s at the latest",
+                choice.recheck_in_s,
+            )
             return now_unix_s + choice.recheck_in_s
         if choice.delivery is Delivery.SIGNAL:
             workers = self.signal_workers()
             if not workers:
                 log.debug("no worker process to signal yet: looking again in %.1f s", _NO_WORKERS_RECHECK_S)
                 return now_unix_s + _NO_WORKERS_RECHECK_S
-            to_whom = (f"the command itself ({self._child_pid}): no elastic agent's worker in its process tree"
-                       if [info.pid for info in workers] == [self._child_pid] else
-                       f"{len(workers)} worker process(es) ({' '.join(str(info.pid) for info in workers)})")
-            log.warning("sent %s to %s; they save with their own framework, the deadline is in "
-                        "$SPOTRUN_CONTROL_DIR/save-request.json", signal_name(self.notify_signal), to_whom)
+            to_whom = (
+                f"the command itself ({self._child_pid}): no elastic agent's worker in its process tree"
+                if [info.pid for info in workers] == [self._child_pid]
+                else f"{len(workers)} worker process(es) ({' '.join(str(info.pid) for info in workers)})"
+            )
+            log.warning(
+                "sent %s to %s; they save with their own framework, the deadline is in "
+                "$SPOTRUN_CONTROL_DIR/save-request.json",
+                signal_name(self.notify_signal),
+                to_whom,
+            )
         elif choice.delivery is Delivery.POLL:
             log.info("the workers poll spotrun.preemption_notice(): no signal sent")
         else:
-            log.info("the workers run a spotrun Checkpointer: no signal sent, they read the save request%s",
-                     f" (--notify-signal {signal_name(self.notify_signal)} is not used for them)"
-                     if self._forced else "")
+            log.info(
+                "the workers run a spotrun Checkpointer: no signal sent, they read the save request%s",
+                f" (--notify-signal {signal_name(self.notify_signal)} is not used for them)" if self._forced else "",
+            )
         return None
 
 

@@ -13,10 +13,9 @@ import os
 import uuid
 from dataclasses import dataclass
 
-from spotrun.control import env as spotrun_env
-from spotrun.checkpoint import rank_layout
-from spotrun.checkpoint import catalog, fencing
+from spotrun.checkpoint import catalog, fencing, rank_layout
 from spotrun.checkpoint.catalog import StepInfo
+from spotrun.control import env as spotrun_env
 from spotrun.storage import Storage, StorageLocation
 from spotrun.supervisor.torchrun_command import TorchrunLaunch
 
@@ -83,8 +82,10 @@ def describe_start(resume: StepInfo | None, launch: TorchrunLaunch | None) -> st
     if resume is None or resume.manifest is None:
         return f"fresh start on {now}"
     manifest = resume.manifest
-    text = (f"step {resume.step} (saved by {rank_layout.describe_layout(manifest.world_size, manifest.meshes)}) "
-            f"resumes on {now}")
+    text = (
+        f"step {resume.step} (saved by {rank_layout.describe_layout(manifest.world_size, manifest.meshes)}) "
+        f"resumes on {now}"
+    )
     if launch is not None and not launch.elastic and launch.min_ranks not in (None, manifest.world_size):
         text += f"; another world size than the checkpoint's {manifest.world_size}: the workers reshard it"
     return text

@@ -50,38 +50,69 @@ class SupervisorMetrics:
         self.incarnation = gauge("spotrun_incarnation", "Incarnation of the current (last) launch.")
         self.resumed_step = gauge("spotrun_resumed_step", "Step the current launch resumed from (0: fresh start).")
         self.newest_step = gauge("spotrun_newest_complete_step", "Newest step this node knows complete.")
-        self.newest_time = gauge("spotrun_newest_complete_step_timestamp_seconds",
-                                 "When the newest complete step was committed (Unix time).")
-        self.newest_age = gauge("spotrun_newest_complete_step_age_seconds",
-                                "Seconds since the newest complete step was committed.")
+        self.newest_time = gauge(
+            "spotrun_newest_complete_step_timestamp_seconds", "When the newest complete step was committed (Unix time)."
+        )
+        self.newest_age = gauge(
+            "spotrun_newest_complete_step_age_seconds", "Seconds since the newest complete step was committed."
+        )
         self.step_time = gauge("spotrun_step_time_seconds", "Seconds per training step (slowest of the last 16).")
         self.saves = counter("spotrun_saves", "Committed saves, by reason.", ("reason",))
-        self.save_duration = Histogram("spotrun_save_duration_seconds", "Seconds from a save's start to its commit.",
-                                       buckets=SAVE_BUCKETS_S, registry=None)
-        self.save_stall = Histogram("spotrun_save_stall_seconds", "Seconds training was blocked by a save.",
-                                    buckets=SAVE_BUCKETS_S, registry=None)
+        self.save_duration = Histogram(
+            "spotrun_save_duration_seconds",
+            "Seconds from a save's start to its commit.",
+            buckets=SAVE_BUCKETS_S,
+            registry=None,
+        )
+        self.save_stall = Histogram(
+            "spotrun_save_stall_seconds",
+            "Seconds training was blocked by a save.",
+            buckets=SAVE_BUCKETS_S,
+            registry=None,
+        )
         self.saved_bytes = counter("spotrun_saved_bytes", "Bytes of the shard files of all committed saves.")
         self.last_save_duration = gauge("spotrun_last_save_duration_seconds", "The newest save's duration.")
         self.last_save_size = gauge("spotrun_last_save_size_bytes", "The newest save's shard bytes (all ranks).")
-        self.last_restore_duration = gauge("spotrun_last_restore_duration_seconds",
-                                           "Seconds the newest restore took (local rank 0).")
-        self.last_restore_bytes = gauge("spotrun_last_restore_read_bytes", "Bytes local rank 0 read in the newest restore.")
+        self.last_restore_duration = gauge(
+            "spotrun_last_restore_duration_seconds", "Seconds the newest restore took (local rank 0)."
+        )
+        self.last_restore_bytes = gauge(
+            "spotrun_last_restore_read_bytes", "Bytes local rank 0 read in the newest restore."
+        )
         self.notices = counter("spotrun_notices", "Preemption notices, by source.", ("source",))
-        self.decisions = counter("spotrun_emergency_save_decisions",
-                                 "Decisions after a notice: save or stop_without_save.", ("decision",))
+        self.decisions = counter(
+            "spotrun_emergency_save_decisions", "Decisions after a notice: save or stop_without_save.", ("decision",)
+        )
         self.restarts = counter("spotrun_restarts", "Restarts after a crash.")
         self.command_exit_code = gauge("spotrun_last_command_exit_code", "Exit code of the command's last launch.")
         self.exit_code = gauge("spotrun_exit_code", "spotrun's exit code (once it exited).")
         self.exit_reason = gauge("spotrun_exit_reason", "1 for the reason spotrun exited.", ("reason",))
         self._set_gauges: set[Gauge] = set()  # a gauge is shown once set: absent means not known yet
         self._always = [  # counters and histograms: 0 is a true count
-            self.launches, self.saves, self.save_duration, self.save_stall, self.saved_bytes, self.notices,
-            self.decisions, self.restarts,
+            self.launches,
+            self.saves,
+            self.save_duration,
+            self.save_stall,
+            self.saved_bytes,
+            self.notices,
+            self.decisions,
+            self.restarts,
         ]
         self._gauges = [  # in the order shown
-            self.start_time, self.incarnation, self.resumed_step, self.step_time, self.last_save_duration,
-            self.last_save_size, self.last_restore_duration, self.last_restore_bytes, self.command_exit_code,
-            self.newest_step, self.newest_time, self.newest_age, self.exit_code, self.exit_reason,
+            self.start_time,
+            self.incarnation,
+            self.resumed_step,
+            self.step_time,
+            self.last_save_duration,
+            self.last_save_size,
+            self.last_restore_duration,
+            self.last_restore_bytes,
+            self.command_exit_code,
+            self.newest_step,
+            self.newest_time,
+            self.newest_age,
+            self.exit_code,
+            self.exit_reason,
         ]
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)

@@ -46,10 +46,16 @@ class MetricsExporter:
             be written (no such directory, not ``.prom``, no permission); nothing is left open.
     """
 
-    def __init__(self, metrics: SupervisorMetrics | None = None, *, port: int | None = None,
-                 address: str = DEFAULT_ADDRESS, textfile: str | None = None,
-                 textfile_interval_s: float = TEXTFILE_INTERVAL_S,
-                 refresh_interval_s: float = REFRESH_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        metrics: SupervisorMetrics | None = None,
+        *,
+        port: int | None = None,
+        address: str = DEFAULT_ADDRESS,
+        textfile: str | None = None,
+        textfile_interval_s: float = TEXTFILE_INTERVAL_S,
+        refresh_interval_s: float = REFRESH_INTERVAL_S,
+    ) -> None:
         self.metrics = metrics or SupervisorMetrics()
         self.textfile = textfile
         self._write_lock = threading.Lock()  # a periodic write never lands after the last one
@@ -61,8 +67,10 @@ class MetricsExporter:
             raise ConfigError(f"--metrics-port must be 0..65535, got {port}")
         if textfile is not None:
             if not textfile.endswith(".prom"):
-                raise ConfigError(f"--metrics-textfile {textfile!r} must end in .prom (node_exporter's "
-                                  "textfile collector reads only *.prom files)")
+                raise ConfigError(
+                    f"--metrics-textfile {textfile!r} must end in .prom (node_exporter's "
+                    "textfile collector reads only *.prom files)"
+                )
             try:
                 write_to_textfile(textfile, self.metrics.registry)
             except OSError as exc:
@@ -75,8 +83,12 @@ class MetricsExporter:
             log.info("metrics: http://%s:%d/metrics", address, self.port)
         if textfile is not None:
             log.info("metrics: written to %s every %.0f s and at each event", textfile, textfile_interval_s)
-        self._thread = threading.Thread(target=self._refresh_every, args=(refresh_interval_s, textfile_interval_s),
-                                        name="spotrun-metrics", daemon=True)
+        self._thread = threading.Thread(
+            target=self._refresh_every,
+            args=(refresh_interval_s, textfile_interval_s),
+            name="spotrun-metrics",
+            daemon=True,
+        )
         self._thread.start()
 
     @property
@@ -132,5 +144,8 @@ def metrics_observers(port: int | None, address: str | None, textfile: str | Non
     """
     if port is None and textfile is None:
         return []
-    return [MetricsExporter(port=port, address=address or DEFAULT_ADDRESS,
-                            textfile=os.path.abspath(textfile) if textfile else None)]
+    return [
+        MetricsExporter(
+            port=port, address=address or DEFAULT_ADDRESS, textfile=os.path.abspath(textfile) if textfile else None
+        )
+    ]

@@ -44,8 +44,9 @@ class Observers:
             except Exception as exc:  # never let an observer end the supervision
                 if (index, name) not in self._failed:
                     self._failed.add((index, name))
-                    log.warning("%s failed on event %r: %s (the supervision goes on)",
-                                type(observer).__name__, name, exc)
+                    log.warning(
+                        "%s failed on event %r: %s (the supervision goes on)", type(observer).__name__, name, exc
+                    )
 
     def close(self) -> None:
         """Close every observer (flush what it holds); failures are logged."""

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
-from spotrun.control import files as control
 from spotrun.checkpoint import catalog, fencing
+from spotrun.control import files as control
 from spotrun.control.env import STOP_AT_STEP
 from spotrun.errors import SpotrunError
 from spotrun.storage import Storage
@@ -29,12 +29,17 @@ def check_resume_point(storage: Storage, *, declined: bool = False) -> None:
         return
     why = "no time for one" if declined else "none committed"
     if newest is None:
-        log.warning("no emergency checkpoint (%s) and no complete checkpoint on storage: "
-                    "the job restarts from step 0", why)
+        log.warning(
+            "no emergency checkpoint (%s) and no complete checkpoint on storage: the job restarts from step 0", why
+        )
     else:
-        log.warning("no emergency checkpoint (%s): the newest complete checkpoint is step %d "
-                    "(%s; manifest and every file present with its recorded size): the job resumes from it",
-                    why, newest.step, newest.reason)
+        log.warning(
+            "no emergency checkpoint (%s): the newest complete checkpoint is step %d "
+            "(%s; manifest and every file present with its recorded size): the job resumes from it",
+            why,
+            newest.step,
+            newest.reason,
+        )
 
 
 def trained_on_after(control_dir: str, step: int) -> int | None:
@@ -71,9 +76,13 @@ def commit_report(control_dir: str) -> control.CommitReport | None:
     later = trained_on_after(control_dir, report.step)
     if later is None:
         return report
-    log.info("the workers took an emergency checkpoint of step %d, then torchrun started them again in this "
-             "launch (an elastic node change, or its --max-restarts) and they saved step %d: that "
-             "checkpoint did not end the launch", report.step, later)
+    log.info(
+        "the workers took an emergency checkpoint of step %d, then torchrun started them again in this "
+        "launch (an elastic node change, or its --max-restarts) and they saved step %d: that "
+        "checkpoint did not end the launch",
+        report.step,
+        later,
+    )
     return None
 
 
@@ -87,11 +96,18 @@ def workers_saved_on_their_own(control_dir: str) -> bool:
     except SpotrunError:
         return True
     if report is not None and os.environ.get(STOP_AT_STEP):
-        log.info("the workers took the checkpoint of step %d and stopped, as %s=%s asked",
-                 report.step, STOP_AT_STEP, os.environ[STOP_AT_STEP])
+        log.info(
+            "the workers took the checkpoint of step %d and stopped, as %s=%s asked",
+            report.step,
+            STOP_AT_STEP,
+            os.environ[STOP_AT_STEP],
+        )
     elif report is not None:
-        log.warning("the workers took an emergency checkpoint of step %d without a notice here "
-                    "(another node got the notice, or a signal reached them directly)", report.step)
+        log.warning(
+            "the workers took an emergency checkpoint of step %d without a notice here "
+            "(another node got the notice, or a signal reached them directly)",
+            report.step,
+        )
     return report is not None
 
 
@@ -106,8 +122,7 @@ def workers_stopped_without_save(control_dir: str) -> bool:
     if step is not None and trained_on_after(control_dir, step) is not None:
         return False  # torchrun started them again in this launch (see trained_on_after)
     if step is not None:
-        log.warning("the workers stopped after step %d without saving (no time for an emergency checkpoint)",
-                    step)
+        log.warning("the workers stopped after step %d without saving (no time for an emergency checkpoint)", step)
     return step is not None
 
 
@@ -120,13 +135,19 @@ def fenced(control_dir: str) -> str | None:
         return f"this launch was fenced by a newer start of the job ({exc})"
     if report is None:
         return None
-    newer = fencing.Claim(report.newer_incarnation, report.newer_host, report.newer_pid,
-                          report.newer_supervisor_pid).describe() if report.newer_incarnation is not None \
+    newer = (
+        fencing.Claim(
+            report.newer_incarnation, report.newer_host, report.newer_pid, report.newer_supervisor_pid
+        ).describe()
+        if report.newer_incarnation is not None
         else "a newer incarnation"
+    )
     mine = "" if report.incarnation is None else f" (incarnation {report.incarnation})"
-    return (f"this copy of the job{mine} was fenced: {newer} of this job started on the same checkpoint root "
-            "and owns it now (the same job started twice?); not restarting this one, so that the newer one "
-            "finishes")
+    return (
+        f"this copy of the job{mine} was fenced: {newer} of this job started on the same checkpoint root "
+        "and owns it now (the same job started twice?); not restarting this one, so that the newer one "
+        "finishes"
+    )
 
 
 def step_status(storage: Storage, step: int) -> tuple[str, str | None]:

@@ -102,11 +102,18 @@ def check(storage: Storage, *, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Prefli
             _check_commit(storage, commit_key)
         finally:
             _delete_quietly(storage, commit_key)
-    result = PreflightResult(uri=storage.uri, elapsed_s=time.monotonic() - started_s,
-                             commit_primitive=storage.commit_primitive or "no-overwrite write")
-    log.info("storage preflight of %s passed in %.2f s (write, read, list, delete; commits "
-             "with a %s, a second commit of the same key refused)",
-             result.uri, result.elapsed_s, result.commit_primitive)
+    result = PreflightResult(
+        uri=storage.uri,
+        elapsed_s=time.monotonic() - started_s,
+        commit_primitive=storage.commit_primitive or "no-overwrite write",
+    )
+    log.info(
+        "storage preflight of %s passed in %.2f s (write, read, list, delete; commits "
+        "with a %s, a second commit of the same key refused)",
+        result.uri,
+        result.elapsed_s,
+        result.commit_primitive,
+    )
     return result
 
 
@@ -114,20 +121,22 @@ def _check_commit(storage: Storage, key: str) -> None:
     """Two no-overwrite writes onto ``key``: the first must land, the second be refused."""
     first = f"spotrun preflight commit probe {key}: first writer\n".encode()
     second = f"spotrun preflight commit probe {key}: second writer\n".encode()
-    _attempt(storage, "commit a probe object with a no-overwrite write",
-             lambda: storage.put_if_absent(key, first))
+    _attempt(storage, "commit a probe object with a no-overwrite write", lambda: storage.put_if_absent(key, first))
     try:
-        _attempt(storage, "check that a second no-overwrite write is refused",
-                 lambda: storage.put_if_absent(key, second))
+        _attempt(
+            storage, "check that a second no-overwrite write is refused", lambda: storage.put_if_absent(key, second)
+        )
     except ObjectExistsError:
         pass
     else:
-        raise _ignores_condition(storage, "a second no-overwrite write onto the same key "
-                                          "succeeded and replaced the first")
+        raise _ignores_condition(
+            storage, "a second no-overwrite write onto the same key succeeded and replaced the first"
+        )
     stored = _attempt(storage, "read the committed probe back", lambda: storage.get(key))
     if stored != first:
-        raise _ignores_condition(storage, "a second no-overwrite write onto the same key was "
-                                          "refused but replaced the first all the same")
+        raise _ignores_condition(
+            storage, "a second no-overwrite write onto the same key was refused but replaced the first all the same"
+        )
 
 
 def _ignores_condition(storage: Storage, what_happened: str) -> CommitUnsupportedError:
@@ -158,9 +167,7 @@ def _read_back(storage: Storage, key: str, data: bytes) -> None:
 
 def _find_in_listing(storage: Storage, key: str) -> None:
     if key not in [info.key for info in storage.list(PROBE_PREFIX)]:
-        raise StorageError(
-            errno.EIO, f"listing {PROBE_PREFIX} does not show {key}, which was just written"
-        )
+        raise StorageError(errno.EIO, f"listing {PROBE_PREFIX} does not show {key}, which was just written")
 
 
 def _delete_quietly(storage: Storage, key: str) -> None:

@@ -20,10 +20,10 @@ import subprocess
 import tempfile
 import time
 
-from spotrun.control import files as control
 from spotrun.checkpoint import catalog
-from spotrun.errors import ConfigError, SpotrunError
 from spotrun.checkpoint.manifest import Manifest
+from spotrun.control import files as control
+from spotrun.errors import ConfigError, SpotrunError
 from spotrun.notices import Inbox, Notice, NoticeWatch, is_stop, parse_notice_option, start_sources
 from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal
 from spotrun.notices.signals import describe as describe_signals
@@ -79,11 +79,19 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
         inbox = stack.enter_context(Inbox())
         notice_options = config.notice_options
         watch = stack.enter_context(NoticeWatch(inbox))
-        log.info("notice signals: %s (other signals that would end spotrun are logged and ignored); "
-                 "grace period %.1f s, safety margin %.1f s",
-                 describe_signals(notice_options.notice_signals), config.grace_period_s, config.safety_margin_s)
-        log.info("%s", describe_delivery(config.notify_signal_number if config.notify_signal is not None else None,
-                                         config.announce_timeout_s))
+        log.info(
+            "notice signals: %s (other signals that would end spotrun are logged and ignored); "
+            "grace period %.1f s, safety margin %.1f s",
+            describe_signals(notice_options.notice_signals),
+            config.grace_period_s,
+            config.safety_margin_s,
+        )
+        log.info(
+            "%s",
+            describe_delivery(
+                config.notify_signal_number if config.notify_signal is not None else None, config.announce_timeout_s
+            ),
+        )
         start_sources(parse_notice_option(config.notice), notice_options, watch)
         storage = location.open()
         control_root = tempfile.mkdtemp(prefix="spotrun-control-")
@@ -92,8 +100,14 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
             log.debug("could not become a child subreaper; orphaned workers go to init")
         observers = observers or Observers()
         stack.callback(observers.close)
-        observers.emit("start", host=socket.gethostname(), pid=os.getpid(), command=list(config.command),
-                       grace_period_s=config.grace_period_s, checkpoint_uri=config.checkpoint_uri)
+        observers.emit(
+            "start",
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            command=list(config.command),
+            grace_period_s=config.grace_period_s,
+            checkpoint_uri=config.checkpoint_uri,
+        )
         done = None if config.rerun_finished else finished.finished_step(storage, config.command)
         if done is not None:
             observers.emit("exit", code=EXIT_FINISHED, reason="finished", step=None)
@@ -105,8 +119,15 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
 class _Supervisor:
     """State of one ``supervise`` call; see the module docstring for the behaviour."""
 
-    def __init__(self, config: SupervisorConfig, storage: Storage, inbox: Inbox, control_root: str,
-                 launch: TorchrunLaunch | None, observers: Observers):
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        storage: Storage,
+        inbox: Inbox,
+        control_root: str,
+        launch: TorchrunLaunch | None,
+        observers: Observers,
+    ):
         self.config = config
         self.observers = observers
         self.launch = launch  # the rank count the torchrun command asks for; None: not torchrun
@@ -136,11 +157,19 @@ class _Supervisor:
             if self.child is not None and self.child_returncode is None:
                 log.error("supervisor failed while pid %d runs: killing its process tree", self.child.pid)
                 process.kill_tree(os.getpid(), self.child.pid)
-            self.observers.emit("exit", code=2 if isinstance(exc, SpotrunError) else None, reason="error",
-                                error=f"{type(exc).__name__}: {exc}")
+            self.observers.emit(
+                "exit",
+                code=2 if isinstance(exc, SpotrunError) else None,
+                reason="error",
+                error=f"{type(exc).__name__}: {exc}",
+            )
             raise
-        reason = {EXIT_FINISHED: "finished", EXIT_PREEMPTED_SAVED: "preempted_saved",
-                  EXIT_PREEMPTED_NOT_SAVED: "preempted_not_saved", EXIT_FENCED: "fenced"}.get(code, "failed")
+        reason = {
+            EXIT_FINISHED: "finished",
+            EXIT_PREEMPTED_SAVED: "preempted_saved",
+            EXIT_PREEMPTED_NOT_SAVED: "preempted_not_saved",
+            EXIT_FENCED: "fenced",
+        }.get(code, "failed")
         newest = finished.record_finished(self.storage, self.config.command) if code == EXIT_FINISHED else None
         self.observers.emit("exit", code=code, reason=reason, step=self.saved_step)
         if code == EXIT_FINISHED:
@@ -157,19 +186,27 @@ class _Supervisor:
                 return EXIT_PREEMPTED_NOT_SAVED
             control_dir = tempfile.mkdtemp(prefix=f"launch-{attempt}-", dir=self.control_root)
             plan = plan_launch(
-                self.storage, self.config.location, control_dir=control_dir,
-                grace_period_s=self.config.grace_period_s, previous=plan, supervisor_pid=os.getpid(),
+                self.storage,
+                self.config.location,
+                control_dir=control_dir,
+                grace_period_s=self.config.grace_period_s,
+                previous=plan,
+                supervisor_pid=os.getpid(),
                 log_format=self.config.log_format,
                 retention=self.config.retention_env(),
             )
             self.resumed_manifest = plan.resume.manifest if plan.resume is not None else None
             log.info("%s", describe_start(plan.resume, self.launch))
             self.observers.emit(
-                "launch", attempt=attempt, incarnation=plan.incarnation, run_id=plan.run_id,
+                "launch",
+                attempt=attempt,
+                incarnation=plan.incarnation,
+                run_id=plan.run_id,
                 resumed_step=plan.resume.step if plan.resume is not None else None,
                 resumed_world_size=self.resumed_manifest.world_size if self.resumed_manifest else None,
                 resumed_created_unix_s=self.resumed_manifest.created_unix_s if self.resumed_manifest else None,
-                control_dir=control_dir)
+                control_dir=control_dir,
+            )
             code = self._run_once(plan, control_dir)
             self.observers.emit("command_exit", code=code, incarnation=plan.incarnation)
             fenced = outcome.fenced(control_dir)  # before a notice's outcome: a 142 would be retried
@@ -188,7 +225,10 @@ class _Supervisor:
             attempt += 1
             log.warning(
                 "the command failed with exit code %d: restart %d of %d in %.1f s",
-                code, attempt, self.config.max_restarts, delay_s,
+                code,
+                attempt,
+                self.config.max_restarts,
+                delay_s,
             )
             self.observers.emit("restart", attempt=attempt, code=code, delay_s=delay_s)
             self._wait(delay_s, until_notice=True)
@@ -197,23 +237,32 @@ class _Supervisor:
         """Start the command, wait for it (stopping it at the deadline); its exit code."""
         command = list(self.config.command)
         try:  # in the main thread: PR_SET_PDEATHSIG fires when the forking thread ends
-            self.child = subprocess.Popen(command, env=plan.env, start_new_session=True,
-                                          preexec_fn=process.die_with_parent())
+            self.child = subprocess.Popen(
+                command, env=plan.env, start_new_session=True, preexec_fn=process.die_with_parent()
+            )
         except OSError as exc:
             raise ConfigError(f"cannot start {shlex.join(command)}: {exc.strerror or exc}") from exc
         self.child_returncode = None
         self.control_dir = control_dir
         self.delivery = NoticeDelivery(
-            control_dir, self.child.pid, notify_signal=self.config.notify_signal_number,
-            forced=self.config.notify_signal is not None, announce_timeout_s=self.config.announce_timeout_s)
+            control_dir,
+            self.child.pid,
+            notify_signal=self.config.notify_signal_number,
+            forced=self.config.notify_signal is not None,
+            announce_timeout_s=self.config.announce_timeout_s,
+        )
         self.delivery_recheck_unix_s = None
         log.info(
             "started pid %d (run id %s, incarnation %d): %s",
-            self.child.pid, plan.run_id, plan.incarnation, shlex.join(command),
+            self.child.pid,
+            plan.run_id,
+            plan.incarnation,
+            shlex.join(command),
         )
         while self.child_returncode is None:
-            wake_unix_s = min((t for t in (self.deadline_unix_s, self.delivery_recheck_unix_s) if t is not None),
-                              default=None)
+            wake_unix_s = min(
+                (t for t in (self.deadline_unix_s, self.delivery_recheck_unix_s) if t is not None), default=None
+            )
             self._wait(None if wake_unix_s is None else wake_unix_s - time.time())
             if self.delivery_recheck_unix_s is not None and time.time() >= self.delivery_recheck_unix_s:
                 self._deliver_notice()
@@ -277,13 +326,22 @@ class _Supervisor:
             log.debug("ignoring %s again", event.name)
             return
         self.ignored_signals.add(event.signum)
-        log.warning("ignoring %s: not a notice signal (--notice-signals: %s); still supervising "
-                    "(further %s are not logged)", event.name, describe_signals(self.config.notice_signal_numbers), event.name)
+        log.warning(
+            "ignoring %s: not a notice signal (--notice-signals: %s); still supervising (further %s are not logged)",
+            event.name,
+            describe_signals(self.config.notice_signal_numbers),
+            event.name,
+        )
 
     def _on_notice(self, notice: Notice) -> None:
         """The one place where a notice turns into a save request (signals and clouds alike)."""
-        self.observers.emit("notice", source=notice.source, kind=notice.kind,
-                            deadline_unix_s=notice.deadline_unix_s, stop=is_stop(notice))
+        self.observers.emit(
+            "notice",
+            source=notice.source,
+            kind=notice.kind,
+            deadline_unix_s=notice.deadline_unix_s,
+            stop=is_stop(notice),
+        )
         if not is_stop(notice):  # e.g. an AWS rebalance recommendation: checkpoint, keep going
             log.warning("%s from %s: asking the workers for an ordinary checkpoint", notice.kind, notice.source)
             if self.control_dir is not None:
@@ -291,23 +349,35 @@ class _Supervisor:
             return
         if notice.acknowledge is not None:
             self.acknowledgements.append((notice, notice.acknowledge))
-        end_s = notice.deadline_unix_s if notice.deadline_unix_s is not None else (
-            notice.received_unix_s + self.config.grace_period_s
+        end_s = (
+            notice.deadline_unix_s
+            if notice.deadline_unix_s is not None
+            else (notice.received_unix_s + self.config.grace_period_s)
         )
         deadline_unix_s = end_s - self.config.safety_margin_s
         if self.notice is not None and deadline_unix_s >= self.deadline_unix_s:
             log.info(
                 "ignoring another notice (%s from %s): already saving, %.1f s to the deadline",
-                notice.kind, notice.source, self.deadline_unix_s - time.time(),
+                notice.kind,
+                notice.source,
+                self.deadline_unix_s - time.time(),
             )
             return
         if self.notice is None:
             self.notice = notice
-            log.warning("preemption notice: %s from %s, %.1f s to the deadline",
-                        notice.kind, notice.source, deadline_unix_s - time.time())
+            log.warning(
+                "preemption notice: %s from %s, %.1f s to the deadline",
+                notice.kind,
+                notice.source,
+                deadline_unix_s - time.time(),
+            )
         else:
-            log.warning("notice %s from %s moves the deadline earlier by %.1f s",
-                        notice.kind, notice.source, self.deadline_unix_s - deadline_unix_s)
+            log.warning(
+                "notice %s from %s moves the deadline earlier by %.1f s",
+                notice.kind,
+                notice.source,
+                self.deadline_unix_s - deadline_unix_s,
+            )
         self.deadline_unix_s = deadline_unix_s
         self.end_unix_s = end_s if self.end_unix_s is None else min(self.end_unix_s, end_s)
         if self.control_dir is not None:
@@ -342,11 +412,14 @@ class _Supervisor:
             stats = None
         now_s = time.time()
         left_s = deadline_unix_s - now_s
-        estimate = estimate_emergency_save(stats, self.resumed_manifest, now_s,
-                                           ranks_now=self.launch.min_ranks if self.launch else None)
+        estimate = estimate_emergency_save(
+            stats, self.resumed_manifest, now_s, ranks_now=self.launch.min_ranks if self.launch else None
+        )
         if estimate is None:
-            message = (f"emergency checkpoint requested: no save measured yet to estimate it from; "
-                       f"the save is bounded by the deadline ({left_s:.1f} s left)")
+            message = (
+                f"emergency checkpoint requested: no save measured yet to estimate it from; "
+                f"the save is bounded by the deadline ({left_s:.1f} s left)"
+            )
             log.warning("%s", message)
             self.observers.emit("decision", save=True, message=message)
             return True
@@ -394,7 +467,9 @@ class _Supervisor:
         if status != catalog.COMPLETE:
             log.error(
                 "workers reported step %d committed, but it is %s on storage: %s",
-                report.step, status, problem,
+                report.step,
+                status,
+                problem,
             )
             return EXIT_PREEMPTED_NOT_SAVED
         log.info("emergency checkpoint of step %d is complete: exiting %d", report.step, EXIT_PREEMPTED_SAVED)
@@ -405,13 +480,20 @@ class _Supervisor:
     def _foreign_exit_code(self, code: int) -> int:
         """The exit code after a notice for workers that save with their own framework."""
         if code == 0:
-            log.info("the command exited 0 after the notice: its workers saved with their own framework "
-                     "(spotrun cannot verify that checkpoint): exiting %d", EXIT_PREEMPTED_SAVED)
+            log.info(
+                "the command exited 0 after the notice: its workers saved with their own framework "
+                "(spotrun cannot verify that checkpoint): exiting %d",
+                EXIT_PREEMPTED_SAVED,
+            )
             self._acknowledge()
             return EXIT_PREEMPTED_SAVED
-        log.warning("the command exited %d after the notice: its workers save with their own framework, "
-                    "so spotrun cannot tell whether they saved; the restart resumes by the job's own logic: "
-                    "exiting %d", code, EXIT_PREEMPTED_NOT_SAVED)
+        log.warning(
+            "the command exited %d after the notice: its workers save with their own framework, "
+            "so spotrun cannot tell whether they saved; the restart resumes by the job's own logic: "
+            "exiting %d",
+            code,
+            EXIT_PREEMPTED_NOT_SAVED,
+        )
         return EXIT_PREEMPTED_NOT_SAVED
 
     def _acknowledge(self) -> None:

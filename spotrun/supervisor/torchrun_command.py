@@ -73,29 +73,39 @@ class TorchrunLaunch:
         if self.nproc_per_node is None:
             text = f"{nodes} x {self.nproc_text} processes per node (chosen by torchrun on each node)"
         else:
-            text = (f"{nodes} x {_plural(self.nproc_per_node, 'process', 'processes')} = "
-                    f"{_count(self.min_ranks, self.max_ranks, 'rank')}")
+            text = (
+                f"{nodes} x {_plural(self.nproc_per_node, 'process', 'processes')} = "
+                f"{_count(self.min_ranks, self.max_ranks, 'rank')}"
+            )
         if not self.elastic:
             return text
         if self.rdzv_backend == "static" and not self.standalone:
-            return text + (f" (torchrun --nnodes {self.min_nodes}:{self.max_nodes} with the static rendezvous: "
-                           f"it waits for all {self.max_nodes} nodes)")
-        return text + (f" (torchrun --nnodes {self.min_nodes}:{self.max_nodes}: the count is known after the "
-                       f"rendezvous, which waits up to {self.last_call_timeout_s:g} s for more nodes once "
-                       f"{self.min_nodes} joined; the workers log it)")
+            return text + (
+                f" (torchrun --nnodes {self.min_nodes}:{self.max_nodes} with the static rendezvous: "
+                f"it waits for all {self.max_nodes} nodes)"
+            )
+        return text + (
+            f" (torchrun --nnodes {self.min_nodes}:{self.max_nodes}: the count is known after the "
+            f"rendezvous, which waits up to {self.last_call_timeout_s:g} s for more nodes once "
+            f"{self.min_nodes} joined; the workers log it)"
+        )
 
     def warnings(self) -> list[str]:
         """Ways this command is not elastic although it gives a range (one log line each)."""
         if not self.elastic:
             return []
         if self.standalone:
-            return [f"torchrun --standalone --nnodes {self.min_nodes}:{self.max_nodes}: a standalone rendezvous "
-                    "runs on this node only, so no other node can join; give --rdzv-backend c10d "
-                    "--rdzv-endpoint HOST:PORT --rdzv-id ID instead for an elastic job"]
+            return [
+                f"torchrun --standalone --nnodes {self.min_nodes}:{self.max_nodes}: a standalone rendezvous "
+                "runs on this node only, so no other node can join; give --rdzv-backend c10d "
+                "--rdzv-endpoint HOST:PORT --rdzv-id ID instead for an elastic job"
+            ]
         if self.rdzv_backend == "static":
-            return [f"torchrun --nnodes {self.min_nodes}:{self.max_nodes} with the static rendezvous (torchrun's "
-                    f"default without --rdzv-backend) is not elastic: it waits for all {self.max_nodes} nodes; "
-                    "give --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID for an elastic job"]
+            return [
+                f"torchrun --nnodes {self.min_nodes}:{self.max_nodes} with the static rendezvous (torchrun's "
+                f"default without --rdzv-backend) is not elastic: it waits for all {self.max_nodes} nodes; "
+                "give --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID for an elastic job"
+            ]
         return []
 
 
@@ -120,8 +130,11 @@ def read_torchrun_command(command: Sequence[str]) -> TorchrunLaunch | None:
         try:
             options = _parse(args)
         except _ParseError as exc:
-            log.warning("cannot read the torchrun options of the launch command (%s): the number of ranks "
-                        "is known to the workers only", str(exc).strip())
+            log.warning(
+                "cannot read the torchrun options of the launch command (%s): the number of ranks "
+                "is known to the workers only",
+                str(exc).strip(),
+            )
             return None
     nnodes = str(options.nnodes)
     try:
@@ -139,8 +152,12 @@ def read_torchrun_command(command: Sequence[str]) -> TorchrunLaunch | None:
         raise ConfigError(f"torchrun --nproc-per-node {nproc_text}: needs at least 1 process per node")
     backend = "c10d" if options.standalone else str(options.rdzv_backend)
     return TorchrunLaunch(
-        min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc, nproc_text=nproc_text,
-        rdzv_backend=backend, standalone=bool(options.standalone),
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        nproc_text=nproc_text,
+        rdzv_backend=backend,
+        standalone=bool(options.standalone),
         last_call_timeout_s=_last_call_timeout_s(str(options.rdzv_conf)),
     )
 
@@ -151,8 +168,7 @@ def is_torchrun(argv: Sequence[str]) -> bool:
     (``python /venv/bin/torchrun ...``)."""
     if _torchrun_args(argv) is not None:
         return True
-    return (len(argv) >= 2 and os.path.basename(argv[0]).startswith("python")
-            and os.path.basename(argv[1]) == "torchrun")
+    return len(argv) >= 2 and os.path.basename(argv[0]).startswith("python") and os.path.basename(argv[1]) == "torchrun"
 
 
 def _torchrun_args(command: Sequence[str]) -> list[str] | None:
@@ -169,9 +185,9 @@ def _torchrun_args(command: Sequence[str]) -> list[str] | None:
         word = command[i]
         if word == "-m":
             module = command[i + 1] if i + 1 < len(command) else ""
-            return list(command[i + 2:]) if module in _TORCHRUN_MODULES else None
+            return list(command[i + 2 :]) if module in _TORCHRUN_MODULES else None
         if word.startswith("-m") and len(word) > 2:  # python -mtorch.distributed.run
-            return list(command[i + 1:]) if word[2:] in _TORCHRUN_MODULES else None
+            return list(command[i + 1 :]) if word[2:] in _TORCHRUN_MODULES else None
         if not word.startswith("-") or word in ("-c", "-"):
             return None  # a script, -c code or stdin: not torchrun
         i += 2 if word in _PYTHON_OPTIONS_WITH_VALUE else 1
@@ -185,12 +201,36 @@ class _ParseError(Exception):
 #: torchrun's options (torch 2.13's ``get_args_parser``) and whether each takes a value; the
 #: destination is the long name with dashes as underscores.
 _OPTION_TAKES_VALUE: dict[str, bool] = {
-    **{f"--{name}": True for name in (
-        "nnodes", "nproc-per-node", "rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf", "max-restarts",
-        "monitor-interval", "start-method", "event-log-handler", "role", "log-dir", "redirects", "tee",
-        "local-ranks-filter", "duplicate-stdout-filters", "duplicate-stderr-filters", "node-rank",
-        "master-addr", "master-port", "local-addr", "logs-specs", "numa-binding", "signals-to-handle",
-        "shutdown-timeout")},
+    **{
+        f"--{name}": True
+        for name in (
+            "nnodes",
+            "nproc-per-node",
+            "rdzv-backend",
+            "rdzv-endpoint",
+            "rdzv-id",
+            "rdzv-conf",
+            "max-restarts",
+            "monitor-interval",
+            "start-method",
+            "event-log-handler",
+            "role",
+            "log-dir",
+            "redirects",
+            "tee",
+            "local-ranks-filter",
+            "duplicate-stdout-filters",
+            "duplicate-stderr-filters",
+            "node-rank",
+            "master-addr",
+            "master-port",
+            "local-addr",
+            "logs-specs",
+            "numa-binding",
+            "signals-to-handle",
+            "shutdown-timeout",
+        )
+    },
     **{f"--{name}": False for name in ("standalone", "module", "no-python", "run-path", "virtual-local-rank")},
 }
 _SHORT_OPTIONS = {"-m": "--module", "-r": "--redirects", "-t": "--tee"}

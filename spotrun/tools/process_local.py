@@ -50,8 +50,7 @@ def at_exit(callback: Callable[..., None], *args: Any, before_thread_pools: bool
     atexit.register(in_owner)
 
 
-def in_forked_children(callback: Callable[[T], None], owner: T, *,
-                       held_signals: frozenset[int] = frozenset()) -> None:
+def in_forked_children(callback: Callable[[T], None], owner: T, *, held_signals: frozenset[int] = frozenset()) -> None:
     """Call ``callback(owner)`` in every child forked by ``os.fork`` (and so by
     ``multiprocessing``'s fork start method) from now on, while ``owner`` is alive. It runs
     in the child right after the fork, before anything else; what it raises is not caught.

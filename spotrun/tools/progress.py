@@ -26,8 +26,9 @@ def _enabled() -> bool | None:
     return None
 
 
-def progress_bar(total: float | None, description: str, *, unit: str = "B", delay_s: float | None = None,
-                 show: bool = True) -> Any:
+def progress_bar(
+    total: float | None, description: str, *, unit: str = "B", delay_s: float | None = None, show: bool = True
+) -> Any:
     """A tqdm bar on stderr (a context manager with ``update(n)``; thread-safe updates).
 
     Args:
@@ -43,7 +44,14 @@ def progress_bar(total: float | None, description: str, *, unit: str = "B", dela
 
     byte_units = unit == "B"
     return tqdm(
-        total=total, desc=description, unit=unit, unit_scale=byte_units, unit_divisor=1024 if byte_units else 1000,
-        disable=_enabled() if show else True, file=sys.stderr, delay=DEFAULT_DELAY_S if delay_s is None else delay_s,
-        leave=False, dynamic_ncols=True,
+        total=total,
+        desc=description,
+        unit=unit,
+        unit_scale=byte_units,
+        unit_divisor=1024 if byte_units else 1000,
+        disable=_enabled() if show else True,
+        file=sys.stderr,
+        delay=DEFAULT_DELAY_S if delay_s is None else delay_s,
+        leave=False,
+        dynamic_ncols=True,
     )

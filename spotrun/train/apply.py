@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from spotrun.tools import dist
 from spotrun.checkpoint.encode import encode_state
 from spotrun.checkpoint.restore import LoadedStep
 from spotrun.checkpoint.sharded import is_dtensor, mesh_description
@@ -21,6 +20,7 @@ from spotrun.state.numerics import NUMERICS_STATE_NAME
 from spotrun.state.optimizer import OptimizerState
 from spotrun.state.rng import reseed_new_rank
 from spotrun.state.stateful import load_into, state_of
+from spotrun.tools import dist
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,16 @@ def check_serialisable(state: dict[str, Any], rank_state: dict[str, Any]) -> Non
     Raises:
         StateSerializationError: a value is neither a tensor nor JSON (names its key).
     """
-    encode_state({name: state_of(obj) for name, obj in state.items()},
-                 {name: state_of(obj) for name, obj in rank_state.items()}, dist.rank())
+    encode_state(
+        {name: state_of(obj) for name, obj in state.items()},
+        {name: state_of(obj) for name, obj in rank_state.items()},
+        dist.rank(),
+    )
 
 
-def restore_destinations(state: dict[str, Any], rank_state: dict[str, Any]
-                         ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+def restore_destinations(
+    state: dict[str, Any], rank_state: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """The live tensors a restore reads into (:func:`live_tensors`), and the meshes of the
     DTensors among them (:func:`~spotrun.checkpoint.sharded.mesh_description`, each once).
     Optimizers that have not stepped get their state tensors first (placed like their
@@ -66,8 +70,11 @@ def live_tensors(state: dict[str, Any], rank_state: dict[str, Any]) -> dict[str,
     read straight into (no copy through fresh memory); empty when the state cannot be encoded
     (:func:`check_serialisable` reports that)."""
     try:
-        encoded = encode_state({name: state_of(obj) for name, obj in state.items()},
-                               {name: state_of(obj) for name, obj in rank_state.items()}, dist.rank())
+        encoded = encode_state(
+            {name: state_of(obj) for name, obj in state.items()},
+            {name: state_of(obj) for name, obj in rank_state.items()},
+            dist.rank(),
+        )
     except SpotrunError:
         return {}
     return {**encoded.tensors, **encoded.sharded, **encoded.rank_tensors}
@@ -84,8 +91,9 @@ def apply_loaded(loaded: LoadedStep, state: dict[str, Any], rank_state: dict[str
     """
     extra = sorted(set(loaded.replicated) - set(state))
     if extra and dist.rank() == 0:
-        log.warning("checkpoint step %d also holds state %s, which this job does not restore",
-                    loaded.manifest.step, extra)
+        log.warning(
+            "checkpoint step %d also holds state %s, which this job does not restore", loaded.manifest.step, extra
+        )
     for name, obj in state.items():
         if name not in loaded.replicated:
             raise StateMismatchError(
@@ -105,8 +113,13 @@ def apply_loaded(loaded: LoadedStep, state: dict[str, Any], rank_state: dict[str
             log.warning(
                 "world size changed from %d to %d: rank r restores the RNG state (and rank_state) saved by "
                 "rank r mod %d%s (spotrun.state.rng.reseed_new_rank). Random streams (dropout) now differ from "
-                "an uninterrupted run; the data order does not", saved, now, saved,
+                "an uninterrupted run; the data order does not",
+                saved,
+                now,
+                saved,
                 f"; ranks {saved} and up then reseed their generators from that state and their rank"
-                if now > saved else "")
+                if now > saved
+                else "",
+            )
         if rank >= saved and "rng" in rank_state:
             reseed_new_rank(rank)

@@ -36,6 +36,7 @@ from spotrun.train.restoring import Restored, restore_state
 from spotrun.train.saving import Saves
 from spotrun.train.stopping import report_stop, stop
 
+
 class Checkpointer:
     """Saves and restores the whole training state of every rank.
 
@@ -80,7 +81,9 @@ class Checkpointer:
         keep_every: int | None = None,
     ) -> None:
         check_state_names(state, rank_state)
-        arguments = locals()  # the settings are named as the options' fields (tests/unit/train/test_checkpointer_options.py)
+        arguments = (
+            locals()
+        )  # the settings are named as the options' fields (tests/unit/train/test_checkpointer_options.py)
         self.options = options = CheckpointerOptions(**{f.name: arguments[f.name] for f in fields(CheckpointerOptions)})
         # optimizers keyed by parameter name (DCP's state_dict helpers): any layout loads them
         self._state = pair_optimizers(dict(state))
@@ -95,8 +98,12 @@ class Checkpointer:
         self._checkpoint_requests = control.CheckpointRequestWatcher(env.control_dir) if env.control_dir else None
         self._events = TrainingEvents(self._storage, env, event_interval_s, interval_steps)
         self._identity = Identity(self._storage, env, self._events)
-        self._meter = SaveMeter(env.control_dir, publishes=dist.local_rank() == 0,
-                                check_interval_steps=check_interval_steps, on_save_ended=self._events.save_ended)
+        self._meter = SaveMeter(
+            env.control_dir,
+            publishes=dist.local_rank() == 0,
+            check_interval_steps=check_interval_steps,
+            on_save_ended=self._events.save_ended,
+        )
         self._saves = Saves(options, env, self._storage, self._meter, self._identity, self._state, self._rank_state)
         self.preempted = False
         self._requests = StopRequests(env, handle_signals=handle_signals)
@@ -174,8 +181,9 @@ class Checkpointer:
                 so the first save does not fail hours later).
             NoCheckpointError: complete steps exist but none of them loads.
         """
-        restored = restore_state(self._storage, self._env, self._state, self._rank_state, self._identity.run_id,
-                                 self._meter, self._events)
+        restored = restore_state(
+            self._storage, self._env, self._state, self._rank_state, self._identity.run_id, self._meter, self._events
+        )
         self._restored = restored
         self._identity.claimed(restored.run_id, restored.incarnation)
         if restored.manifest is not None:
@@ -214,9 +222,14 @@ class Checkpointer:
             checkpoint = self._checkpoint_requests is not None and self._checkpoint_requests.pending()
             # one more flag in the same all-reduce: is a background save still being written anywhere?
             save_and_stop, stop_without_save, checkpoint, still_running = dist.any_rank_each(
-                [asked.save_and_stop, asked.stop_without_save, checkpoint, self._saves.saver.running])
-            context = replace(context, save_and_stop=save_and_stop, stop_without_save=stop_without_save,
-                              checkpoint_requested=checkpoint)
+                [asked.save_and_stop, asked.stop_without_save, checkpoint, self._saves.saver.running]
+            )
+            context = replace(
+                context,
+                save_and_stop=save_and_stop,
+                stop_without_save=stop_without_save,
+                checkpoint_requested=checkpoint,
+            )
             if not still_running and self._saves.saver.in_flight is not None:  # ended on every rank:
                 self._saves.report(self._saves.saver.take())  # every rank reports it at this step
         decision = decide(context)

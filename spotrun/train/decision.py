@@ -87,8 +87,14 @@ def decide(ctx: StepContext) -> Decision:
     return Decision(Action.CONTINUE)
 
 
-def emergency_timeout_s(save_timeout_s: float, now_unix_s: float, *, deadline_unix_s: float | None = None,
-                        kill_unix_s: float | None = None, safety_margin_s: float = 0.0) -> float:
+def emergency_timeout_s(
+    save_timeout_s: float,
+    now_unix_s: float,
+    *,
+    deadline_unix_s: float | None = None,
+    kill_unix_s: float | None = None,
+    safety_margin_s: float = 0.0,
+) -> float:
     """Seconds an emergency save may take: ``save_timeout_s``, or less when the supervisor's
     request names an earlier ``deadline_unix_s``, or when this process is killed at
     ``kill_unix_s`` (its supervisor is gone; the save must end ``safety_margin_s`` before).

@@ -15,10 +15,10 @@ import socket
 import time
 from typing import Any
 
-from spotrun.tools import dist
 from spotrun.control.env import WorkerEnv
 from spotrun.eventlog.records import EventLog, progress_interval_s, rank_key
 from spotrun.storage.base import Storage
+from spotrun.tools import dist
 
 log = logging.getLogger(__name__)
 
@@ -58,22 +58,48 @@ class TrainingEvents:
             return
         self.close()  # a second restore() claims another incarnation
         self._log = EventLog(self._storage, rank_key(incarnation, 0), progress_interval_s=self._interval_s)
-        self._append("start", incarnation=incarnation, resumed_step=resumed_step, restore_s=round(restore_s, 6),
-                     restore_bytes_read=restore_bytes_read, world_size=dist.world_size(),
-                     interval_steps=self._interval_steps, event_interval_s=self._interval_s,
-                     launch_incarnation=self._env.incarnation if self._env.control_dir else None,
-                     supervisor_pid=self._env.supervisor_pid, host=socket.gethostname(), pid=os.getpid())
+        self._append(
+            "start",
+            incarnation=incarnation,
+            resumed_step=resumed_step,
+            restore_s=round(restore_s, 6),
+            restore_bytes_read=restore_bytes_read,
+            world_size=dist.world_size(),
+            interval_steps=self._interval_steps,
+            event_interval_s=self._interval_s,
+            launch_incarnation=self._env.incarnation if self._env.control_dir else None,
+            supervisor_pid=self._env.supervisor_pid,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
 
     def step_reached(self, step: int) -> None:
         """``step`` ended (called from every ``end_of_step``: an assignment)."""
         if self._log is not None:
             self._log.progress(step)
 
-    def save_ended(self, *, step: int, reason: str, committed: bool, background: bool, stall_s: float,
-                   duration_s: float, size_bytes: int | None) -> None:
+    def save_ended(
+        self,
+        *,
+        step: int,
+        reason: str,
+        committed: bool,
+        background: bool,
+        stall_s: float,
+        duration_s: float,
+        size_bytes: int | None,
+    ) -> None:
         """A save ended (any thread)."""
-        self._append("save", step=step, reason=reason, committed=committed, background=background,
-                     stall_s=round(stall_s, 6), duration_s=round(duration_s, 6), size_bytes=size_bytes)
+        self._append(
+            "save",
+            step=step,
+            reason=reason,
+            committed=committed,
+            background=background,
+            stall_s=round(stall_s, 6),
+            duration_s=round(duration_s, 6),
+            size_bytes=size_bytes,
+        )
 
     def stopped(self, step: int, *, saved: bool) -> None:
         """The job stops after ``step``, which was saved or not."""

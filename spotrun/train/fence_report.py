@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from spotrun.control import files as control
 from spotrun.checkpoint import fencing
+from spotrun.control import files as control
 from spotrun.errors import FencedError, SpotrunError
 from spotrun.storage import Storage
 
@@ -64,11 +64,18 @@ def report_fenced(storage: Storage, control_dir: str, incarnation: int | None, e
     fenced_unix_s = time.time()
 
     def write(claim: fencing.Claim | None) -> None:
-        control.write_fence_report(control_dir, control.FenceReport(
-            incarnation=incarnation, newer_incarnation=claim.incarnation if claim else None,
-            newer_host=claim.host if claim else None, newer_pid=claim.pid if claim else None,
-            newer_supervisor_pid=claim.supervisor_pid if claim else None, message=str(exc),
-            fenced_unix_s=fenced_unix_s))
+        control.write_fence_report(
+            control_dir,
+            control.FenceReport(
+                incarnation=incarnation,
+                newer_incarnation=claim.incarnation if claim else None,
+                newer_host=claim.host if claim else None,
+                newer_pid=claim.pid if claim else None,
+                newer_supervisor_pid=claim.supervisor_pid if claim else None,
+                message=str(exc),
+                fenced_unix_s=fenced_unix_s,
+            ),
+        )
 
     try:
         write(None)
@@ -87,5 +94,9 @@ def report_fenced(storage: Storage, control_dir: str, incarnation: int | None, e
         except OSError as error:
             log.warning("cannot name the newer incarnation in the fence report: %s", error)
     newer = claim.describe() if claim is not None else "a newer incarnation"
-    log.error("fenced by %s of this job on %s: this copy (incarnation %s) stops, and spotrun run does not "
-              "restart it", newer, storage.uri, "none" if incarnation is None else incarnation)
+    log.error(
+        "fenced by %s of this job on %s: this copy (incarnation %s) stops, and spotrun run does not restart it",
+        newer,
+        storage.uri,
+        "none" if incarnation is None else incarnation,
+    )

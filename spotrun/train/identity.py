@@ -34,15 +34,22 @@ class Identity:
         """A restore claimed ``incarnation`` and settled the run id."""
         self.run_id, self.incarnation = run_id, incarnation
 
-    def save_context(self, step: int, reason: str, replicated: dict[str, Any], rank_local: dict[str, Any],
-                     step_time_s: float | None) -> SaveContext:
+    def save_context(
+        self, step: int, reason: str, replicated: dict[str, Any], rank_local: dict[str, Any], step_time_s: float | None
+    ) -> SaveContext:
         """The save's context; a save without a restore first claims this start's incarnation
         (collective), once the state can be saved. Call under a storage deadline."""
         if self.incarnation is None:
             encode_state(replicated, rank_local, dist.rank())  # raises before anything is claimed
             self.incarnation = claim_incarnation(
-                self._storage, resumed_step=None, at_least=self._env.incarnation, run_id=self.run_id,
-                after_newest=True, saving_step=step, worker_env=self._env)
+                self._storage,
+                resumed_step=None,
+                at_least=self._env.incarnation,
+                run_id=self.run_id,
+                after_newest=True,
+                saving_step=step,
+                worker_env=self._env,
+            )
             self._events.started(self.incarnation, None, 0)
         return SaveContext(reason=reason, run_id=self.run_id, incarnation=self.incarnation, step_time_s=step_time_s)
 

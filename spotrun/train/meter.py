@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from spotrun.control import files as control
 
@@ -43,8 +43,14 @@ class SaveMeter:
             (:meth:`spotrun.train.events.TrainingEvents.save_ended`).
     """
 
-    def __init__(self, control_dir: str | None, *, publishes: bool, check_interval_steps: int,
-                 on_save_ended: Callable[..., None] | None = None) -> None:
+    def __init__(
+        self,
+        control_dir: str | None,
+        *,
+        publishes: bool,
+        check_interval_steps: int,
+        on_save_ended: Callable[..., None] | None = None,
+    ) -> None:
         self._control_dir = control_dir if publishes else None
         self._on_save_ended = on_save_ended
         self._check_interval_steps = check_interval_steps
@@ -74,8 +80,9 @@ class SaveMeter:
         """Publish this launch's restore of ``step``: ``duration_s`` seconds, ``bytes_read``
         bytes read by this rank (shown by the supervisor's metrics)."""
         with self._lock:
-            self._restore = control.RestoreRecord(step=step, duration_s=round(duration_s, 6), bytes_read=bytes_read,
-                                                  restored_unix_s=time.time())
+            self._restore = control.RestoreRecord(
+                step=step, duration_s=round(duration_s, 6), bytes_read=bytes_read, restored_unix_s=time.time()
+            )
             self._publish()
 
     def step_boundary(self) -> None:
@@ -96,8 +103,9 @@ class SaveMeter:
     def save_started(self, step: int, reason: str, *, background: bool = False) -> float:
         """Publish that the save of ``step`` started; returns its start (``time.monotonic()``)."""
         with self._lock:
-            self._in_progress = control.SaveInProgress(step=step, reason=reason, started_unix_s=time.time(),
-                                                       background=background)
+            self._in_progress = control.SaveInProgress(
+                step=step, reason=reason, started_unix_s=time.time(), background=background
+            )
             self._progress_published_s = time.monotonic()
             self._publish()
         return time.monotonic()
@@ -121,13 +129,18 @@ class SaveMeter:
             if self._in_progress is None or self._in_progress.step != step:
                 return  # it ended meanwhile: never publish a finished save as in flight
             self._in_progress = dataclasses.replace(
-                self._in_progress, bytes_done=bytes_done, bytes_total=bytes_total,
-                remaining_s=None if remaining_s is None else round(remaining_s, 6), progress_unix_s=time.time())
+                self._in_progress,
+                bytes_done=bytes_done,
+                bytes_total=bytes_total,
+                remaining_s=None if remaining_s is None else round(remaining_s, 6),
+                progress_unix_s=time.time(),
+            )
             self._progress_published_s = time.monotonic()
             self._publish()
 
-    def save_ended(self, step: int, reason: str, started_s: float, size_bytes: int | None, *,
-                   stall_s: float | None = None) -> float:
+    def save_ended(
+        self, step: int, reason: str, started_s: float, size_bytes: int | None, *, stall_s: float | None = None
+    ) -> float:
         """Record the end of a save and publish it; returns its duration in seconds.
 
         Args:
@@ -147,17 +160,30 @@ class SaveMeter:
         duration_s = now_s - started_s
         with self._lock:
             if size_bytes is not None:
-                self._recent = [*self._recent, control.SaveRecord(
-                    step=step, reason=reason, size_bytes=size_bytes, duration_s=round(duration_s, 6),
-                    committed_unix_s=time.time(), stall_s=round(duration_s if stall_s is None else stall_s, 6),
-                    background=background,
-                )][-control.RECENT_SAVES:]
+                self._recent = [
+                    *self._recent,
+                    control.SaveRecord(
+                        step=step,
+                        reason=reason,
+                        size_bytes=size_bytes,
+                        duration_s=round(duration_s, 6),
+                        committed_unix_s=time.time(),
+                        stall_s=round(duration_s if stall_s is None else stall_s, 6),
+                        background=background,
+                    ),
+                ][-control.RECENT_SAVES :]
             self._in_progress = None
             self._publish()
         if self._on_save_ended is not None:
-            self._on_save_ended(step=step, reason=reason, committed=size_bytes is not None, background=background,
-                                stall_s=duration_s if stall_s is None else stall_s, duration_s=duration_s,
-                                size_bytes=size_bytes)
+            self._on_save_ended(
+                step=step,
+                reason=reason,
+                committed=size_bytes is not None,
+                background=background,
+                stall_s=duration_s if stall_s is None else stall_s,
+                duration_s=duration_s,
+                size_bytes=size_bytes,
+            )
         return duration_s
 
     def _publish(self) -> None:
@@ -165,9 +191,15 @@ class SaveMeter:
         if self._control_dir is None:
             return
         try:
-            control.write_save_stats(self._control_dir, control.SaveStats(
-                in_progress=self._in_progress, recent=tuple(self._recent), step_time_s=self.step_time_s,
-                check_interval_steps=self._check_interval_steps, restore=self._restore,
-            ))
+            control.write_save_stats(
+                self._control_dir,
+                control.SaveStats(
+                    in_progress=self._in_progress,
+                    recent=tuple(self._recent),
+                    step_time_s=self.step_time_s,
+                    check_interval_steps=self._check_interval_steps,
+                    restore=self._restore,
+                ),
+            )
         except OSError as exc:  # the supervisor then estimates from less; training goes on
             log.warning("cannot write the save measurements for the supervisor: %s", exc)

@@ -68,13 +68,14 @@ class CheckpointerOptions:
         if not self.save_timeout_s > 0:
             raise ConfigError(f"save_timeout_s must be > 0, got {self.save_timeout_s}")
         if self.on_save_in_flight not in ON_SAVE_IN_FLIGHT:
-            raise ConfigError(f"on_save_in_flight must be one of {ON_SAVE_IN_FLIGHT}, "
-                              f"got {self.on_save_in_flight!r}")
+            raise ConfigError(f"on_save_in_flight must be one of {ON_SAVE_IN_FLIGHT}, got {self.on_save_in_flight!r}")
 
 
 def option_attribute(name: str) -> property:
     """``options.<name>`` as an attribute of the object holding ``options``; setting it replaces them
     (checked again) through the holder's ``_use(options)``."""
-    return property(lambda self: getattr(self.options, name),
-                    lambda self, value: self._use(replace(self.options, **{name: value})),
-                    doc=f"``options.{name}`` (:class:`CheckpointerOptions`).")
+    return property(
+        lambda self: getattr(self.options, name),
+        lambda self, value: self._use(replace(self.options, **{name: value})),
+        doc=f"``options.{name}`` (:class:`CheckpointerOptions`).",
+    )

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from spotrun.control import files as control
+from spotrun.control.env import WorkerEnv, default_safety_margin_s
+from spotrun.errors import ConfigError
 from spotrun.tools import process_local
 from spotrun.train import decision as save_decision
 from spotrun.train import supervisor_watch
-from spotrun.control.env import WorkerEnv, default_safety_margin_s
-from spotrun.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +98,15 @@ class StopRequests:
                 request = control.read_save_request(self._env.control_dir)
             except ConfigError as exc:  # damaged: saving is the safe reading
                 log.warning("%s; taking it as a save request", exc)
-                request = control.SaveRequest(reason="unreadable request file", requested_unix_s=time.time(),
-                                              deadline_unix_s=None)
+                request = control.SaveRequest(
+                    reason="unreadable request file", requested_unix_s=time.time(), deadline_unix_s=None
+                )
         gone = self._supervisor is not None and self._supervisor.gone
-        return Asked(request=request, signal_name=self.signal_name,
-                     gone_supervisor_pid=self._supervisor.supervisor_pid if gone else None)
+        return Asked(
+            request=request,
+            signal_name=self.signal_name,
+            gone_supervisor_pid=self._supervisor.supervisor_pid if gone else None,
+        )
 
     def emergency_timeout_s(self, asked: Asked, save_timeout_s: float) -> float:
         """Seconds an emergency save may take (:func:`spotrun.train.decision.emergency_timeout_s`):
@@ -120,10 +124,12 @@ class StopRequests:
             except ConfigError as exc:
                 log.warning("%s; saving without its deadline", exc)
         return save_decision.emergency_timeout_s(
-            save_timeout_s, time.time(),
+            save_timeout_s,
+            time.time(),
             deadline_unix_s=request.deadline_unix_s if request is not None else None,
             kill_unix_s=kill_unix_s,
-            safety_margin_s=0.0 if kill_unix_s is None else default_safety_margin_s(watch.grace_period_s))
+            safety_margin_s=0.0 if kill_unix_s is None else default_safety_margin_s(watch.grace_period_s),
+        )
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -133,8 +139,9 @@ class StopRequests:
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
         # A forked child (a loader or pool worker) gets back the handlers it would have had
         # without spotrun: Pool.terminate()'s SIGTERM must end a pool worker (spotrun.tools.process_local).
-        process_local.in_forked_children(StopRequests.restore_signal_handlers, self,
-                                         held_signals=frozenset(_HANDLED_SIGNALS))
+        process_local.in_forked_children(
+            StopRequests.restore_signal_handlers, self, held_signals=frozenset(_HANDLED_SIGNALS)
+        )
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._owner_pid:

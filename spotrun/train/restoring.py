@@ -47,8 +47,15 @@ class Restored:
     meshes: list[dict[str, Any]] = field(default_factory=list)
 
 
-def restore_state(storage: Storage, env: WorkerEnv, state: dict[str, Any], rank_state: dict[str, Any],
-                  run_id: str, meter: SaveMeter, events: TrainingEvents) -> Restored:
+def restore_state(
+    storage: Storage,
+    env: WorkerEnv,
+    state: dict[str, Any],
+    rank_state: dict[str, Any],
+    run_id: str,
+    meter: SaveMeter,
+    events: TrainingEvents,
+) -> Restored:
     """Load the newest loadable complete step into ``state`` and ``rank_state``, then claim this
     start's incarnation (see :meth:`spotrun.train.checkpointer.Checkpointer.restore`).
 
@@ -62,8 +69,12 @@ def restore_state(storage: Storage, env: WorkerEnv, state: dict[str, Any], rank_
         tensors, meshes[:] = restore_destinations(state, rank_state)
         return tensors
 
-    loaded = load_newest(storage, supervisor_step=env.resume_step, destinations=destinations,
-                         apply=lambda step: apply_loaded(step, state, rank_state))
+    loaded = load_newest(
+        storage,
+        supervisor_step=env.resume_step,
+        destinations=destinations,
+        apply=lambda step: apply_loaded(step, state, rank_state),
+    )
     manifest = loaded.manifest if loaded is not None else None
     step, bytes_read = (manifest.step, loaded.bytes_read) if manifest is not None else (0, 0)
     if manifest is not None:
@@ -74,10 +85,19 @@ def restore_state(storage: Storage, env: WorkerEnv, state: dict[str, Any], rank_
         meter.restore_ended(step, time.monotonic() - started_s, bytes_read)
     check_serialisable(state, rank_state)  # refused before this start leaves any trace on the root
     incarnation = claim_incarnation(
-        storage, resumed_step=step if manifest else None, run_id=run_id,
-        at_least=max(env.incarnation, manifest.incarnation + 1 if manifest else 0), worker_env=env)
+        storage,
+        resumed_step=step if manifest else None,
+        run_id=run_id,
+        at_least=max(env.incarnation, manifest.incarnation + 1 if manifest else 0),
+        worker_env=env,
+    )
     events.started(incarnation, step if manifest else None, bytes_read)
     if dist.rank() == 0:
-        log.info("%s (incarnation %d)", f"restored step {step} from {storage.uri}" if manifest
-                 else f"no checkpoint under {storage.uri}: starting from step 0", incarnation)
+        log.info(
+            "%s (incarnation %d)",
+            f"restored step {step} from {storage.uri}"
+            if manifest
+            else f"no checkpoint under {storage.uri}: starting from step 0",
+            incarnation,
+        )
     return Restored(step, manifest, run_id, incarnation, bytes_read, list(meshes))

@@ -42,19 +42,31 @@ class Saves:
         state, rank_state: the Checkpointer's objects, read at each save.
     """
 
-    def __init__(self, options: CheckpointerOptions, env: WorkerEnv, storage: Storage, meter: SaveMeter,
-                 identity: Identity, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        options: CheckpointerOptions,
+        env: WorkerEnv,
+        storage: Storage,
+        meter: SaveMeter,
+        identity: Identity,
+        state: dict[str, Any],
+        rank_state: dict[str, Any],
+    ) -> None:
         self.options = options
         self.saver = BackgroundSaver(meter, after_commit=self._retain)
         self._storage = storage
-        self._limits = ShardLimits(max_file_size_bytes=options.max_file_size_bytes,
-                                   max_header_bytes=options.max_header_bytes)
+        self._limits = ShardLimits(
+            max_file_size_bytes=options.max_file_size_bytes, max_header_bytes=options.max_header_bytes
+        )
         self._meter = meter
         self._identity = identity
         self._state = state
         self._rank_state = rank_state
-        self._retainer = Retainer(storage, RetentionPolicy.for_worker(
-            options.keep_last, options.keep_every, env.keep_last, env.keep_every), timeout_s=options.save_timeout_s)
+        self._retainer = Retainer(
+            storage,
+            RetentionPolicy.for_worker(options.keep_last, options.keep_every, env.keep_last, env.keep_every),
+            timeout_s=options.save_timeout_s,
+        )
         self._last_saved_step: int | None = None  # written by saved() only
         self._failed_in_a_row = 0
 
@@ -95,8 +107,14 @@ class Saves:
         self.saved(step)
         duration_s = self._meter.save_ended(step, reason, started_s, done.size_bytes)
         if done.manifest is not None:
-            log.info("committed step %d (%s): %d files, %.1f MiB in %.2f s",
-                     step, reason, len(done.manifest.files), done.size_bytes / 2**20, duration_s)
+            log.info(
+                "committed step %d (%s): %d files, %.1f MiB in %.2f s",
+                step,
+                reason,
+                len(done.manifest.files),
+                done.size_bytes / 2**20,
+                duration_s,
+            )
         self._retain(step, reason)
 
     def due(self, step: int, reason: str, still_running: bool | None) -> bool:
@@ -119,18 +137,30 @@ class Saves:
             still_running = dist.any_rank(self.saver.running)
         if still_running and self.options.on_save_in_flight == "skip":
             if dist.rank() == 0:
-                log.warning("%s save of step %d skipped: the background save of step %s is still in flight "
-                            "(on_save_in_flight='skip')%s", reason, step, self.saver.in_flight.step
-                            if self.saver.in_flight else "?",
-                            "; the request is served at a later step" if reason == "requested" else "")
+                log.warning(
+                    "%s save of step %d skipped: the background save of step %s is still in flight "
+                    "(on_save_in_flight='skip')%s",
+                    reason,
+                    step,
+                    self.saver.in_flight.step if self.saver.in_flight else "?",
+                    "; the request is served at a later step" if reason == "requested" else "",
+                )
             return False
         waited_s = self.saver.wait_reporting(f"{reason} save of step {step}") if still_running else 0.0
         self.report(self.saver.take())
         replicated, rank_local = self._state_dicts()
         try:  # staged here; claiming the incarnation (a save without restore()) also happens here
-            self.saver.start(self._storage, step, replicated, rank_local,
-                             lambda: self._context_of(step, reason, replicated, rank_local), self._limits,
-                             timeout_s=self.options.save_timeout_s, reason=reason, waited_s=waited_s)
+            self.saver.start(
+                self._storage,
+                step,
+                replicated,
+                rank_local,
+                lambda: self._context_of(step, reason, replicated, rank_local),
+                self._limits,
+                timeout_s=self.options.save_timeout_s,
+                reason=reason,
+                waited_s=waited_s,
+            )
         except CheckpointSaveError as exc:
             self._count_failure(step, exc)
         return True
@@ -157,8 +187,9 @@ class Saves:
         """Finish or abandon the background save in flight before the job stops (collective);
         returns (whether to save ``step`` now, the seconds left for that save)."""
         end_s = time.monotonic() + timeout_s
-        choice, ended = settle(self.saver, step=step, left_s=timeout_s,
-                               full_save_s=self._meter.full_save_s(), may_save=may_save)
+        choice, ended = settle(
+            self.saver, step=step, left_s=timeout_s, full_save_s=self._meter.full_save_s(), may_save=may_save
+        )
         try:
             self.report(ended)
         except CheckpointSaveError as exc:  # it failed: stopping anyway, saving this step if chosen
@@ -168,11 +199,14 @@ class Saves:
 
     def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the replicated state, this rank's own state) as state dicts of the live objects."""
-        return ({name: state_of(obj) for name, obj in self._state.items()},
-                {name: state_of(obj) for name, obj in self._rank_state.items()})
+        return (
+            {name: state_of(obj) for name, obj in self._state.items()},
+            {name: state_of(obj) for name, obj in self._rank_state.items()},
+        )
 
-    def _context_of(self, step: int, reason: str, replicated: dict[str, Any], rank_local: dict[str, Any]
-                    ) -> SaveContext:
+    def _context_of(
+        self, step: int, reason: str, replicated: dict[str, Any], rank_local: dict[str, Any]
+    ) -> SaveContext:
         return self._identity.save_context(step, reason, replicated, rank_local, self._meter.step_time_s)
 
     def _retain(self, step: int, reason: str) -> None:  # on global rank 0; an emergency save's grace is the save's

@@ -55,7 +55,9 @@ def stop_without_save(saves: Saves, requests: StopRequests, step: int, asked: As
         log.warning(
             "stop requested without a save (%s): stopping after step %d; the newest complete "
             "checkpoint (step %s here) stays the resume point",
-            asked.describe(), step, saves.last_saved_step,
+            asked.describe(),
+            step,
+            saves.last_saved_step,
         )
 
 

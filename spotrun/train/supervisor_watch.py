@@ -26,7 +26,7 @@ DEFAULT_GRACE_PERIOD_S = 30.0
 POLL_S = 0.5
 
 _lock = threading.Lock()
-_watches: dict[int, "SupervisorWatch | None"] = {}  # by the pid of the watching process
+_watches: dict[int, SupervisorWatch | None] = {}  # by the pid of the watching process
 
 
 class SupervisorWatch:
@@ -69,11 +69,16 @@ class SupervisorWatch:
         log.warning(
             "the supervisor (pid %d) is gone: stopping at the next step boundary with an emergency "
             "checkpoint; this process ends itself in %.1f s at the latest",
-            self.supervisor_pid, self.grace_period_s,
+            self.supervisor_pid,
+            self.grace_period_s,
         )
         time.sleep(self.grace_period_s)
-        log.error("still running %.1f s after the supervisor (pid %d) died: killing this process (pid %d)",
-                  self.grace_period_s, self.supervisor_pid, os.getpid())
+        log.error(
+            "still running %.1f s after the supervisor (pid %d) died: killing this process (pid %d)",
+            self.grace_period_s,
+            self.supervisor_pid,
+            os.getpid(),
+        )
         for handler in logging.getLogger().handlers + logging.getLogger("spotrun").handlers:
             try:
                 handler.flush()
@@ -121,8 +126,12 @@ def _start(pid: int, grace_period_s: float) -> SupervisorWatch | None:
     if not is_ancestor(pid):
         if pidfd is not None:
             os.close(pidfd)
-        log.warning("the supervisor named by $SPOTRUN_SUPERVISOR_PID (pid %d) is not an ancestor of this "
-                    "process (pid %d): not watching it", pid, os.getpid())
+        log.warning(
+            "the supervisor named by $SPOTRUN_SUPERVISOR_PID (pid %d) is not an ancestor of this "
+            "process (pid %d): not watching it",
+            pid,
+            os.getpid(),
+        )
         return None
     return SupervisorWatch(pid, grace_period_s, pidfd)
 

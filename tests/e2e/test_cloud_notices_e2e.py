@@ -25,8 +25,8 @@ import pytest
 from spotrun.drill.clouds.aws import FakeAws
 from spotrun.drill.clouds.azure import FakeAzure
 from spotrun.drill.clouds.gcp import FakeGcp
-from tests.support.ckpt_files import manifest_path
 from tests.support import trainrun
+from tests.support.ckpt_files import manifest_path
 from tests.support.trainrun import (
     assert_same_as_reference,
     ls_json,
@@ -62,8 +62,11 @@ def where_to_look(cloud: str, fake) -> tuple[dict[str, str], list[str]]:
 def start_run(ck: str, log_file, supervisor_log, cloud: str, fake, processes):
     env, options = where_to_look(cloud, fake)
     proc = start_supervised(
-        ck, torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", STEP_SLEEP_S),
-        env=env, extra_options=["--notice", cloud, *options], log_path=supervisor_log,
+        ck,
+        torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", STEP_SLEEP_S),
+        env=env,
+        extra_options=["--notice", cloud, *options],
+        log_path=supervisor_log,
         drop_env=tuple(name for name in ("AWS_EC2_METADATA_SERVICE_ENDPOINT", "GCE_METADATA_HOST") if name not in env),
     )
     processes.append(proc)
@@ -170,16 +173,26 @@ def test_hostile_metadata_servers_never_stop_training(reference, tmp_path, proce
         azure.add_event("Preempt", resources="vm-1", not_before_unix_s=time.time() + 60)
         azure.add_event("Preempt", NotBefore=1700000000)
         proc = start_supervised(
-            ck, torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", STEP_SLEEP_S),
+            ck,
+            torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", STEP_SLEEP_S),
             env={"AWS_EC2_METADATA_SERVICE_ENDPOINT": aws.url, "GCE_METADATA_HOST": gcp.host_port},
-            extra_options=["--notice", "aws,gcp,azure", "--azure-metadata-endpoint", azure.url,
-                           "--azure-vm-name", "vm-1"],
+            extra_options=[
+                "--notice",
+                "aws,gcp,azure",
+                "--azure-metadata-endpoint",
+                azure.url,
+                "--azure-vm-name",
+                "vm-1",
+            ],
             log_path=supervisor_log,
         )
         processes.append(proc)
         # Every source answered its hostile document at least twice before the servers stop.
-        for fake, path in ((aws, FakeAws.INSTANCE_ACTION_PATH), (gcp, FakeGcp.PREEMPTED_PATH),
-                           (azure, FakeAzure.EVENTS_PATH)):
+        for fake, path in (
+            (aws, FakeAws.INSTANCE_ACTION_PATH),
+            (gcp, FakeGcp.PREEMPTED_PATH),
+            (azure, FakeAzure.EVENTS_PATH),
+        ):
             assert fake.wait_for(lambda f=fake, p=path: len(f.requests_to(p, "GET")) >= 2, timeout_s=120)
         wait_for_step(log_file, 8, proc)
     finally:

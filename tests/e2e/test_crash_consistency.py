@@ -34,14 +34,25 @@ CAMPAIGN_TIMEOUT_S = 280  # under pytest-timeout's 300 s per test
 needs_background_saves = pytest.mark.skipif(
     not background_supported(),
     reason="Checkpointer has no background_saves option yet (issue 9, item 3, is being built); "
-           "this campaign runs unchanged once it exists",
+    "this campaign runs unchanged once it exists",
 )
 
 
 def run_campaign(tmp_path: pathlib.Path, backend: str, mode: str, bucket: str | None = None) -> dict:
     result = tmp_path / "result.json"
-    command = [sys.executable, "-m", "tests.support.crash_campaign", "--backend", backend, "--mode", mode,
-               "--work", str(tmp_path / "work"), "--result", str(result)]
+    command = [
+        sys.executable,
+        "-m",
+        "tests.support.crash_campaign",
+        "--backend",
+        backend,
+        "--mode",
+        mode,
+        "--work",
+        str(tmp_path / "work"),
+        "--result",
+        str(result),
+    ]
     if bucket:
         command += ["--bucket", bucket]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -53,9 +64,11 @@ def run_campaign(tmp_path: pathlib.Path, backend: str, mode: str, bucket: str | 
 def report(summary: dict, figures, minimum: int) -> None:
     """Print the figures (in the run's summary), then assert every point survived."""
     failed = [p for p in summary["points"] if p["problems"]]
-    figures(f"crash points ({summary['backend']}, {summary['mode']} saves, "
-            f"{summary['files_per_save']} shard files per save): {summary['tried']} tried, "
-            f"{summary['survived']} survived ({summary['seconds']} s, {summary['cpu_seconds']} s CPU)")
+    figures(
+        f"crash points ({summary['backend']}, {summary['mode']} saves, "
+        f"{summary['files_per_save']} shard files per save): {summary['tried']} tried, "
+        f"{summary['survived']} survived ({summary['seconds']} s, {summary['cpu_seconds']} s CPU)"
+    )
     details = "\n".join(f"  point {p['index']} ({p['name']}): " + "; ".join(p["problems"]) for p in failed)
     assert not summary["end_state_problems"], f"the saves without a kill: {summary['end_state_problems']}"
     names = [p["name"] for p in summary["points"]]

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow  # a supervisor and a job per edit
 def header_dtype_changed(root: pathlib.Path) -> None:
     def edit(header: dict) -> None:
         header["model/weight"]["dtype"] = "I32"
+
     edit_header(root, 2, 0, edit)
     redigest(root, 2)
 
@@ -41,20 +42,40 @@ def data_file_linked_outside(root: pathlib.Path) -> None:
     data.symlink_to(copy)
 
 
-@pytest.mark.parametrize("edit", [manifest_state_nested_deep, data_file_linked_outside, index_repeated_key,
-                                  header_dtype_changed], ids=lambda edit: edit.__name__)
+@pytest.mark.parametrize(
+    "edit",
+    [manifest_state_nested_deep, data_file_linked_outside, index_repeated_key, header_dtype_changed],
+    ids=lambda edit: edit.__name__,
+)
 def test_spotrun_run_on_a_damaged_newest_step_resumes_the_previous_one_in_one_start(tmp_path, edit):
     root = tmp_path / "ck"
     at_1 = save_two_steps(root)
     edit(root)
-    run = limited(["-m", "spotrun", "run", "--checkpoint-uri", str(root), "--notice", "none", "--",
-                   sys.executable, "tests/jobs/bounded_restore.py", str(root)], timeout_s=240)
+    run = limited(
+        [
+            "-m",
+            "spotrun",
+            "run",
+            "--checkpoint-uri",
+            str(root),
+            "--notice",
+            "none",
+            "--",
+            sys.executable,
+            "tests/jobs/bounded_restore.py",
+            str(root),
+        ],
+        timeout_s=240,
+    )
     out, err = run.stdout.decode(), run.stderr.decode()
     assert run.returncode == 0 and "Traceback" not in out + err, (out + err)[-4000:]
     [restored] = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert restored == {"step": 1, **at_1, "epoch": 1}
-    said = [line for line in (out + err).splitlines()
-            if "step 2" in line and ("corrupt" in line or "failed verification" in line)]
+    said = [
+        line
+        for line in (out + err).splitlines()
+        if "step 2" in line and ("corrupt" in line or "failed verification" in line)
+    ]
     assert len(said) == 1, said
 
     listed = limited(["-m", "spotrun", "ls", str(root), "--json"], timeout_s=120)

@@ -22,8 +22,8 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
-from spotrun.supervisor.config_file import load_run_config
 from spotrun.supervisor import EXIT_FENCED
+from spotrun.supervisor.config_file import load_run_config
 from tests.support.paths import REPO
 
 ROOT = REPO
@@ -57,8 +57,9 @@ def _validate_kubernetes(obj: dict, version: str) -> str:
         return kubernetes_validate.validate(obj, version, strict=True)
     except kubernetes_validate.ValidationError as exc:
         where = ".".join(str(p) for p in exc.path)
-        raise AssertionError(f"{_tool('kubernetes-validate')}, Kubernetes {version}: "
-                             f"{obj['kind']} {where}: {exc.message}") from None
+        raise AssertionError(
+            f"{_tool('kubernetes-validate')}, Kubernetes {version}: {obj['kind']} {where}: {exc.message}"
+        ) from None
 
 
 def _embedded_kubernetes_objects(doc: dict) -> list[dict]:
@@ -68,18 +69,30 @@ def _embedded_kubernetes_objects(doc: dict) -> list[dict]:
     objects = [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc["metadata"]}]
     if doc["kind"] == "PyTorchJob":
         for spec in doc["spec"]["pytorchReplicaSpecs"].values():
-            objects.append({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "template"},
-                            "template": spec["template"]})
+            objects.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": "template"},
+                    "template": spec["template"],
+                }
+            )
     else:
         for replicated in doc["spec"]["replicatedJobs"]:
             template = replicated["template"]
-            objects.append({"apiVersion": "batch/v1", "kind": "Job",
-                            "metadata": template.get("metadata", {"name": replicated["name"]}),
-                            "spec": template["spec"]})
+            objects.append(
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "metadata": template.get("metadata", {"name": replicated["name"]}),
+                    "spec": template["spec"],
+                }
+            )
     return objects
 
 
 # --- the custom resources' own schemas, from their published models ------------------------
+
 
 def _closed(schema: dict) -> dict:
     """``schema`` with unknown fields refused in every object that lists its fields."""
@@ -94,8 +107,13 @@ def _kubeflow_training_schema(type_name: str) -> dict:
     kubernetes-validate (:func:`_embedded_kubernetes_objects`)."""
     import kubeflow.training.models as models
 
-    scalars = {"str": {"type": "string"}, "int": {"type": "integer"}, "bool": {"type": "boolean"},
-               "object": {}, "datetime": {"type": "string"}}
+    scalars = {
+        "str": {"type": "string"},
+        "int": {"type": "integer"},
+        "bool": {"type": "boolean"},
+        "object": {},
+        "datetime": {"type": "string"},
+    }
     if type_name in scalars:
         return scalars[type_name]
     if match := re.fullmatch(r"list\[(.+)\]", type_name):
@@ -105,8 +123,14 @@ def _kubeflow_training_schema(type_name: str) -> dict:
     if not type_name.startswith("KubeflowOrg"):
         return {}  # a Kubernetes type (V1PodTemplateSpec, V1ObjectMeta)
     model = getattr(models, type_name)
-    return _closed({"type": "object", "properties": {
-        model.attribute_map[attr]: _kubeflow_training_schema(kind) for attr, kind in model.openapi_types.items()}})
+    return _closed(
+        {
+            "type": "object",
+            "properties": {
+                model.attribute_map[attr]: _kubeflow_training_schema(kind) for attr, kind in model.openapi_types.items()
+            },
+        }
+    )
 
 
 def _jobset_schema() -> dict:
@@ -123,8 +147,10 @@ def _jobset_schema() -> dict:
 @pytest.fixture(scope="module")
 def crd_schemas() -> dict[str, tuple[dict, str]]:
     """``{kind: (JSON schema, "package version")}`` of the custom resources (made once: a few seconds)."""
-    return {"PyTorchJob": (_kubeflow_training_schema("KubeflowOrgV1PyTorchJob"), _tool("kubeflow-training")),
-            "JobSet": (_jobset_schema(), _tool("kubeflow-trainer-api"))}
+    return {
+        "PyTorchJob": (_kubeflow_training_schema("KubeflowOrgV1PyTorchJob"), _tool("kubeflow-training")),
+        "JobSet": (_jobset_schema(), _tool("kubeflow-trainer-api")),
+    }
 
 
 def _validate_custom(doc: dict, crd_schemas: dict[str, tuple[dict, str]]) -> str:
@@ -132,7 +158,8 @@ def _validate_custom(doc: dict, crd_schemas: dict[str, tuple[dict, str]]) -> str
     schema, tool = crd_schemas[doc["kind"]]
     errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(doc), key=lambda e: list(e.path))
     assert not errors, f"{tool}: {doc['kind']}: " + "; ".join(
-        f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors)
+        f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors
+    )
     return tool
 
 
@@ -159,8 +186,11 @@ def test_manifest_is_valid_for_kubernetes_version(path, version, record_property
     print(f"{path.name}: {', '.join(checked)} valid with {tool}, Kubernetes {version} schemas (strict)")
 
 
-@pytest.mark.parametrize("path", [p for p in MANIFESTS if any(
-    (d["apiVersion"], d["kind"]) in CUSTOM_KINDS for d in _docs(p))], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    [p for p in MANIFESTS if any((d["apiVersion"], d["kind"]) in CUSTOM_KINDS for d in _docs(p))],
+    ids=lambda p: p.name,
+)
 def test_custom_resource_is_valid_for_its_crd_models(path, crd_schemas, record_property):
     for doc in _docs(path):
         if (doc["apiVersion"], doc["kind"]) in CUSTOM_KINDS:
@@ -204,16 +234,20 @@ def test_jobset_runs_torchrun_on_every_node_with_the_leader_as_rendezvous(tmp_pa
     # One pod per node, all started together, each told its rank by its completion index.
     assert replicated["replicas"] == 1 and job["completionMode"] == "Indexed"
     assert job["parallelism"] == job["completions"] == int(env["PET_NNODES"]["value"])
-    assert env["PET_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert (
+        env["PET_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
     # The rendezvous host is the coordinator pod, reached through the JobSet's headless service.
     assert spec["network"]["enableDNSHostnames"] is True
     coordinator = spec["coordinator"]
     assert coordinator["replicatedJob"] == replicated["name"]
     assert coordinator.get("jobIndex", 0) < replicated["replicas"]
     assert coordinator.get("podIndex", 0) < job["parallelism"]
-    assert env["PET_MASTER_ADDR"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.annotations['jobset.sigs.k8s.io/coordinator']"
+    assert (
+        env["PET_MASTER_ADDR"]["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.annotations['jobset.sigs.k8s.io/coordinator']"
+    )
     assert int(env["PET_MASTER_PORT"]["value"]) > 0
     assert int(env["PET_NPROC_PER_NODE"]["value"]) == container["resources"]["limits"]["nvidia.com/gpu"]
     # spotrun is the entrypoint (the image's); the command is a torchrun without --standalone.
@@ -240,8 +274,11 @@ def _jobset_decision(jobset: dict, exit_code: int | None = None, condition: str 
     reason, message = "BackoffLimitExceeded", "Job has reached the specified backoff limit"
     for index, rule in enumerate(job["podFailurePolicy"]["rules"]):
         on_codes = rule.get("onExitCodes")
-        if on_codes is not None and exit_code is not None and (exit_code in on_codes["values"]) == (
-                on_codes["operator"] == "In"):
+        if (
+            on_codes is not None
+            and exit_code is not None
+            and (exit_code in on_codes["values"]) == (on_codes["operator"] == "In")
+        ):
             matched = f"Container trainer for pod default/p failed with exit code {exit_code}"
         elif condition is not None and any(c["type"] == condition for c in rule.get("onPodConditions", ())):
             matched = f"Pod default/p has condition {condition}"
@@ -261,15 +298,18 @@ def _jobset_decision(jobset: dict, exit_code: int | None = None, condition: str 
     return "RestartJobSet"
 
 
-@pytest.mark.parametrize(("exit_code", "condition", "expected"), [
-    (143, None, "RestartJobSetAndIgnoreMaxRestarts"),  # preempted and saved: progress is safe
-    (None, "DisruptionTarget", "RestartJobSetAndIgnoreMaxRestarts"),  # the node was preempted
-    (137, "DisruptionTarget", "RestartJobSetAndIgnoreMaxRestarts"),
-    (142, None, "RestartJobSet"),  # preempted without a new checkpoint: counted
-    (1, None, "RestartJobSet"),  # the trainer's own failure: counted
-    (2, None, "FailJobSet"),  # spotrun's own error: retrying cannot help
-    (EXIT_FENCED, None, "FailJobSet"),  # C20: a newer copy owns the root; a restart would fence it
-])
+@pytest.mark.parametrize(
+    ("exit_code", "condition", "expected"),
+    [
+        (143, None, "RestartJobSetAndIgnoreMaxRestarts"),  # preempted and saved: progress is safe
+        (None, "DisruptionTarget", "RestartJobSetAndIgnoreMaxRestarts"),  # the node was preempted
+        (137, "DisruptionTarget", "RestartJobSetAndIgnoreMaxRestarts"),
+        (142, None, "RestartJobSet"),  # preempted without a new checkpoint: counted
+        (1, None, "RestartJobSet"),  # the trainer's own failure: counted
+        (2, None, "FailJobSet"),  # spotrun's own error: retrying cannot help
+        (EXIT_FENCED, None, "FailJobSet"),  # C20: a newer copy owns the root; a restart would fence it
+    ],
+)
 def test_jobset_failure_policy_follows_spotrun_exit_codes(exit_code, condition, expected):
     jobset = _kinds("jobset.yaml")["JobSet"]
     assert _jobset_decision(jobset, exit_code, condition) == expected
@@ -281,17 +321,23 @@ def test_jobset_failure_policy_follows_spotrun_exit_codes(exit_code, condition, 
     assert job["template"]["spec"]["restartPolicy"] == "Never" and job["podReplacementPolicy"] == "Failed"
 
 
-@pytest.mark.parametrize(("exit_code", "expected"), [
-    (143, "Ignore"),  # preempted and saved: retried without limit
-    (142, "Count"),  # preempted without a new checkpoint: retried, counted
-    (EXIT_FENCED, "FailJob"),  # C20: a newer copy owns the root; a retry would fence it in turn
-    (1, "Count"),  # the trainer's own failure (the default)
-])
+@pytest.mark.parametrize(
+    ("exit_code", "expected"),
+    [
+        (143, "Ignore"),  # preempted and saved: retried without limit
+        (142, "Count"),  # preempted without a new checkpoint: retried, counted
+        (EXIT_FENCED, "FailJob"),  # C20: a newer copy owns the root; a retry would fence it in turn
+        (1, "Count"),  # the trainer's own failure (the default)
+    ],
+)
 def test_job_pod_failure_policy_follows_spotrun_exit_codes(exit_code, expected):
     job = _kinds("job.yaml")["Job"]["spec"]
-    actions = [rule["action"] for rule in job["podFailurePolicy"]["rules"]
-               if "onExitCodes" in rule and (exit_code in rule["onExitCodes"]["values"]) ==
-               (rule["onExitCodes"]["operator"] == "In")]
+    actions = [
+        rule["action"]
+        for rule in job["podFailurePolicy"]["rules"]
+        if "onExitCodes" in rule
+        and (exit_code in rule["onExitCodes"]["values"]) == (rule["onExitCodes"]["operator"] == "In")
+    ]
     assert (actions or ["Count"])[0] == expected
     assert job["template"]["spec"]["restartPolicy"] == "Never" and job["backoffLimit"] > 0
 
@@ -305,4 +351,6 @@ def test_pytorchjob_retries_spotrun_preemption_codes(tmp_path):
         assert volume["configMap"]["name"] == _kinds("job.yaml")["ConfigMap"]["metadata"]["name"]
         (config_text,) = _kinds("job.yaml")["ConfigMap"]["data"].values()
         (config_file := tmp_path / "config.yaml").write_text(config_text, encoding="utf-8")
-        assert pod["terminationGracePeriodSeconds"] >= load_run_config(config_file, environ=EXAMPLE_ENV)["grace_period_s"]
+        assert (
+            pod["terminationGracePeriodSeconds"] >= load_run_config(config_file, environ=EXAMPLE_ENV)["grace_period_s"]
+        )

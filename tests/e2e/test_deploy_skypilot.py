@@ -48,12 +48,16 @@ def skypilot_python() -> str:
     given = os.environ.get("SPOTRUN_SKYPILOT_PYTHON")
     if given:
         return given
-    probe = subprocess.run([sys.executable, "-c", "import importlib.util, sys; "
-                            "sys.exit(importlib.util.find_spec('sky') is None)"], timeout=60)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('sky') is None)"],
+        timeout=60,
+    )
     if probe.returncode != 0:
-        pytest.skip("SkyPilot's parser did not run: skypilot is not installed here (it requires click<8.2, the "
-                    "test extra's transformers click>=8.4); set SPOTRUN_SKYPILOT_PYTHON to a venv's python "
-                    "that has skypilot>=0.14")
+        pytest.skip(
+            "SkyPilot's parser did not run: skypilot is not installed here (it requires click<8.2, the "
+            "test extra's transformers click>=8.4); set SPOTRUN_SKYPILOT_PYTHON to a venv's python "
+            "that has skypilot>=0.14"
+        )
     return sys.executable
 
 
@@ -61,8 +65,9 @@ def test_task_is_valid_for_skypilot(tmp_path, record_property):
     # HOME: SkyPilot writes its state under ~/.sky. No cloud credentials or network needed
     # (strace shows no connection); its usage reports are switched off all the same.
     env = {**os.environ, "HOME": str(tmp_path), "SKYPILOT_DISABLE_USAGE_COLLECTION": "1"}
-    result = subprocess.run([skypilot_python(), "-c", _LOAD_WITH_SKYPILOT, str(TASK)], capture_output=True,
-                            text=True, timeout=120, env=env)
+    result = subprocess.run(
+        [skypilot_python(), "-c", _LOAD_WITH_SKYPILOT, str(TASK)], capture_output=True, text=True, timeout=120, env=env
+    )
     assert result.returncode == 0, f"skypilot: sky.Task.from_yaml refused deploy/skypilot/task.yaml:\n{result.stderr}"
     task = json.loads(result.stdout.splitlines()[-1])
     tool = f"skypilot {task['version']}"
@@ -92,18 +97,26 @@ def test_run_starts_spotrun_with_a_torchrun_spanning_the_nodes(tmp_path):
     venv_bin = tmp_path / "spotrun-venv" / "bin"
     venv_bin.mkdir(parents=True)
     spotrun = venv_bin / "spotrun"
-    spotrun.write_text(f"#!{sys.executable}\nimport json, sys\n"
-                       f"open({str(tmp_path / 'argv.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    spotrun.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(tmp_path / 'argv.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+    )
     spotrun.chmod(0o755)
-    env = {**os.environ, **task["envs"], "HOME": str(tmp_path), "SKYPILOT_NODE_RANK": "1",
-           "SKYPILOT_NODE_IPS": "head-node\nnode-1\n", "SKYPILOT_NUM_NODES": "2",
-           "SKYPILOT_NUM_GPUS_PER_NODE": "8"}
+    env = {
+        **os.environ,
+        **task["envs"],
+        "HOME": str(tmp_path),
+        "SKYPILOT_NODE_RANK": "1",
+        "SKYPILOT_NODE_IPS": "head-node\nnode-1\n",
+        "SKYPILOT_NUM_NODES": "2",
+        "SKYPILOT_NUM_GPUS_PER_NODE": "8",
+    }
     result = subprocess.run(["bash", "-c", task["run"]], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     argv = json.loads((tmp_path / "argv.json").read_text())
     separator = argv.index("--")
     assert argv[:separator] == ["run", "--config", task["envs"]["SPOTRUN_CONFIG"]]
-    command = argv[separator + 1:]
+    command = argv[separator + 1 :]
     assert command[0] == str(venv_bin / "torchrun")
     launch = read_torchrun_command(command)  # spotrun's own reading of the command
     assert (launch.min_nodes, launch.max_nodes, launch.nproc_per_node) == (2, 2, 8)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spotrun.supervisor.config_file import load_run_config
 from spotrun.supervisor import EXIT_FENCED
+from spotrun.supervisor.config_file import load_run_config
 from tests.support.paths import REPO
 
 ROOT = REPO
@@ -99,8 +99,9 @@ def test_shell_script_passes_shellcheck(name, tmp_path, record_property):
 def test_systemd_unit_passes_systemd_analyze_verify(tmp_path, record_property):
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
-        pytest.skip("systemd-analyze is not installed on this machine (it comes with systemd): "
-                    "the unit was not verified")
+        pytest.skip(
+            "systemd-analyze is not installed on this machine (it comes with systemd): the unit was not verified"
+        )
     tool = "systemd-analyze " + _version([analyze, "--version"], r"systemd (\d+)")
     record_property("tool", tool)
     units = Path("/usr/lib/systemd/system")

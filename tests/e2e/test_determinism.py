@@ -75,11 +75,26 @@ def cpu_load():
 def train(ck: str, log_file, *extra: str, env: dict | None = None, nproc: int = 2) -> str:
     """Run the example trainer to completion or to ``$SPOTRUN_STOP_AT_STEP`` (no supervisor);
     returns its stderr. ``nproc`` 1 runs it without torchrun."""
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-                if nproc > 1 else [sys.executable])
-    command = [*launcher, "-m", "spotrun.examples.train_gpt", "--steps", str(STEPS),
-               "--save-interval", str(SAVE_INTERVAL), "--checkpoint-uri", ck, "--log-file", str(log_file),
-               *TRAIN_ARGS, *extra]
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        if nproc > 1
+        else [sys.executable]
+    )
+    command = [
+        *launcher,
+        "-m",
+        "spotrun.examples.train_gpt",
+        "--steps",
+        str(STEPS),
+        "--save-interval",
+        str(SAVE_INTERVAL),
+        "--checkpoint-uri",
+        ck,
+        "--log-file",
+        str(log_file),
+        *TRAIN_ARGS,
+        *extra,
+    ]
     done = subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stderr
@@ -128,8 +143,14 @@ def test_7_another_thread_count_is_named_on_restore_and_by_the_drill(tmp_path):
     thread and a reference run with 2 save the same step; the restore warns, and the drill's
     comparison names the thread counts as the cause."""
     start_ck = str(tmp_path / "resumed")
-    train(start_ck, tmp_path / "first.jsonl", "--intra-op-threads", "2",
-          env={"SPOTRUN_STOP_AT_STEP": str(STOP_AT)}, nproc=1)
+    train(
+        start_ck,
+        tmp_path / "first.jsonl",
+        "--intra-op-threads",
+        "2",
+        env={"SPOTRUN_STOP_AT_STEP": str(STOP_AT)},
+        nproc=1,
+    )
     reference_ck = str(tmp_path / "reference")
     copy_step(open_storage(start_ck), open_storage(reference_ck), STOP_AT)
 
@@ -147,6 +168,7 @@ def test_7_another_thread_count_is_named_on_restore_and_by_the_drill(tmp_path):
 def test_7_restored_tensors_lie_in_fresh_aligned_storage(tmp_path):
     """An optimizer keeps the tensors it is given: restored ones must be torch's own
     allocations (64-byte aligned, not views into the shard reader's buffers)."""
+
     def build():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
@@ -183,21 +205,42 @@ def test_7_a_restore_with_the_same_settings_warns_about_nothing(tmp_path, caplog
     assert saved == current_numerics()
 
 
-@pytest.mark.parametrize("differences, start_step, expected", [
-    ([Difference("model/w", "3 of 64 element(s) differ", 1e-9, 6e-8),
-      Difference("optimizer/state/0/exp_avg", "1 of 64 element(s) differ", 1e-12, 2e-7)],
-     5, "rounded differently although they recorded the same settings"),
-    ([Difference("model/w", "3 of 64 element(s) differ", 0.2, 0.1)],
-     5, "the job has state spotrun does not save and restore"),
-    ([Difference("model/w", "3 of 64 element(s) differ", 1e-9, 6e-8), Difference("data/epoch", "1 vs 2")],
-     5, "the job has state spotrun does not save and restore"),
-    ([Difference("rank 1/rng/torch_cpu", "5 of 5056 element(s) differ")],
-     None, "does not seed every generator"),
-    ([Difference("model/w", "1 of 4 element(s) differ", 1e-9, 6e-8),
-      Difference("rank 1/numerics/cpu_capability", "'AVX2' vs 'AVX512'")],
-     5, "different settings (rank 1 cpu_capability: 'AVX2' vs 'AVX512'"),
-    ([Difference("world_size", "1 vs 2 rank(s)")],
-     5, "the two runs ran on different numbers of ranks (1 vs 2 rank(s), the resumed run's first; an elastic"),
-])
+@pytest.mark.parametrize(
+    "differences, start_step, expected",
+    [
+        (
+            [
+                Difference("model/w", "3 of 64 element(s) differ", 1e-9, 6e-8),
+                Difference("optimizer/state/0/exp_avg", "1 of 64 element(s) differ", 1e-12, 2e-7),
+            ],
+            5,
+            "rounded differently although they recorded the same settings",
+        ),
+        (
+            [Difference("model/w", "3 of 64 element(s) differ", 0.2, 0.1)],
+            5,
+            "the job has state spotrun does not save and restore",
+        ),
+        (
+            [Difference("model/w", "3 of 64 element(s) differ", 1e-9, 6e-8), Difference("data/epoch", "1 vs 2")],
+            5,
+            "the job has state spotrun does not save and restore",
+        ),
+        ([Difference("rank 1/rng/torch_cpu", "5 of 5056 element(s) differ")], None, "does not seed every generator"),
+        (
+            [
+                Difference("model/w", "1 of 4 element(s) differ", 1e-9, 6e-8),
+                Difference("rank 1/numerics/cpu_capability", "'AVX2' vs 'AVX512'"),
+            ],
+            5,
+            "different settings (rank 1 cpu_capability: 'AVX2' vs 'AVX512'",
+        ),
+        (
+            [Difference("world_size", "1 vs 2 rank(s)")],
+            5,
+            "the two runs ran on different numbers of ranks (1 vs 2 rank(s), the resumed run's first; an elastic",
+        ),
+    ],
+)
 def test_7_the_drill_names_the_likeliest_cause(differences, start_step, expected):
     assert expected in likely_cause(differences, start_step)

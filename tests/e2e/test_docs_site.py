@@ -29,8 +29,14 @@ def site(tmp_path_factory) -> pathlib.Path:
     """The site, built once with ``mkdocs build --strict`` into a temporary directory."""
     site_dir = tmp_path_factory.mktemp("site")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # a banner about MkDocs 2, not about these docs
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "WARNING" not in output, output[-6000:]
@@ -67,8 +73,9 @@ def test_readme_is_at_most_16_kb():
 
 def test_readme_first_sh_block_holds_the_two_setup_commands():
     """`.ci/run` runs the second line of the README's first sh block (comments and blank lines aside)."""
-    lines = [line for line in sh_blocks(README.read_text())[0].splitlines()
-             if line.strip() and not line.startswith("#")]
+    lines = [
+        line for line in sh_blocks(README.read_text())[0].splitlines() if line.strip() and not line.startswith("#")
+    ]
     assert len(lines) == 2, lines
     main_job, test_suite = lines
     assert main_job.startswith("python3 -m venv .venv") and "pip install -e . " in main_job

@@ -12,28 +12,38 @@ import pytest
 import torch
 
 from spotrun.checkpoint import catalog
-from spotrun.train.checkpointer import Checkpointer
 from spotrun.drill.compare import Difference, compare_states, compare_steps
 from spotrun.drill.scratch import copy_step, open_scratch_root
 from spotrun.errors import ConfigError
-from spotrun.storage import LocalStorage, open_storage, parse_location
-from tests.support.trainrun import ls_json, read_log, torchrun_command
+from spotrun.storage import LocalStorage, parse_location
+from spotrun.train.checkpointer import Checkpointer
 from tests.support.paths import JOBS
+from tests.support.trainrun import ls_json, read_log, torchrun_command
 
 PREEMPTED = 143
 NOISY_JOB = str(JOBS / "noisy_job.py")
 
 
 def drill(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spotrun", "drill", *args], capture_output=True, text=True,
-                          timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", "spotrun", "drill", *args], capture_output=True, text=True, timeout=timeout_s
+    )
 
 
 @pytest.mark.slow
 def test_drill_rehearses_an_azure_preemption_and_a_restart(tmp_path):
     ck, log_file = str(tmp_path / "ck"), tmp_path / "train.jsonl"
-    result = drill("--cloud", "azure", "--after-steps", "10", "--checkpoint-uri", ck, "--json", "--",
-                   *torchrun_command(30, 10, log_file, "--step-sleep-s", "0.2"))
+    result = drill(
+        "--cloud",
+        "azure",
+        "--after-steps",
+        "10",
+        "--checkpoint-uri",
+        ck,
+        "--json",
+        "--",
+        *torchrun_command(30, 10, log_file, "--step-sleep-s", "0.2"),
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["passed"] and report["problems"] == []
@@ -64,9 +74,27 @@ def test_drill_finds_a_job_that_does_not_resume_exactly(tmp_path):
     """The job adds noise from a generator seeded with its process id: every checkpoint saves and
     restores, but the resumed run's step E+1 differs from the uninterrupted run's: exit code 1."""
     ck, reference = tmp_path / "ck", tmp_path / "reference"
-    result = drill("--cloud", "signal", "--after-steps", "3", "--grace-period-s", "20", "--checkpoint-uri", str(ck),
-                   "--reference-uri", str(reference), "--json", "--",
-                   sys.executable, NOISY_JOB, "--steps", "40", "--step-sleep-s", "0.1", timeout_s=300)
+    result = drill(
+        "--cloud",
+        "signal",
+        "--after-steps",
+        "3",
+        "--grace-period-s",
+        "20",
+        "--checkpoint-uri",
+        str(ck),
+        "--reference-uri",
+        str(reference),
+        "--json",
+        "--",
+        sys.executable,
+        NOISY_JOB,
+        "--steps",
+        "40",
+        "--step-sleep-s",
+        "0.1",
+        timeout_s=300,
+    )
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["first_exit_code"] == report["restart_exit_code"] == PREEMPTED
@@ -87,10 +115,26 @@ def test_drill_starts_the_reference_from_the_newest_checkpoint(tmp_path):
     --keep-reference leaves the reference checkpoints in place."""
     ck, reference = tmp_path / "ck", tmp_path / "reference"
     job = [sys.executable, NOISY_JOB, "--steps", "40", "--step-sleep-s", "0.1", "--noise", "torch"]
-    subprocess.run(job, check=True, timeout=120, env={**os.environ, "SPOTRUN_CHECKPOINT_URI": str(ck),
-                                                      "SPOTRUN_STOP_AT_STEP": "2"})  # R0 = step 2, without spotrun run
-    result = drill("--cloud", "signal", "--after-steps", "4", "--grace-period-s", "20", "--checkpoint-uri", str(ck),
-                   "--reference-uri", str(reference), "--keep-reference", "--json", "--", *job, timeout_s=300)
+    subprocess.run(
+        job, check=True, timeout=120, env={**os.environ, "SPOTRUN_CHECKPOINT_URI": str(ck), "SPOTRUN_STOP_AT_STEP": "2"}
+    )  # R0 = step 2, without spotrun run
+    result = drill(
+        "--cloud",
+        "signal",
+        "--after-steps",
+        "4",
+        "--grace-period-s",
+        "20",
+        "--checkpoint-uri",
+        str(ck),
+        "--reference-uri",
+        str(reference),
+        "--keep-reference",
+        "--json",
+        "--",
+        *job,
+        timeout_s=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["start_step"] == 2 and report["exact"] is True and report["difference_count"] == 0
@@ -104,8 +148,21 @@ def test_drill_starts_the_reference_from_the_newest_checkpoint(tmp_path):
 def test_drill_fails_on_a_job_that_does_not_save(tmp_path):
     """A job without spotrun's Checkpointer ignores the save request: the supervisor stops it at
     the deadline (exit 142) and the drill says so, exit code 1."""
-    result = drill("--cloud", "signal", "--after-s", "1", "--grace-period-s", "6", "--checkpoint-uri",
-                   str(tmp_path / "ck"), "--", sys.executable, "-c", "import time; time.sleep(300)", timeout_s=180)
+    result = drill(
+        "--cloud",
+        "signal",
+        "--after-s",
+        "1",
+        "--grace-period-s",
+        "6",
+        "--checkpoint-uri",
+        str(tmp_path / "ck"),
+        "--",
+        sys.executable,
+        "-c",
+        "import time; time.sleep(300)",
+        timeout_s=180,
+    )
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     assert "FAILED" in result.stdout
     assert "exited 142 after the notice" in result.stdout
@@ -113,15 +170,18 @@ def test_drill_fails_on_a_job_that_does_not_save(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [
-    ["--after-steps", "3", "--after-s", "2", "--", "true"],  # two triggers
-    ["--cloud", "oracle", "--", "true"],
-    ["--after-steps", "0", "--", "true"],
-    ["--cloud", "aws"],  # no command
-    ["--no-exact-check", "--keep-reference", "--", "true"],
-    ["--reference-uri", "CK", "--", "true"],  # the job's own root
-    ["--reference-uri", "FULL", "--", "true"],  # a root that already holds objects
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--after-steps", "3", "--after-s", "2", "--", "true"],  # two triggers
+        ["--cloud", "oracle", "--", "true"],
+        ["--after-steps", "0", "--", "true"],
+        ["--cloud", "aws"],  # no command
+        ["--no-exact-check", "--keep-reference", "--", "true"],
+        ["--reference-uri", "CK", "--", "true"],  # the job's own root
+        ["--reference-uri", "FULL", "--", "true"],  # a root that already holds objects
+    ],
+)
 def test_drill_refuses_bad_options(tmp_path, args):
     full = tmp_path / "full"
     full.mkdir()
@@ -135,8 +195,17 @@ def test_drill_refuses_bad_options(tmp_path, args):
 
 @pytest.mark.slow
 def test_drill_of_a_command_that_does_not_exist_is_a_spotrun_error(tmp_path):
-    result = drill("--cloud", "signal", "--after-s", "1", "--checkpoint-uri", str(tmp_path / "ck"), "--",
-                   "no-such-command-spotrun", timeout_s=120)
+    result = drill(
+        "--cloud",
+        "signal",
+        "--after-s",
+        "1",
+        "--checkpoint-uri",
+        str(tmp_path / "ck"),
+        "--",
+        "no-such-command-spotrun",
+        timeout_s=120,
+    )
     assert result.returncode == 2, result.stdout + result.stderr[-3000:]
     assert "cannot start no-such-command-spotrun" in result.stderr
     assert "failed with exit code 2 before the notice" in result.stdout
@@ -145,35 +214,47 @@ def test_drill_of_a_command_that_does_not_exist_is_a_spotrun_error(tmp_path):
 
 def test_compare_states_equal_and_bitwise():
     def state(w: torch.Tensor, lr: float = 0.1) -> dict:
-        return {"model": {"w": w, "steps": torch.tensor(3)}, "optimizer": {"param_groups": [{"lr": lr, "betas": (0.9, 0.99)}]},
-                "nested": {1: [True, None, "x", float("nan")]}}
+        return {
+            "model": {"w": w, "steps": torch.tensor(3)},
+            "optimizer": {"param_groups": [{"lr": lr, "betas": (0.9, 0.99)}]},
+            "nested": {1: [True, None, "x", float("nan")]},
+        }
 
     nan_w = torch.tensor([1.0, float("nan"), -0.0], dtype=torch.float32)
     assert compare_states(state(nan_w), state(nan_w.clone())) == []  # NaN equals itself bit for bit
     # -0.0 vs 0.0: equal as numbers, different bits; max abs difference 0
     assert compare_states(state(nan_w), state(torch.tensor([1.0, float("nan"), 0.0]))) == [
-        Difference("model/w", "1 of 3 element(s) differ", 0.0)]
+        Difference("model/w", "1 of 3 element(s) differ", 0.0)
+    ]
     # a differing tensor: key path and max abs difference
     differences = compare_states(state(torch.tensor([1.0, 2.0, 3.0])), state(torch.tensor([1.0, 2.5, 3.0])), "rank 1")
     assert differences == [Difference("rank 1/model/w", "1 of 3 element(s) differ", 0.5)]
     # dtype and shape differences, without comparing bytes
-    assert compare_states({"t": torch.zeros(2)}, {"t": torch.zeros(2, dtype=torch.float64)})[0].what == "dtype float32 vs float64"
+    assert (
+        compare_states({"t": torch.zeros(2)}, {"t": torch.zeros(2, dtype=torch.float64)})[0].what
+        == "dtype float32 vs float64"
+    )
     assert compare_states({"t": torch.zeros(2)}, {"t": torch.zeros(3)})[0].what == "shape [2] vs [3]"
     assert compare_states({"t": torch.tensor([1, 2])}, {"t": torch.tensor([1, 3])}) == [
-        Difference("t", "1 of 2 element(s) differ", None)]  # integer tensors: no max abs difference
+        Difference("t", "1 of 2 element(s) differ", None)
+    ]  # integer tensors: no max abs difference
 
 
 def test_compare_states_json_values():
     w = torch.ones(2)
     base = {"opt": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}, "data": {"epoch": 1, 2: "b"}, "w": w}
     assert compare_states(base, {**base, "opt": {"param_groups": [{"lr": 0.2, "betas": (0.9, 0.99)}]}}) == [
-        Difference("opt/param_groups/0/lr", "0.1 vs 0.2", pytest.approx(0.1))]
+        Difference("opt/param_groups/0/lr", "0.1 vs 0.2", pytest.approx(0.1))
+    ]
     assert [d.key for d in compare_states(base, {**base, "data": {"epoch": 2, 2: "b"}})] == ["data/epoch"]
     assert compare_states(base, {**base, "data": {"epoch": True, 2: "b"}})[0].what == "int 1 vs bool True"
     assert compare_states(base, {**base, "opt": {"param_groups": [{"lr": 0.1, "betas": [0.9, 0.99]}]}})[0].key == (
-        "opt/param_groups/0/betas")  # a tuple is not a list
+        "opt/param_groups/0/betas"
+    )  # a tuple is not a list
     assert compare_states(base, {**base, "data": {"epoch": 1, "2": "b"}}) == [
-        Difference("data/2", "only in the resumed run"), Difference("data/2", "only in the reference run")]
+        Difference("data/2", "only in the resumed run"),
+        Difference("data/2", "only in the reference run"),
+    ]
     assert compare_states(base, {**base, "w": [1.0, 1.0]})[0].what.startswith("Tensor tensor float32[2] vs list")
     assert compare_states({"x": 0.0}, {"x": -0.0}) == [Difference("x", "0.0 vs -0.0", 0.0)]
     assert compare_states({"x": float("nan")}, {"x": float("nan")}) == []

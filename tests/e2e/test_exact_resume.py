@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from tests.support.ckpt_files import data_files, manifest_path, shard_path
 from tests.support import trainrun
+from tests.support.ckpt_files import data_files, manifest_path, shard_path
 from tests.support.trainrun import (
     assert_same_as_reference,
     ls_json,
@@ -49,8 +49,9 @@ def run_until_done(
     supervisor_log = log_file.parent / "supervisor.log"
     while len(codes) < max_launches:
         supervisor_log.unlink(missing_ok=True)
-        proc = start_supervised(ck, torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", "0.05"),
-                                log_path=supervisor_log)
+        proc = start_supervised(
+            ck, torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", "0.05"), log_path=supervisor_log
+        )
         if pending:
             wait_for_step(log_file, pending.pop(0), proc)
             sigterm(proc)
@@ -128,8 +129,9 @@ def test_replicated_state_is_written_once_spread_over_ranks_by_bytes(reference):
     keys_by_file = {}
     for record in data_files(manifest):
         with safe_open(str(step_dir / record["path"]), framework="pt") as f:
-            keys_by_file[record["path"]] = {k: f.get_tensor(k).numel() * f.get_tensor(k).element_size()
-                                            for k in f.keys()}
+            keys_by_file[record["path"]] = {
+                k: f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()
+            }
     replicated = {n for n in manifest["tensors"] if not n.startswith("rank-")}
     stored = [k for keys in keys_by_file.values() for k in keys if not k.startswith("rank-")]
     assert sorted(stored) == sorted(replicated)  # every replicated tensor exactly once in total

@@ -28,9 +28,25 @@ NOTICE_AT = 28
 
 
 def job_command(uri: str, log_file: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-            uri, str(log_file), str(out), "--steps", str(STEPS), "--interval", str(INTERVAL),
-            "--step-s", str(STEP_S), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(WORKER),
+        uri,
+        str(log_file),
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--interval",
+        str(INTERVAL),
+        "--step-s",
+        str(STEP_S),
+        *extra,
+    ]
 
 
 def wait_until(condition, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
@@ -83,15 +99,23 @@ def test_report_of_a_run_preempted_twice_matches_its_training_log(tmp_path, proc
 
     def launch(name: str, *extra: str) -> tuple[subprocess.Popen, float]:
         started = time.time()
-        proc = start_supervised(uri, job_command(uri, log_file, tmp_path, *extra), env=env,
-                                extra_options=["--notice", "none"], log_path=tmp_path / f"{name}.log")
+        proc = start_supervised(
+            uri,
+            job_command(uri, log_file, tmp_path, *extra),
+            env=env,
+            extra_options=["--notice", "none"],
+            log_path=tmp_path / f"{name}.log",
+        )
         processes.append(proc)
         return proc, started
 
     # 1. killed without notice once step KILL_AFTER is in the event log
     proc, began = launch("killed", "--hold-after", str(KILL_AFTER))
-    wait_until(lambda: (tmp_path / f"held-{KILL_AFTER}").exists() and progress_stored(root, KILL_AFTER),
-               proc, f"step {KILL_AFTER} recorded")
+    wait_until(
+        lambda: (tmp_path / f"held-{KILL_AFTER}").exists() and progress_stored(root, KILL_AFTER),
+        proc,
+        f"step {KILL_AFTER} recorded",
+    )
     kill_without_notice(proc)
     # The job did nothing after its last step but wait to be killed; the report cannot see past
     # its last record (that step), so the test's wall time for this run ends there too.
@@ -110,8 +134,9 @@ def test_report_of_a_run_preempted_twice_matches_its_training_log(tmp_path, proc
     assert proc.wait(timeout=300) == 0, (tmp_path / "finished.log").read_text()[-3000:]
     walls_s.append(time.time() - began)
 
-    done = subprocess.run([sys.executable, "-m", "spotrun", "report", uri, "--json"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "spotrun", "report", uri, "--json"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     rows, totals = report["incarnations"], report["totals"]
@@ -134,9 +159,11 @@ def test_report_of_a_run_preempted_twice_matches_its_training_log(tmp_path, proc
     assert [row["resumed_step"] for row in rows] == [run["resumed"] for run in runs]
     assert [row["steps_trained"] for row in rows] == [L - run["resumed"] for L, run in zip(last, runs)]
     assert [row["ended"] for row in rows] == ["no_exit_recorded", "preempted_saved", "finished"]
-    print(f"goodput: report {totals['goodput']:.4f}, training log {goodput:.4f}; useful: report "
-          f"{totals['useful_s']:.3f} s, log {useful_s:.3f} s; wall: report {[round(r['wall_s'], 3) for r in rows]}, "
-          f"test {[round(w, 3) for w in walls_s]}; save stalls {totals['save_stall_s']:.3f} s")
+    print(
+        f"goodput: report {totals['goodput']:.4f}, training log {goodput:.4f}; useful: report "
+        f"{totals['useful_s']:.3f} s, log {useful_s:.3f} s; wall: report {[round(r['wall_s'], 3) for r in rows]}, "
+        f"test {[round(w, 3) for w in walls_s]}; save stalls {totals['save_stall_s']:.3f} s"
+    )
     # Useful time (kept steps x step time) from the two sources: the report leaves the save
     # stalls out of the training time, which the log cannot see; 0.1 s covers the moments
     # between the worker's clock readings and the Checkpointer's (end of restore, end of the

@@ -102,8 +102,10 @@ def _run(args: list[str], env: dict[str, str], what: str, timeout_s: float = PIP
     try:
         proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{what} took more than {timeout_s} s{hint if needs_index else ''}\n"
-                    f"$ {' '.join(args)}\n{exc.stdout or ''}\n{exc.stderr or ''}")
+        pytest.fail(
+            f"{what} took more than {timeout_s} s{hint if needs_index else ''}\n"
+            f"$ {' '.join(args)}\n{exc.stdout or ''}\n{exc.stderr or ''}"
+        )
     assert proc.returncode == 0, (
         f"{what} failed (exit {proc.returncode}){hint if needs_index else ''}\n$ {' '.join(args)}\n"
         f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -113,10 +115,17 @@ def _run(args: list[str], env: dict[str, str], what: str, timeout_s: float = PIP
 
 def _versions(python: Path, env: dict[str, str]) -> dict[str, str]:
     """Every distribution installed in ``python``'s environment: name -> version."""
-    out = _run([str(python), "-c",
-                "import importlib.metadata as m; "
-                "print('\\n'.join(f\"{d.metadata['Name'].lower()}=={d.version}\" "
-                "for d in m.distributions()))"], env, "listing installed distributions")
+    out = _run(
+        [
+            str(python),
+            "-c",
+            "import importlib.metadata as m; "
+            "print('\\n'.join(f\"{d.metadata['Name'].lower()}=={d.version}\" "
+            "for d in m.distributions()))",
+        ],
+        env,
+        "listing installed distributions",
+    )
     return dict(line.split("==", 1) for line in out.split())
 
 
@@ -130,21 +139,28 @@ def test_spotrun_installs_next_to_an_older_and_a_newer_boto3_without_changing_ei
     venv = scratch / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    site_packages = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                              env, "asking the new venv for its site-packages").strip())
+    site_packages = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            env,
+            "asking the new venv for its site-packages",
+        ).strip()
+    )
     _link_installed(_distribution_closure("torch") + _distribution_closure("pip"), site_packages)
     pip = [str(python), "-m", "pip"]
 
     # A wheel of this checkout, built from a copy so that the checkout gets no build/ files.
     source = scratch / "source"
-    shutil.copytree(REPO_ROOT / "spotrun", source / "spotrun",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO_ROOT / "spotrun", source / "spotrun", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO_ROOT / name, source / name)
     # torch requires setuptools: then the build uses the venv's own instead of downloading it.
     own_setuptools = ["--no-build-isolation"] if (site_packages / "setuptools").is_dir() else []
-    _run(pip + ["wheel", "--no-deps", *own_setuptools, "-q", "-w", str(scratch / "wheels"), str(source)],
-         env, "building spotrun's wheel")
+    _run(
+        pip + ["wheel", "--no-deps", *own_setuptools, "-q", "-w", str(scratch / "wheels"), str(source)],
+        env,
+        "building spotrun's wheel",
+    )
     (wheel,) = (scratch / "wheels").glob("spotrun-*.whl")
 
     root = scratch / "checkpoints"
@@ -154,8 +170,7 @@ def test_spotrun_installs_next_to_an_older_and_a_newer_boto3_without_changing_ei
         before = _versions(python, env)
         _run(pip + ["install", "-q", "--no-compile", str(wheel)], env, "installing spotrun")
         after = _versions(python, env)
-        changed = {name: (version, after.get(name)) for name, version in before.items()
-                   if after.get(name) != version}
+        changed = {name: (version, after.get(name)) for name, version in before.items() if after.get(name) != version}
         assert changed == {}, f"installing spotrun next to {boto3_specs} changed {changed}"
         if boto3_specs is oldest:
             assert [f"boto3=={after['boto3']}", f"botocore=={after['botocore']}"] == oldest
@@ -165,11 +180,20 @@ def test_spotrun_installs_next_to_an_older_and_a_newer_boto3_without_changing_ei
         assert "spotrun" in after
         spotrun = str(venv / "bin" / "spotrun")
         assert "preflight" in _run([spotrun, "--help"], env, "spotrun --help", timeout_s=60)
-        report = _run([spotrun, "preflight", str(root)], env,
-                      f"spotrun preflight next to boto3 {after['boto3']}", timeout_s=60)
+        report = _run(
+            [spotrun, "preflight", str(root)], env, f"spotrun preflight next to boto3 {after['boto3']}", timeout_s=60
+        )
         assert report.startswith(f"ok: {root} ")
         # The S3 backend's client (spotrun's botocore Config) is accepted by this botocore.
-        _run([str(python), "-c", "from spotrun.storage.s3_config import S3Options, make_client; "
-              "make_client(S3Options(endpoint_url='http://127.0.0.1:9'))"], env,
-             f"making spotrun's S3 client with boto3 {after['boto3']}", timeout_s=60)
+        _run(
+            [
+                str(python),
+                "-c",
+                "from spotrun.storage.s3_config import S3Options, make_client; "
+                "make_client(S3Options(endpoint_url='http://127.0.0.1:9'))",
+            ],
+            env,
+            f"making spotrun's S3 client with boto3 {after['boto3']}",
+            timeout_s=60,
+        )
         _run(pip + ["uninstall", "-y", "-q", "spotrun"], env, "uninstalling spotrun")

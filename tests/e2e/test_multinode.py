@@ -49,10 +49,29 @@ def node_command(port: int, rdzv_id: str, log_file, *extra: str) -> list[str]:
     """One node's torchrun: 1 process, 2 nodes, c10d rendezvous at 127.0.0.1:port.
     Both nodes get the same ``--log-file``: only global rank 0 writes it."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
-        "-m", "spotrun.examples.train_gpt", "--steps", str(STEPS), "--save-interval", str(SAVE_INTERVAL),
-        "--log-file", str(log_file), *TRAIN_ARGS, *extra,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(NODES),
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        rdzv_id,
+        "-m",
+        "spotrun.examples.train_gpt",
+        "--steps",
+        str(STEPS),
+        "--save-interval",
+        str(SAVE_INTERVAL),
+        "--log-file",
+        str(log_file),
+        *TRAIN_ARGS,
+        *extra,
     ]
 
 
@@ -62,8 +81,13 @@ def start_nodes(ck: str, log_file, log_prefix, processes: list, *extra: str) -> 
     port, rdzv_id = rendezvous_port(), uuid.uuid4().hex[:12]
     nodes = []
     for node in range(NODES):
-        proc = start_supervised(ck, node_command(port, rdzv_id, log_file, *extra), grace_period_s=120,
-                                extra_options=["--notice", "none"], log_path=f"{log_prefix}-node{node}.log")
+        proc = start_supervised(
+            ck,
+            node_command(port, rdzv_id, log_file, *extra),
+            grace_period_s=120,
+            extra_options=["--notice", "none"],
+            log_path=f"{log_prefix}-node{node}.log",
+        )
         processes.append(proc)
         nodes.append(proc)
     return nodes
@@ -87,8 +111,10 @@ def reference(tmp_path_factory):
             kill_tree(proc)
     losses = last_loss_per_step(root / "train.jsonl")
     assert sorted(losses) == list(range(1, STEPS + 1))
-    numerics = [load_committed(open_storage(str(root / "ck")), STEPS, rank, NODES).rank_local["numerics"]
-                for rank in range(NODES)]
+    numerics = [
+        load_committed(open_storage(str(root / "ck")), STEPS, rank, NODES).rank_local["numerics"]
+        for rank in range(NODES)
+    ]
     assert [n["intra_op_threads"] for n in numerics] == [len(os.sched_getaffinity(0))] * NODES
     return losses, final_tensors(str(root / "ck"), STEPS), numerics
 
@@ -124,8 +150,9 @@ def test_notice_to_one_node_saves_both_and_resumes_exactly(reference, tmp_path, 
 
     ref_losses, ref_tensors, ref_numerics = reference
     for checkpoint in (step, STEPS):  # both launches computed with the reference's settings
-        assert [load_committed(open_storage(ck), checkpoint, rank, NODES).rank_local["numerics"]
-                for rank in range(NODES)] == ref_numerics
+        assert [
+            load_committed(open_storage(ck), checkpoint, rank, NODES).rank_local["numerics"] for rank in range(NODES)
+        ] == ref_numerics
     assert last_loss_per_step(log_file) == ref_losses
     got = final_tensors(ck, STEPS)
     assert sorted(got) == sorted(ref_tensors)

@@ -37,9 +37,22 @@ def test_every_edit_of_the_newest_step_falls_back_or_is_harmless_for_restore_and
     codes and one-line reasons, nothing exceeds 2 GiB of address space, hangs or crashes."""
     result = tmp_path / "result.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
-    proc = subprocess.run([sys.executable, "-m", "tests.support.mutation_campaign", "--work", str(tmp_path / "work"),
-                           "--result", str(result)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=CAMPAIGN_TIMEOUT_S)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.support.mutation_campaign",
+            "--work",
+            str(tmp_path / "work"),
+            "--result",
+            str(result),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CAMPAIGN_TIMEOUT_S,
+    )
     assert proc.returncode == 0, f"the campaign itself failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     summary = json.loads(result.read_text())
     failed = [row for row in summary["rows"] if row["failures"]]
@@ -47,12 +60,16 @@ def test_every_edit_of_the_newest_step_falls_back_or_is_harmless_for_restore_and
     for row in failed:
         for failure in row["failures"]:
             groups[failure_kind(failure)].append(f"{row['state']}: {row['edit']}: {failure}")
-    figures(f"mutation campaign: {summary['tried']} edits tried ({summary['edits']} distinct, on 2 roots): "
-            f"{summary['fell back']} fell back, {summary['refused']} refused, {summary['harmless']} harmless, "
-            f"{summary['failed']} failed; largest child {summary['max_rss_mib']} MiB resident; "
-            f"{summary['seconds']} s ({summary['save_seconds']} s saving)")
-    details = "\n".join(f"  {len(lines)} x {kind}\n" + "\n".join(f"      {line[:300]}" for line in lines)
-                        for kind, lines in sorted(groups.items(), key=lambda item: -len(item[1])))
+    figures(
+        f"mutation campaign: {summary['tried']} edits tried ({summary['edits']} distinct, on 2 roots): "
+        f"{summary['fell back']} fell back, {summary['refused']} refused, {summary['harmless']} harmless, "
+        f"{summary['failed']} failed; largest child {summary['max_rss_mib']} MiB resident; "
+        f"{summary['seconds']} s ({summary['save_seconds']} s saving)"
+    )
+    details = "\n".join(
+        f"  {len(lines)} x {kind}\n" + "\n".join(f"      {line[:300]}" for line in lines)
+        for kind, lines in sorted(groups.items(), key=lambda item: -len(item[1]))
+    )
     assert summary["edits"] >= MIN_EDITS
     assert summary["tried"] == 2 * summary["edits"]
     assert not failed, f"{len(failed)} of {summary['tried']} edits broke a promise:\n{details}"

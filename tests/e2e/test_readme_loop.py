@@ -33,8 +33,12 @@ def readme_loop() -> str:
 
 def readme_command(first_words: str) -> list[str]:
     """The README's command line for the loop (saved as ``train.py``) that starts with ``first_words``."""
-    [line] = [line for block in readme_blocks("sh") for line in block.splitlines()
-              if line.startswith(first_words) and line.endswith("train.py")]
+    [line] = [
+        line
+        for block in readme_blocks("sh")
+        for line in block.splitlines()
+        if line.startswith(first_words) and line.endswith("train.py")
+    ]
     return shlex.split(line)
 
 
@@ -57,7 +61,13 @@ def test_the_readme_loop_passes_the_readme_drill(tmp_path):
     the resumed step is bit-identical to an uninterrupted run's, every RNG state included."""
     (tmp_path / "train.py").write_text(readme_loop())
     words = readme_command("spotrun drill ")
-    result = subprocess.run([sys.executable, "-m", "spotrun", *words[1:]], cwd=tmp_path, env=user_env(),
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-m", "spotrun", *words[1:]],
+        cwd=tmp_path,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     assert "PASSED" in result.stdout and "is bit-identical on every rank" in result.stdout, result.stdout

@@ -20,16 +20,38 @@ def test_the_report_excludes_what_the_shell_did_before_it_exec_d_spotrun(tmp_pat
     start-up begin after the sleep."""
     root = tmp_path / "ck"
     sleep_s = 3.0
-    run = [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", str(root), "--grace-period-s", "30",
-           "--", sys.executable, str(WORKER), "5"]
+    run = [
+        sys.executable,
+        "-m",
+        "spotrun",
+        "run",
+        "--checkpoint-uri",
+        str(root),
+        "--grace-period-s",
+        "30",
+        "--",
+        sys.executable,
+        str(WORKER),
+        "5",
+    ]
     before_s = time.time()
-    shell = subprocess.Popen(["bash", "-c", f"sleep {sleep_s} && exec {shlex.join(run)}"], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    shell = subprocess.Popen(
+        ["bash", "-c", f"sleep {sleep_s} && exec {shlex.join(run)}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     output, _ = shell.communicate(timeout=300)
     after_s = time.time()
     assert shell.returncode == 0, output
-    done = subprocess.run([sys.executable, "-m", "spotrun", "report", "--json", str(root)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "spotrun", "report", "--json", str(root)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     start = json.loads((next((root / "events").glob("*.supervisor-*.jsonl"))).read_text().splitlines()[0])

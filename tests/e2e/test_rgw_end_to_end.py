@@ -19,6 +19,10 @@ from tests.support.trainrun import preempt_and_resume_exactly
 @pytest.mark.timeout(1800)
 def test_9_preempted_training_on_rgw_resumes_exactly(reference, rgw_bucket, tmp_path, processes):
     preempt_and_resume_exactly(
-        reference, f"{rgw_bucket.uri}/team/run-1", tmp_path, processes,
-        extra_options=["--s3-endpoint-url", rgw_bucket.endpoint_url], drop_env=("AWS_ENDPOINT_URL",),
+        reference,
+        f"{rgw_bucket.uri}/team/run-1",
+        tmp_path,
+        processes,
+        extra_options=["--s3-endpoint-url", rgw_bucket.endpoint_url],
+        drop_env=("AWS_ENDPOINT_URL",),
     )

@@ -26,10 +26,10 @@ import torch
 import spotrun
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import file_key, shard_name, step_dir
-from tests.support.ckpt_files import shard_key
 from spotrun.storage import open_storage
-from tests.support.s3_server import make_client
 from tests.support import trainrun
+from tests.support.ckpt_files import shard_key
+from tests.support.s3_server import make_client
 from tests.support.trainrun import (
     assert_same_as_reference,
     read_log,
@@ -47,8 +47,9 @@ SHA256 = re.compile(r"\b[0-9a-f]{64}\b")
 
 
 def spotrun_ls(uri: str, *options: str, env: dict[str, str] | None = None) -> str:
-    done = subprocess.run([sys.executable, "-m", "spotrun", "ls", uri, *options],
-                          capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "spotrun", "ls", uri, *options], capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -80,8 +81,11 @@ def test_preempted_training_on_s3_resumes_exactly(reference, s3_bucket, tmp_path
 
     def launch(name: str, *extra: str, options: tuple[str, ...] = ()):
         return start_supervised(
-            uri, torchrun_command(STEPS, SAVE_INTERVAL, log_file, *extra), extra_options=[*endpoint, *options],
-            drop_env=("AWS_ENDPOINT_URL",), log_path=tmp_path / f"{name}.log",
+            uri,
+            torchrun_command(STEPS, SAVE_INTERVAL, log_file, *extra),
+            extra_options=[*endpoint, *options],
+            drop_env=("AWS_ENDPOINT_URL",),
+            log_path=tmp_path / f"{name}.log",
         )
 
     preempt_at = random.Random().randint(3, STEPS - 4)
@@ -159,8 +163,7 @@ def scenario(uri: str, caplog: pytest.LogCaptureFixture) -> dict:
         # is checked against its own storage and the rest compared across backends.
         "ls": [{k: v for k, v in row.items() if k not in ("created_unix_s", "size_bytes")} for row in rows],
         "ls_sizes_are_stored_sizes": all(
-            row["size_bytes"] == sum(o.size_bytes for o in storage.list(f"{step_dir(row['step'])}/"))
-            for row in rows
+            row["size_bytes"] == sum(o.size_bytes for o in storage.list(f"{step_dir(row['step'])}/")) for row in rows
         ),
         "newest_after": catalog.newest_complete(storage).step,
     }
@@ -174,5 +177,8 @@ def test_discovery_restore_and_fallback_are_the_same_on_local_and_s3(s3_bucket, 
     assert local["restored_matches_save"] and local["ls_sizes_are_stored_sizes"]
     assert any("step 3 failed verification" in w and "falling back to step 2" in w for w in local["warnings"])
     assert [(row["step"], row["status"]) for row in local["ls"]] == [
-        (1, "complete"), (2, "complete"), (3, "corrupt"), (4, "incomplete"),
+        (1, "complete"),
+        (2, "complete"),
+        (3, "corrupt"),
+        (4, "incomplete"),
     ]

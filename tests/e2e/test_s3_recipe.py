@@ -33,15 +33,21 @@ def clean_env(tmp_path: pathlib.Path, **extra: str) -> dict[str, str]:
     """This environment without any AWS setting (no real account is ever reached), with the
     virtual environment's commands on the PATH."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""), HOME=str(tmp_path),
-               AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull, AWS_EC2_METADATA_DISABLED="true")
+    env.update(
+        PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
+        HOME=str(tmp_path),
+        AWS_CONFIG_FILE=os.devnull,
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     env.update(extra)
     return env
 
 
 def run_script(script: str, cwd: pathlib.Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_the_moto_recipe_starts_the_server_the_commands_use():
@@ -71,8 +77,9 @@ def test_the_aws_recipe_runs_as_printed_against_moto(tmp_path):
     block = block_with("aws s3 mb")
     [profile] = re.findall(r"^export AWS_PROFILE=(\S+)", block, re.M)
     credentials = tmp_path / "credentials"
-    credentials.write_text(f"[{profile}]\naws_access_key_id = testing\naws_secret_access_key = testing\n"
-                           "region = us-east-1\n")
+    credentials.write_text(
+        f"[{profile}]\naws_access_key_id = testing\naws_secret_access_key = testing\nregion = us-east-1\n"
+    )
     with moto_server() as url:
         env = clean_env(tmp_path, AWS_SHARED_CREDENTIALS_FILE=str(credentials), AWS_ENDPOINT_URL=url)
         done = run_script(block.replace("--steps 600", "--steps 20"), tmp_path, env)

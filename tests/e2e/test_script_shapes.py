@@ -40,19 +40,22 @@ def torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
 
 
-def run_to_end(checkpoint_uri: str, command: list[str], log_path: pathlib.Path, processes: list,
-               env: dict | None = None) -> None:
+def run_to_end(
+    checkpoint_uri: str, command: list[str], log_path: pathlib.Path, processes: list, env: dict | None = None
+) -> None:
     proc = start_supervised(checkpoint_uri, command, extra_options=["--notice", "none"], log_path=log_path, env=env)
     processes.append(proc)
     assert proc.wait(timeout=600) == 0, log_path.read_text()[-3000:]
 
 
-def preempt_resume_and_compare(tmp_path: pathlib.Path, processes: list, command, steps: int, preempt_at: int,
-                               log_env: str | None = None) -> None:
+def preempt_resume_and_compare(
+    tmp_path: pathlib.Path, processes: list, command, steps: int, preempt_at: int, log_env: str | None = None
+) -> None:
     """``command(log_file, step_sleep_s)`` run uninterrupted, then preempted at ``preempt_at``
     and resumed: every logged row (loss, lr, ...) of the resumed steps and every final model
     and optimizer tensor must be the uninterrupted run's.
     ``log_env``: the variable that gives the command its log file, if not its command line."""
+
     def env(log_file: pathlib.Path) -> dict | None:
         return {log_env: str(log_file)} if log_env else None
 
@@ -62,8 +65,9 @@ def preempt_resume_and_compare(tmp_path: pathlib.Path, processes: list, command,
     assert sorted(ref_rows) == list(range(1, steps + 1))
 
     log, uri = tmp_path / "run.jsonl", str(tmp_path / "run-ck")
-    proc = start_supervised(uri, command(log, 0.2), extra_options=["--notice", "none"],
-                            log_path=tmp_path / "first.log", env=env(log))
+    proc = start_supervised(
+        uri, command(log, 0.2), extra_options=["--notice", "none"], log_path=tmp_path / "first.log", env=env(log)
+    )
     processes.append(proc)
     wait_for_step(log, preempt_at, proc)
     sigterm(proc)
@@ -85,19 +89,45 @@ def preempt_resume_and_compare(tmp_path: pathlib.Path, processes: list, command,
         assert got[name].dtype == tensor.dtype and got[name].equal(tensor), f"{name} differs"
 
 
-@pytest.mark.parametrize("shape", [
-    "epochs-fork", "epochs-spawn-persistent", "grad-accum", "amp", "compile", "sequential-lr", "iterable",
-    pytest.param("iterable-global-rng", marks=pytest.mark.xfail(strict=True, reason=(
-        "a plain DataLoader without generator= draws its base seed from the global torch RNG at "
-        "every iter(); resumed mid-stream it draws at another step, so later dropout masks differ "
-        "(docs/guide/exact-resume.md)"))),
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        "epochs-fork",
+        "epochs-spawn-persistent",
+        "grad-accum",
+        "amp",
+        "compile",
+        "sequential-lr",
+        "iterable",
+        pytest.param(
+            "iterable-global-rng",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason=(
+                    "a plain DataLoader without generator= draws its base seed from the global torch RNG at "
+                    "every iter(); resumed mid-stream it draws at another step, so later dropout masks differ "
+                    "(docs/guide/exact-resume.md)"
+                ),
+            ),
+        ),
+    ],
+)
 def test_script_shape_resumes_bit_exactly(tmp_path, processes, shape):
     """Issue 20, C18: a user script of this shape, preempted once mid-run (after a background
     save and an epoch boundary), resumes to the same per-step losses and final tensors."""
+
     def command(log_file: pathlib.Path, step_sleep_s: float) -> list[str]:
-        return torchrun(str(SHAPES_JOB), "--shape", shape, "--steps", str(SHAPE_STEPS),
-                        "--log-file", str(log_file), "--step-sleep-s", str(step_sleep_s))
+        return torchrun(
+            str(SHAPES_JOB),
+            "--shape",
+            shape,
+            "--steps",
+            str(SHAPE_STEPS),
+            "--log-file",
+            str(log_file),
+            "--step-sleep-s",
+            str(step_sleep_s),
+        )
 
     preempt_resume_and_compare(tmp_path, processes, command, SHAPE_STEPS, PREEMPT_AT)
 
@@ -106,7 +136,7 @@ def test_script_shape_resumes_bit_exactly(tmp_path, processes, shape):
 
 #: Records each step's loss (the README's block defines its own model and data): the block runs
 #: at module level, so the step being computed is the global ``step`` + 1.
-README_PRELUDE = '''\
+README_PRELUDE = """\
 import json as _json, os as _os
 import torch as _torch
 
@@ -120,7 +150,7 @@ def _logged_cross_entropy(*args, **kwargs):
     return loss
 
 _torch.nn.functional.cross_entropy = _logged_cross_entropy
-'''
+"""
 
 
 def readme_loop() -> str:
@@ -162,8 +192,9 @@ def example_command(log_file: pathlib.Path, step_sleep_s: float) -> list[str]:
     sleep = ["--step-sleep-s", str(step_sleep_s)] if step_sleep_s else []
     # --batch-size 16 (TRAIN_ARGS has 4): 20000 bytes are 625 samples of 32 bytes, 39 steps per
     # epoch, so the 100 steps cross two epoch boundaries with workers forked anew at each
-    return torchrun_command(EXAMPLE_STEPS, 5, log_file, "--num-workers", "2", "--max-bytes", "20000",
-                            "--batch-size", "16", *sleep)
+    return torchrun_command(
+        EXAMPLE_STEPS, 5, log_file, "--num-workers", "2", "--max-bytes", "20000", "--batch-size", "16", *sleep
+    )
 
 
 def test_example_trainer_with_loader_workers_resumes_bit_exactly(tmp_path, processes):

@@ -53,9 +53,28 @@ SAVE_INTERVAL = CHANGE_STEP
 #: Divides by 1, 2, 3 and 4 data-parallel ranks, not by 5.
 GLOBAL_BATCH = 12
 TINY_ARGS = [
-    "--width", "32", "--depth", "1", "--heads", "2", "--block-size", "16", "--max-bytes", "20000",
-    "--batch-size", str(GLOBAL_BATCH), "--steps", str(STEPS), "--warmup-steps", "2",
-    "--save-interval", str(SAVE_INTERVAL), "--log-interval", "1000", "--intra-op-threads", "1",
+    "--width",
+    "32",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--block-size",
+    "16",
+    "--max-bytes",
+    "20000",
+    "--batch-size",
+    str(GLOBAL_BATCH),
+    "--steps",
+    str(STEPS),
+    "--warmup-steps",
+    "2",
+    "--save-interval",
+    str(SAVE_INTERVAL),
+    "--log-interval",
+    "1000",
+    "--intra-op-threads",
+    "1",
 ]
 NO_DROPOUT = ["--dropout", "0"]
 KEYED_DROPOUT = ["--dropout", "0.1", "--sample-keyed-dropout"]
@@ -83,15 +102,37 @@ def launcher(nproc: int | None) -> list[str]:
 
 def node_launcher(nnodes: int, port: int) -> list[str]:
     """One node's torchrun: 1 process, ``nnodes`` nodes, c10d rendezvous at 127.0.0.1:``port``."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"rdzv-{port}"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"rdzv-{port}",
+    ]
 
 
 def trainer_command(nproc: int | list[str] | None, ck: Path, log_file: Path, *extra: str) -> list[str]:
     """The example trainer under :func:`launcher` (``nproc``) or the given launcher command."""
     start = nproc if isinstance(nproc, list) else launcher(nproc)
-    return [*start, "-m", "spotrun.examples.train_gpt", "--checkpoint-uri", str(ck), "--log-file", str(log_file),
-            *TINY_ARGS, *extra]
+    return [
+        *start,
+        "-m",
+        "spotrun.examples.train_gpt",
+        "--checkpoint-uri",
+        str(ck),
+        "--log-file",
+        str(log_file),
+        *TINY_ARGS,
+        *extra,
+    ]
 
 
 def train(nproc: int | None, ck: Path, log_file: Path, *extra: str, stop_at_step: int | None = None) -> str:
@@ -101,8 +142,9 @@ def train(nproc: int | None, ck: Path, log_file: Path, *extra: str, stop_at_step
     env.pop("SPOTRUN_STOP_AT_STEP", None)
     if stop_at_step is not None:
         env["SPOTRUN_STOP_AT_STEP"] = str(stop_at_step)
-    done = subprocess.run(trainer_command(nproc, ck, log_file, *extra), capture_output=True, text=True,
-                          timeout=600, env=env)
+    done = subprocess.run(
+        trainer_command(nproc, ck, log_file, *extra), capture_output=True, text=True, timeout=600, env=env
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stderr
 
@@ -145,15 +187,16 @@ def assert_continues(rows: list[dict], reference: Run, after_step: int) -> None:
     (samples digests) and learning rates, losses within LOSS_RTOL."""
     expected = [row for row in reference.rows if row["step"] > after_step]
     assert [(r["step"], r["samples"], r["lr"]) for r in rows] == [(r["step"], r["samples"], r["lr"]) for r in expected]
-    print("largest relative loss difference:",
-          max(abs(r["loss"] - e["loss"]) / abs(e["loss"]) for r, e in zip(rows, expected)))
+    print(
+        "largest relative loss difference:",
+        max(abs(r["loss"] - e["loss"]) / abs(e["loss"]) for r, e in zip(rows, expected)),
+    )
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in expected], rel=LOSS_RTOL)
 
 
 def supervise(ck: Path, command: list[str], log_path: Path, processes: list) -> subprocess.Popen:
     """``spotrun run --notice none -- command`` (output to ``log_path``), killed at the end if left."""
-    proc = start_supervised(str(ck), command, grace_period_s=120, extra_options=["--notice", "none"],
-                            log_path=log_path)
+    proc = start_supervised(str(ck), command, grace_period_s=120, extra_options=["--notice", "none"], log_path=log_path)
     processes.append(proc)
     return proc
 
@@ -165,8 +208,11 @@ def text(path: Path) -> str:
 def tree_digest(root: Path) -> dict[str, str]:
     """Every file under ``root`` (relative path) -> SHA-256 of its bytes; the event log
     (``events/``, which records each launch, the refused one too) left out."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).parts[0] != "events"}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.relative_to(root).parts[0] != "events"
+    }
 
 
 # --- 1. same layout: bit-identical ----------------------------------------------------------
@@ -183,8 +229,12 @@ def test_fsdp2_sigterm_at_a_random_step_resumes_on_2_ranks_bit_identically(tmp_p
     preempt_at = random.Random().randint(2, STEPS - 4)  # at least 4 steps of 0.2 s left to see the notice
     print(f"preempting at step {preempt_at}")
 
-    first = start_supervised(str(ck), trainer_command(2, ck, log_file, "--fsdp", *dropout, "--step-sleep-s", "0.2"),
-                             extra_options=["--notice", "none"], log_path=tmp_path / "first.log")
+    first = start_supervised(
+        str(ck),
+        trainer_command(2, ck, log_file, "--fsdp", *dropout, "--step-sleep-s", "0.2"),
+        extra_options=["--notice", "none"],
+        log_path=tmp_path / "first.log",
+    )
     processes.append(first)
     wait_for_step(log_file, preempt_at, first)
     sigterm(first)
@@ -196,8 +246,12 @@ def test_fsdp2_sigterm_at_a_random_step_resumes_on_2_ranks_bit_identically(tmp_p
     assert (listed[step]["status"], listed[step]["layout"]) == ("complete", "2 ranks, mesh 2")
 
     rows_before = len(read_log(log_file))
-    second = start_supervised(str(ck), trainer_command(2, ck, log_file, "--fsdp", *dropout),
-                              extra_options=["--notice", "none"], log_path=tmp_path / "second.log")
+    second = start_supervised(
+        str(ck),
+        trainer_command(2, ck, log_file, "--fsdp", *dropout),
+        extra_options=["--notice", "none"],
+        log_path=tmp_path / "second.log",
+    )
     processes.append(second)
     assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text(errors="replace")[-4000:]
     assert [row["step"] for row in read_log(log_file)[rows_before:]] == list(range(step + 1, STEPS + 1))
@@ -211,14 +265,19 @@ def test_fsdp2_sigterm_at_a_random_step_resumes_on_2_ranks_bit_identically(tmp_p
 # --- 2. another layout: the same samples, losses within rounding ----------------------------
 
 
-@pytest.mark.parametrize("saved_by, resumed_on", [
-    ("fsdp", (1, ["--fsdp"])),
-    ("fsdp", (3, ["--fsdp"])),
-    ("fsdp", (2, [])),  # DDP
-    ("ddp", (2, ["--fsdp"])),
-], ids=["fsdp2-2-ranks-to-fsdp2-1-rank", "fsdp2-2-ranks-to-fsdp2-3-ranks", "fsdp2-to-ddp", "ddp-to-fsdp2"])
+@pytest.mark.parametrize(
+    "saved_by, resumed_on",
+    [
+        ("fsdp", (1, ["--fsdp"])),
+        ("fsdp", (3, ["--fsdp"])),
+        ("fsdp", (2, [])),  # DDP
+        ("ddp", (2, ["--fsdp"])),
+    ],
+    ids=["fsdp2-2-ranks-to-fsdp2-1-rank", "fsdp2-2-ranks-to-fsdp2-3-ranks", "fsdp2-to-ddp", "ddp-to-fsdp2"],
+)
 def test_a_layout_change_trains_on_the_same_samples_with_losses_within_rounding(
-        fsdp_run, tmp_path, saved_by: str, resumed_on: tuple[int, list[str]]):
+    fsdp_run, tmp_path, saved_by: str, resumed_on: tuple[int, list[str]]
+):
     """Saved at step CHANGE_STEP on 2 ranks (FSDP2, or DDP), resumed on another layout, dropout
     off: steps CHANGE_STEP+1 to the end train on the uninterrupted FSDP2 run's global batches
     with its learning rates, and losses within LOSS_RTOL."""
@@ -261,9 +320,15 @@ def test_two_nodes_preempted_then_one_node_resumes_their_fsdp2_checkpoint_and_fi
     run's global batches with losses within LOSS_RTOL."""
     ck, log_file = tmp_path / "ck", tmp_path / "train.jsonl"  # only global rank 0 writes the log
     port = rendezvous_port()
-    nodes = [supervise(ck, trainer_command(node_launcher(2, port), ck, log_file, "--fsdp", *NO_DROPOUT,
-                                           "--step-sleep-s", "0.2"), tmp_path / f"first-node{n}.log", processes)
-             for n in range(2)]
+    nodes = [
+        supervise(
+            ck,
+            trainer_command(node_launcher(2, port), ck, log_file, "--fsdp", *NO_DROPOUT, "--step-sleep-s", "0.2"),
+            tmp_path / f"first-node{n}.log",
+            processes,
+        )
+        for n in range(2)
+    ]
     outputs = tuple(tmp_path / f"first-node{n}.log" for n in range(2))  # supervisor, torchrun and worker output
     wait_for_step(log_file, 3, nodes[0], outputs=outputs)
     sigterm(nodes[0])  # the notice reaches node 0 only
@@ -278,15 +343,23 @@ def test_two_nodes_preempted_then_one_node_resumes_their_fsdp2_checkpoint_and_fi
     rows_before = read_log(log_file)
     assert [r["samples"] for r in rows_before] == [r["samples"] for r in fsdp_run.rows[:step]]
 
-    restart = supervise(ck, trainer_command(node_launcher(1, rendezvous_port()), ck, log_file, "--fsdp", *NO_DROPOUT),
-                        tmp_path / "restart.log", processes)
+    restart = supervise(
+        ck,
+        trainer_command(node_launcher(1, rendezvous_port()), ck, log_file, "--fsdp", *NO_DROPOUT),
+        tmp_path / "restart.log",
+        processes,
+    )
     assert restart.wait(timeout=300) == 0, text(tmp_path / "restart.log")[-4000:]
     restart_log = text(tmp_path / "restart.log")
-    assert (f"step {step} (saved by 2 ranks, mesh 2) resumes on 1 node x 1 process = 1 rank; another world size "
-            f"than the checkpoint's 2: the workers reshard it") in restart_log
-    assert (f"restored step {step} (saved by 2 ranks, mesh 2) onto 1 rank, mesh 1 (another world size: resharded)"
-            in restart_log)
-    assert_continues(read_log(log_file)[len(rows_before):], fsdp_run, step)
+    assert (
+        f"step {step} (saved by 2 ranks, mesh 2) resumes on 1 node x 1 process = 1 rank; another world size "
+        f"than the checkpoint's 2: the workers reshard it"
+    ) in restart_log
+    assert (
+        f"restored step {step} (saved by 2 ranks, mesh 2) onto 1 rank, mesh 1 (another world size: resharded)"
+        in restart_log
+    )
+    assert_continues(read_log(log_file)[len(rows_before) :], fsdp_run, step)
 
 
 # --- 4. tensor parallel to one rank ---------------------------------------------------------
@@ -301,16 +374,16 @@ def test_tensor_parallel_saved_on_2_ranks_resumes_on_1_rank_and_finishes(fsdp_ru
     tp_rows = read_log(tmp_path / "tp.jsonl")
     assert [r["samples"] for r in tp_rows] == [r["samples"] for r in fsdp_run.rows[:CHANGE_STEP]]
     stderr = train(None, ck, tmp_path / "resumed.jsonl", *NO_DROPOUT)
-    assert (f"restored step {CHANGE_STEP} (saved by 2 ranks, mesh 2) onto 1 rank (another world size: resharded)"
-            in stderr)
+    assert (
+        f"restored step {CHANGE_STEP} (saved by 2 ranks, mesh 2) onto 1 rank (another world size: resharded)" in stderr
+    )
     assert_continues(read_log(tmp_path / "resumed.jsonl"), fsdp_run, CHANGE_STEP)
 
 
 # --- 5. a global batch the new world size cannot split ---------------------------------------
 
 
-def test_a_global_batch_not_divisible_by_the_new_world_size_is_refused(
-        fsdp_run, tmp_path, processes):
+def test_a_global_batch_not_divisible_by_the_new_world_size_is_refused(fsdp_run, tmp_path, processes):
     """A global batch that does not divide by the new world size is refused and loses nothing.
 
     The FSDP2 2-rank checkpoint (global batch 12) resumed under `spotrun run` on 5 ranks:
@@ -318,13 +391,16 @@ def test_a_global_batch_not_divisible_by_the_new_world_size_is_refused(
     byte for byte, and a fitting world size (one process) then resumes it and finishes."""
     ck, log_file = fsdp_run.saved_at(CHANGE_STEP, tmp_path / "ck"), tmp_path / "train.jsonl"
     before = tree_digest(ck)
-    refused = supervise(ck, trainer_command(5, ck, log_file, "--fsdp", *NO_DROPOUT), tmp_path / "refused.log",
-                        processes)
+    refused = supervise(
+        ck, trainer_command(5, ck, log_file, "--fsdp", *NO_DROPOUT), tmp_path / "refused.log", processes
+    )
     code = refused.wait(timeout=300)
     refused_log = text(tmp_path / "refused.log")
     assert code not in (0, PREEMPTED), refused_log[-4000:]
-    assert (f"the global batch (--batch-size {GLOBAL_BATCH}) does not divide by the 5 data-parallel ranks "
-            f"(world size 5 / --tp 1)") in refused_log
+    assert (
+        f"the global batch (--batch-size {GLOBAL_BATCH}) does not divide by the 5 data-parallel ranks "
+        f"(world size 5 / --tp 1)"
+    ) in refused_log
     assert read_log(log_file) == []  # no step trained
     assert tree_digest(ck) == before
 

@@ -33,10 +33,27 @@ def test_a_slow_emergency_save_is_not_cut_by_torchruns_kill_clock(tmp_path, targ
     out.mkdir()
     ck = tmp_path / "ck"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", str(ck), "--grace-period-s", str(GRACE_S),
-         "--", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(WORKER), str(out)],
-        env={**os.environ, "SLOW_SAVE_S": str(SAVE_S)}, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "spotrun",
+            "run",
+            "--checkpoint-uri",
+            str(ck),
+            "--grace-period-s",
+            str(GRACE_S),
+            "--",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(WORKER),
+            str(out),
+        ],
+        env={**os.environ, "SLOW_SAVE_S": str(SAVE_S)},
+        start_new_session=True,
     )
     deadline = time.monotonic() + 180
     while not (out / "progress").exists() or int((out / "progress").read_text() or 0) < 3:
@@ -52,8 +69,11 @@ def test_a_slow_emergency_save_is_not_cut_by_torchruns_kill_clock(tmp_path, targ
     assert all(r["exit"] == 0 and r["save_s"] >= SAVE_S for r in reports), reports
     assert reports[0]["step"] == reports[1]["step"]
     assert SAVE_S <= elapsed_s < GRACE_S, elapsed_s
-    listed = json.loads(subprocess.run([sys.executable, "-m", "spotrun", "ls", str(ck), "--json"],
-                                       capture_output=True, text=True, check=True).stdout)
+    listed = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "spotrun", "ls", str(ck), "--json"], capture_output=True, text=True, check=True
+        ).stdout
+    )
     assert [(row["step"], row["status"], row["reason"]) for row in listed] == [
         (reports[0]["step"], "complete", "emergency")
     ]

@@ -88,8 +88,10 @@ def test_1c_stuck_worker_ends_itself_a_grace_period_after_the_supervisor_dies(sp
     collective): its supervisor watch kills it once the grace period after the supervisor's
     death is over."""
     grace_s = 2.0
-    run = spotrun_run(["--checkpoint-uri", str(tmp_path / "ckpt"), "--notice", "none", "--grace-period-s", str(grace_s)],
-                      [sys.executable, FAKE / "stuck.py", state])
+    run = spotrun_run(
+        ["--checkpoint-uri", str(tmp_path / "ckpt"), "--notice", "none", "--grace-period-s", str(grace_s)],
+        [sys.executable, FAKE / "stuck.py", state],
+    )
     run.wait_until(lambda: (state / "ready").exists(), "the worker started")
     [worker] = [p for p in process.descendants(run.proc.pid) if p.pid == int((state / "ready").read_text())]
     run.proc.kill()
@@ -102,8 +104,9 @@ def test_1c_stuck_worker_ends_itself_a_grace_period_after_the_supervisor_dies(sp
 
 def _start_job(tmp_path, processes):
     ck, log_file = str(tmp_path / "ck"), tmp_path / "train.jsonl"
-    command = torchrun_command(trainrun.REFERENCE_STEPS, trainrun.REFERENCE_SAVE_INTERVAL, log_file,
-                               "--step-sleep-s", "0.05")
+    command = torchrun_command(
+        trainrun.REFERENCE_STEPS, trainrun.REFERENCE_SAVE_INTERVAL, log_file, "--step-sleep-s", "0.05"
+    )
     proc = start_supervised(ck, command, log_path=tmp_path / "first.log")
     processes.append(proc)
     wait_for_step(log_file, 12, proc)
@@ -125,8 +128,16 @@ def test_1c_sigkill_of_supervisor_stops_the_job(reference, tmp_path, processes):
     ck, log_file, command, proc = _start_job(tmp_path, processes)
     job = process.descendants(proc.pid)
     assert any("torch.distributed.run" in cmdline(p.pid) for p in job)
-    assert len([p for p in job if "spotrun.examples.train_gpt" in cmdline(p.pid)
-                and "torch.distributed.run" not in cmdline(p.pid)]) == 2
+    assert (
+        len(
+            [
+                p
+                for p in job
+                if "spotrun.examples.train_gpt" in cmdline(p.pid) and "torch.distributed.run" not in cmdline(p.pid)
+            ]
+        )
+        == 2
+    )
     proc.kill()
     assert proc.wait(timeout=60) == -signal.SIGKILL
     assert wait_until_gone(job, 120) == [], [cmdline(p.pid) for p in job if process.is_alive(p)]

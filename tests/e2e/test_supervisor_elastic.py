@@ -26,7 +26,6 @@ from tests.support.paths import JOBS
 from tests.support.trainrun import (
     TRAIN_ARGS,
     final_tensors,
-    kill_tree,
     last_loss_per_step,
     ls_json,
     read_log,
@@ -40,19 +39,40 @@ STEPS = 16
 SAVE_INTERVAL = 5
 PREEMPTED = 143
 _COMMITTED = re.compile(r"emergency checkpoint of step (\d+) is complete")
-ELASTIC_RANKS = ("1 to 2 nodes x 1 process = 1 to 2 ranks (torchrun --nnodes 1:2: the count is known after "
-                 "the rendezvous")
+ELASTIC_RANKS = (
+    "1 to 2 nodes x 1 process = 1 to 2 ranks (torchrun --nnodes 1:2: the count is known after the rendezvous"
+)
 
 
 def elastic_command(log_file: pathlib.Path, *extra: str) -> list[str]:
     """One node's torchrun for 1 to 2 nodes of 1 process, c10d rendezvous on 127.0.0.1; a second
     node is waited for 1 s (``last_call_timeout``) once the first joined."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rendezvous_port()}", "--rdzv-id", uuid.uuid4().hex[:12],
-        "--rdzv-conf", "last_call_timeout=1",
-        "-m", "spotrun.examples.train_gpt", "--steps", str(STEPS), "--save-interval", str(SAVE_INTERVAL),
-        "--log-file", str(log_file), *TRAIN_ARGS, *extra,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{rendezvous_port()}",
+        "--rdzv-id",
+        uuid.uuid4().hex[:12],
+        "--rdzv-conf",
+        "last_call_timeout=1",
+        "-m",
+        "spotrun.examples.train_gpt",
+        "--steps",
+        str(STEPS),
+        "--save-interval",
+        str(SAVE_INTERVAL),
+        "--log-file",
+        str(log_file),
+        *TRAIN_ARGS,
+        *extra,
     ]
 
 
@@ -112,8 +132,12 @@ def torchrun(tmp_path) -> tuple[pathlib.Path, pathlib.Path]:
 
 
 def spotrun_run(ck: pathlib.Path, *command: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spotrun", "run", "--notice", "none", "--checkpoint-uri", str(ck),
-                           "--", *command], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "spotrun", "run", "--notice", "none", "--checkpoint-uri", str(ck), "--", *command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_fixed_count_other_than_the_checkpoints_is_logged_with_both_layouts(tmp_path, torchrun):
@@ -123,16 +147,20 @@ def test_a_fixed_count_other_than_the_checkpoints_is_logged_with_both_layouts(tm
     done = spotrun_run(ck, str(program), "--nnodes=2", "--nproc_per_node=1", "train.py", "--nnodes", "9")
     assert done.returncode == 0, done.stderr
     assert marker.read_text() == "--nnodes=2 --nproc_per_node=1 train.py --nnodes 9"
-    assert ("step 100 (saved by 4 ranks, mesh 2x2) resumes on 2 nodes x 1 process = 2 ranks; another world "
-            "size than the checkpoint's 4: the workers reshard it") in done.stderr
+    assert (
+        "step 100 (saved by 4 ranks, mesh 2x2) resumes on 2 nodes x 1 process = 2 ranks; another world "
+        "size than the checkpoint's 4: the workers reshard it"
+    ) in done.stderr
 
 
 def test_a_range_with_the_static_rendezvous_is_warned_not_elastic(tmp_path, torchrun):
     program, _marker = torchrun
     done = spotrun_run(tmp_path / "ck", str(program), "--nnodes", "1:2", "--nproc-per-node", "2", "train.py")
     assert done.returncode == 0, done.stderr
-    assert ("WARNING torchrun --nnodes 1:2 with the static rendezvous (torchrun's default without --rdzv-backend) "
-            "is not elastic: it waits for all 2 nodes") in done.stderr
+    assert (
+        "WARNING torchrun --nnodes 1:2 with the static rendezvous (torchrun's default without --rdzv-backend) "
+        "is not elastic: it waits for all 2 nodes"
+    ) in done.stderr
     assert "fresh start on 1 to 2 nodes x 2 processes = 2 to 4 ranks" in done.stderr
 
 
@@ -140,9 +168,28 @@ def test_nnodes_from_torchruns_environment_default_is_read(tmp_path, torchrun):
     """torchrun takes an option it is not given from PET_<OPTION>: so does the supervisor."""
     program, _marker = torchrun
     done = subprocess.run(
-        [sys.executable, "-m", "spotrun", "run", "--notice", "none", "--checkpoint-uri", str(tmp_path / "ck"), "--",
-         str(program), "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "train.py"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PET_NNODES": "2:4", "PET_NPROC_PER_NODE": "8"})
+        [
+            sys.executable,
+            "-m",
+            "spotrun",
+            "run",
+            "--notice",
+            "none",
+            "--checkpoint-uri",
+            str(tmp_path / "ck"),
+            "--",
+            str(program),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "127.0.0.1:1",
+            "train.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PET_NNODES": "2:4", "PET_NPROC_PER_NODE": "8"},
+    )
     assert done.returncode == 0, done.stderr
     assert "fresh start on 2 to 4 nodes x 8 processes = 16 to 32 ranks (torchrun --nnodes 2:4:" in done.stderr
     assert "waits up to 30 s for more nodes once 2 joined" in done.stderr
@@ -160,8 +207,9 @@ def test_an_impossible_node_range_is_refused_before_anything_starts(tmp_path, to
 def test_a_command_that_is_not_torchrun_leaves_the_count_to_the_workers(tmp_path):
     done = spotrun_run(tmp_path / "ck", sys.executable, "-c", "pass")
     assert done.returncode == 0, done.stderr
-    assert ("fresh start on as many ranks as the launch command starts (not a torchrun command: the workers "
-            "log the count)") in done.stderr
+    assert (
+        "fresh start on as many ranks as the launch command starts (not a torchrun command: the workers log the count)"
+    ) in done.stderr
 
 
 RESTARTED_IN_PLACE = JOBS / "restarted_in_place.py"
@@ -173,15 +221,28 @@ def test_workers_started_again_after_their_emergency_checkpoint_finish_with_exit
     elastic node change): that emergency checkpoint did not end the launch, so a job that then
     finishes exits 0 (not 143, preempted), and the log says why."""
     ck, log_path = str(tmp_path / "ck"), tmp_path / "spotrun.log"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               "--max-restarts", "1", str(RESTARTED_IN_PLACE), "9", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "1",
+        str(RESTARTED_IN_PLACE),
+        "9",
+        "2",
+    ]
     proc = supervise(ck, command, log_path, processes)
     assert proc.wait(timeout=300) == 0, log_path.read_text(errors="replace")
     text = log_path.read_text(errors="replace")
     assert "attempt 0 resumed at step 0" in text and "attempt 1 resumed at step 3" in text
-    assert ("the workers took an emergency checkpoint of step 3, then torchrun started them again in this launch "
-            "(an elastic node change, or its --max-restarts) and they saved step 9: that checkpoint did not end "
-            "the launch") in text
+    assert (
+        "the workers took an emergency checkpoint of step 3, then torchrun started them again in this launch "
+        "(an elastic node change, or its --max-restarts) and they saved step 9: that checkpoint did not end "
+        "the launch"
+    ) in text
     assert f"training finished: the checkpoint is step 9 under {ck}" in text.splitlines()[-1]
     listed = {row["step"]: row for row in ls_json(ck)}
     assert listed[3]["reason"] == "emergency" and listed[9]["reason"] == "final"

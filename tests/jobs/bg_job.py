@@ -31,8 +31,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import spotrun
-from spotrun.control import files as control
 from spotrun.checkpoint import save as save_module
+from spotrun.control import files as control
 from spotrun.storage import LocalStorage
 from spotrun.storage.s3 import S3Storage
 
@@ -100,6 +100,8 @@ class Gate:
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 class GatedStorage(Gate, LocalStorage):
     pass
 
@@ -108,10 +110,17 @@ class GatedS3Storage(Gate, S3Storage):
     pass
 
 
-storage = GatedS3Storage.from_uri(args.ckpt_dir) if args.ckpt_dir.startswith("s3://") \
+storage = (
+    GatedS3Storage.from_uri(args.ckpt_dir)
+    if args.ckpt_dir.startswith("s3://")
     else GatedStorage(args.ckpt_dir, fsync=False)
-ckpt = spotrun.Checkpointer({"model": model, "optimizer": opt}, storage=storage,
-                            interval_steps=args.interval, max_file_size_bytes=args.max_file_bytes)
+)
+ckpt = spotrun.Checkpointer(
+    {"model": model, "optimizer": opt},
+    storage=storage,
+    interval_steps=args.interval,
+    max_file_size_bytes=args.max_file_bytes,
+)
 step = resumed = ckpt.restore()
 stopped = False
 while step < args.steps:
@@ -140,10 +149,15 @@ while step < args.steps:
 if not stopped:
     ckpt.save(step, reason="final")
 ckpt.close()
-write_atomically(os.path.join(out, f"result-rank-{rank}.json"), json.dumps(
-    {"resumed": resumed, "stopped_at": step, "last_saved_step": ckpt.last_saved_step, "preempted": ckpt.preempted}))
+write_atomically(
+    os.path.join(out, f"result-rank-{rank}.json"),
+    json.dumps(
+        {"resumed": resumed, "stopped_at": step, "last_saved_step": ckpt.last_saved_step, "preempted": ckpt.preempted}
+    ),
+)
 if distributed:
     dist.barrier()
     dist.destroy_process_group()
 from exit_without_teardown import exit_without_teardown
+
 exit_without_teardown(0)

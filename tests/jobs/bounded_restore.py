@@ -17,8 +17,17 @@ from spotrun.storage import LocalStorage
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 model = torch.nn.Linear(4, 4)
 extra: dict = {"epoch": 0}
-ckpt = spotrun.Checkpointer({"model": model, "extra": extra}, storage=LocalStorage(sys.argv[1], fsync=False),
-                            handle_signals=False)
+ckpt = spotrun.Checkpointer(
+    {"model": model, "extra": extra}, storage=LocalStorage(sys.argv[1], fsync=False), handle_signals=False
+)
 step = ckpt.restore()
-print(json.dumps({"step": step, "weight": model.weight.detach().numpy().tobytes().hex(),
-                  "bias": model.bias.detach().numpy().tobytes().hex(), "epoch": extra.get("epoch")}))
+print(
+    json.dumps(
+        {
+            "step": step,
+            "weight": model.weight.detach().numpy().tobytes().hex(),
+            "bias": model.bias.detach().numpy().tobytes().hex(),
+            "epoch": extra.get("epoch"),
+        }
+    )
+)

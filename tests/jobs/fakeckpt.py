@@ -44,9 +44,16 @@ def write_step(
     if not commit:
         return
     manifest = Manifest(
-        step=step, world_size=world_size, files=records, tensors={}, state={},
-        rank_state=[{} for _ in range(world_size)], reason=reason,
+        step=step,
+        world_size=world_size,
+        files=records,
+        tensors={},
+        state={},
+        rank_state=[{} for _ in range(world_size)],
+        reason=reason,
         created_unix_s=time.time() if created_unix_s is None else created_unix_s,
-        run_id=run_id, incarnation=incarnation, meshes=list(meshes or []),
+        run_id=run_id,
+        incarnation=incarnation,
+        meshes=list(meshes or []),
     )
     storage.put_if_absent(manifest_key(step, incarnation), manifest.to_json())

@@ -61,7 +61,9 @@ def main():
         "torch-fork": plain(num_workers=2, multiprocessing_context="fork"),
         "torch-fork-persistent": plain(num_workers=2, multiprocessing_context="fork", persistent_workers=True),
         "resumable-forkserver": resumable(num_workers=1, multiprocessing_context="forkserver"),
-        "resumable-spawn-persistent": resumable(num_workers=1, multiprocessing_context="spawn", persistent_workers=True),
+        "resumable-spawn-persistent": resumable(
+            num_workers=1, multiprocessing_context="spawn", persistent_workers=True
+        ),
         "torch-spawn": plain(num_workers=1, multiprocessing_context="spawn"),
     }
     ckpt = spotrun.Checkpointer({"model": model, "optimizer": opt}, uri=args.ckpt_dir, interval_steps=1)

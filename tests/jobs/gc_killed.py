@@ -17,7 +17,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repo
 from tests.support.crash_points import LocalHooks, PointCounter, S3Hooks  # noqa: E402
 
 points_file, kill_at, backend, where = sys.argv[1:5]
-gc_args = sys.argv[sys.argv.index("--") + 1:]
+gc_args = sys.argv[sys.argv.index("--") + 1 :]
 counter = PointCounter(None if kill_at == "none" else int(kill_at))
 if backend == "local":
     LocalHooks(where, counter).install()

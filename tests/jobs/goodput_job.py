@@ -60,8 +60,7 @@ def mark_held(step: int) -> None:
             f.write(str(step))
 
 
-ckpt = spotrun.Checkpointer(state={"model": model, "optimizer": opt}, uri=args.ckpt_uri,
-                            interval_steps=args.interval)
+ckpt = spotrun.Checkpointer(state={"model": model, "optimizer": opt}, uri=args.ckpt_uri, interval_steps=args.interval)
 step = ckpt.restore()
 log(event="restored", step=step)
 stopped = False
@@ -90,4 +89,5 @@ ckpt.close()
 dist.barrier()
 dist.destroy_process_group()
 from exit_without_teardown import exit_without_teardown
+
 exit_without_teardown(0)

@@ -38,8 +38,8 @@ def main() -> int:
     os.replace(state_dir / "pids.tmp", state_dir / "pids")
     if "--exit-after-spawn" in sys.argv:
         return 0
-    from spotrun.control import files as control  # after the grandchild branch: it needs neither
     from spotrun.control import env
+    from spotrun.control import files as control  # after the grandchild branch: it needs neither
 
     control_dir = env.WorkerEnv.from_environ().control_dir
     while True:

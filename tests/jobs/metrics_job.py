@@ -31,8 +31,7 @@ configure_logging(logging.INFO, prefix="[rank 0]", fields={"rank": 0})
 torch.manual_seed(0)
 model = torch.nn.Linear(64, 64)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-ckpt = spotrun.Checkpointer({"model": model, "optimizer": opt}, interval_steps=args.interval,
-                            background_saves=False)
+ckpt = spotrun.Checkpointer({"model": model, "optimizer": opt}, interval_steps=args.interval, background_saves=False)
 step = ckpt.restore()
 fresh = step == 0
 while True:

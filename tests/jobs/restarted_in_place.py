@@ -17,9 +17,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+from exit_without_teardown import exit_without_teardown
 
 import spotrun
-from exit_without_teardown import exit_without_teardown
 
 steps, interval = int(sys.argv[1]), int(sys.argv[2])
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])

@@ -33,6 +33,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from exit_without_teardown import exit_without_teardown
 from torch import nn
 
 import spotrun
@@ -40,7 +41,6 @@ from spotrun.control import files as control
 from spotrun.control.env import CONTROL_DIR
 from spotrun.errors import CheckpointSaveError
 from spotrun.storage import open_storage
-from exit_without_teardown import exit_without_teardown
 
 MIB = 1024 * 1024
 #: Model width: one 1024x1024 layer, so model + AdamW state is about 12 MiB.
@@ -112,14 +112,17 @@ def main() -> int:
     args = parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"[rank {rank}] %(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format=f"[rank {rank}] %(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     logging.getLogger("spotrun").setLevel(logging.INFO)
     storage = open_storage(args.uri, multipart_threshold_bytes=5 * MIB, part_size_bytes=5 * MIB)
     model, opt = build(seed=99 if args.restore else 0)
     ckpt = spotrun.Checkpointer(
-        state={"model": model, "optimizer": opt}, storage=storage,
-        save_timeout_s=args.save_timeout_s, handle_signals=False,
+        state={"model": model, "optimizer": opt},
+        storage=storage,
+        save_timeout_s=args.save_timeout_s,
+        handle_signals=False,
     )
     result: dict = {"rank": rank, "restored": None, "saves": []}
     if args.restore:

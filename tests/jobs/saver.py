@@ -23,9 +23,8 @@ import time
 
 from fakeckpt import write_step
 
+from spotrun.control import env, listeners
 from spotrun.control import files as control
-from spotrun.control import env
-from spotrun.control import listeners
 
 
 def main() -> int:
@@ -34,14 +33,25 @@ def main() -> int:
     parser.add_argument("--max-steps", type=int, default=0, help="0 = run until asked to save")
     parser.add_argument("--no-manifest", action="store_true", help="report a commit but never write the manifest")
     parser.add_argument("--exit-without-saving", action="store_true", help="on a request, just exit 0")
-    parser.add_argument("--stopped-without-save-at", type=int, default=0,
-                        help="at this step, report a stop without a save (as when another node's "
-                             "supervisor found no time for one) and exit 0")
-    parser.add_argument("--fenced-at", type=int, default=0,
-                        help="at this step, report a fence (as a Checkpointer whose save raised FencedError "
-                             "does) and exit --fenced-exit-code")
-    parser.add_argument("--fenced-on-request", action="store_true",
-                        help="on a save request, report a fence instead of saving (the emergency save was fenced)")
+    parser.add_argument(
+        "--stopped-without-save-at",
+        type=int,
+        default=0,
+        help="at this step, report a stop without a save (as when another node's "
+        "supervisor found no time for one) and exit 0",
+    )
+    parser.add_argument(
+        "--fenced-at",
+        type=int,
+        default=0,
+        help="at this step, report a fence (as a Checkpointer whose save raised FencedError "
+        "does) and exit --fenced-exit-code",
+    )
+    parser.add_argument(
+        "--fenced-on-request",
+        action="store_true",
+        help="on a save request, report a fence instead of saving (the emergency save was fenced)",
+    )
     parser.add_argument("--fenced-exit-code", type=int, default=1)
     args = parser.parse_args()
 
@@ -59,10 +69,18 @@ def main() -> int:
     (args.state_dir / "ready").write_text(str(os.getpid()))
 
     def fenced() -> int:
-        control.write_fence_report(control_dir, control.FenceReport(
-            incarnation=worker_env.incarnation, newer_incarnation=worker_env.incarnation + 7, newer_host="other-host",
-            newer_pid=1234, newer_supervisor_pid=99, message="FencedError: a newer incarnation started",
-            fenced_unix_s=time.time()))
+        control.write_fence_report(
+            control_dir,
+            control.FenceReport(
+                incarnation=worker_env.incarnation,
+                newer_incarnation=worker_env.incarnation + 7,
+                newer_host="other-host",
+                newer_pid=1234,
+                newer_supervisor_pid=99,
+                message="FencedError: a newer incarnation started",
+                fenced_unix_s=time.time(),
+            ),
+        )
         return args.fenced_exit_code
 
     step = worker_env.resume_step or 0
@@ -83,8 +101,12 @@ def main() -> int:
         if args.exit_without_saving:
             return 0
         write_step(
-            worker_env.checkpoint_uri, step, commit=not args.no_manifest, reason="emergency",
-            run_id=worker_env.run_id, incarnation=worker_env.incarnation,
+            worker_env.checkpoint_uri,
+            step,
+            commit=not args.no_manifest,
+            reason="emergency",
+            run_id=worker_env.run_id,
+            incarnation=worker_env.incarnation,
         )
         control.write_commit_report(control_dir, step)
         return 0

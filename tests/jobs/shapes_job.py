@@ -7,8 +7,9 @@ Usage (under ``spotrun run -- torchrun --nproc-per-node 2``):
 Shapes: epochs-fork, epochs-spawn-persistent, grad-accum, amp, compile, sequential-lr,
 iterable, iterable-global-rng (see SHAPES). Rank 0 appends ``{"step", "loss", "lr"}`` (amp:
 and ``"scale"``) per optimizer step to the log file; the run ends with a final save at step
-N. The dataset (40 samples, 8 per global batch) is shorter than the run, so every shape crosses epoch boundaries; a background periodic
-save every 3 steps is in flight or just done at those boundaries (field case C18).
+N. The dataset (40 samples, 8 per global batch) is shorter than the run, so every shape
+crosses epoch boundaries; a background periodic save every 3 steps is in flight or just done at
+those boundaries (field case C18).
 """
 
 import argparse
@@ -17,12 +18,20 @@ import time
 
 import torch
 import torch.distributed as dist
-
-import spotrun
 from exit_without_teardown import exit_without_teardown
 
-SHAPES = ("epochs-fork", "epochs-spawn-persistent", "grad-accum", "amp", "compile", "sequential-lr", "iterable",
-          "iterable-global-rng")
+import spotrun
+
+SHAPES = (
+    "epochs-fork",
+    "epochs-spawn-persistent",
+    "grad-accum",
+    "amp",
+    "compile",
+    "sequential-lr",
+    "iterable",
+    "iterable-global-rng",
+)
 SAMPLES = 40
 BATCH_PER_RANK = 4
 ACCUMULATION = 3  # micro-batches per optimizer step in grad-accum

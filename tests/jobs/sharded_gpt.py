@@ -18,12 +18,12 @@ import sys
 
 import torch
 import torch.distributed as dist
+from exit_without_teardown import exit_without_teardown
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from spotrun.examples.gpt import GPT, GPTConfig
 from spotrun.examples.parallel import Layout, Parallel
 from spotrun.examples.train_gpt import GRAD_CLIP_NORM
-from exit_without_teardown import exit_without_teardown
 
 STEPS = 3
 PER_RANK_BATCH = 2
@@ -77,12 +77,15 @@ tied_after = model.head.weight is model.tok_emb.weight
 full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 expected = reference.state_dict()
 result = {
-    "tied_before": tied_before, "tied_after": tied_after, "parameters_once": parameters_once,
+    "tied_before": tied_before,
+    "tied_after": tied_after,
+    "parameters_once": parameters_once,
     "head_equals_embedding": torch.equal(full["head.weight"], full["tok_emb.weight"]),
     "names_match": sorted(full) == sorted(expected),
     "max_abs_diff": {name: (full[name] - expected[name]).abs().max().item() for name in expected if name in full},
     "max_abs_param": max(t.abs().max().item() for t in expected.values()),
-    "losses": losses, "reference_losses": reference_losses,
+    "losses": losses,
+    "reference_losses": reference_losses,
 }
 if dist.get_rank() == 0:
     with open(os.path.join(out_dir, "result.json"), "w") as f:

@@ -24,10 +24,10 @@ import os
 
 import torch
 import torch.distributed as dist
+from exit_without_teardown import exit_without_teardown
 from torch import nn
 
 import spotrun
-from exit_without_teardown import exit_without_teardown
 
 WIDTH_IN, WIDTH_HIDDEN = 12, 20  # sizes 20 and 12 do not divide by 3: uneven shards
 
@@ -114,8 +114,12 @@ def run_job(layout: str, ckpt_dir: str, steps: int, distributed: bool, model_nam
     replicas = layout == "ddp" and distributed
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    ckpt = spotrun.Checkpointer({"model": model, "optimizer": opt, "scheduler": sched}, uri=ckpt_dir,
-                                handle_signals=False, background_saves=False)
+    ckpt = spotrun.Checkpointer(
+        {"model": model, "optimizer": opt, "scheduler": sched},
+        uri=ckpt_dir,
+        handle_signals=False,
+        background_saves=False,
+    )
     step = ckpt.restore()
     restored, restored_tensors = step, tensor_digests(model, opt)
     bytes_read = [None] * (dist.get_world_size() if distributed else 1)
@@ -141,8 +145,14 @@ def run_job(layout: str, ckpt_dir: str, steps: int, distributed: bool, model_nam
         losses[step] = loss.item()
     ckpt.save(step, reason="final")
     ckpt.close()
-    return {"restored": restored, "losses": losses, "restored_tensors": restored_tensors,
-            "tensors": tensor_digests(model, opt), "lr": sched.get_last_lr(), "bytes_read": bytes_read}
+    return {
+        "restored": restored,
+        "losses": losses,
+        "restored_tensors": restored_tensors,
+        "tensors": tensor_digests(model, opt),
+        "lr": sched.get_last_lr(),
+        "bytes_read": bytes_read,
+    }
 
 
 def main() -> None:
@@ -154,8 +164,10 @@ def main() -> None:
     if distributed:
         dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    results = [run_job(job["layout"], job["ckpt"], job["steps"], distributed, job.get("model", "net"))
-               for job in json.loads(args.jobs)]
+    results = [
+        run_job(job["layout"], job["ckpt"], job["steps"], distributed, job.get("model", "net"))
+        for job in json.loads(args.jobs)
+    ]
     if not distributed or dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)

@@ -41,12 +41,12 @@ import os
 
 import torch
 import torch.distributed as dist
+from exit_without_teardown import exit_without_teardown
 from torch import nn
 
 import spotrun
 from spotrun.storage import LocalStorage
 from tests.support.peak_memory import PeakMemory, measure, status_bytes, trim_heap
-from exit_without_teardown import exit_without_teardown
 
 LAYERS, WIDTH = 4, 2048  # 4 x 16 MiB of float32 weights: 192 MiB with AdamW's two moments
 
@@ -98,13 +98,16 @@ def digest(t: torch.Tensor) -> str:
 
 def row_half_digests(tensors: dict[str, torch.Tensor], ranks: int) -> dict[str, list[str]]:
     """name -> digest of each rank's box under FSDP2 (``torch.chunk`` of dim 0), 0-d tensors whole."""
-    return {n: [digest(t)] * ranks if t.dim() == 0 else [digest(c) for c in torch.chunk(t.detach(), ranks)]
-            for n, t in tensors.items()}
+    return {
+        n: [digest(t)] * ranks if t.dim() == 0 else [digest(c) for c in torch.chunk(t.detach(), ranks)]
+        for n, t in tensors.items()
+    }
 
 
 def checkpointer(model: nn.Module, opt: torch.optim.Optimizer, root: str, **options) -> spotrun.Checkpointer:
-    return spotrun.Checkpointer({"model": model, "optimizer": opt}, storage=LocalStorage(root),
-                                handle_signals=False, **options)
+    return spotrun.Checkpointer(
+        {"model": model, "optimizer": opt}, storage=LocalStorage(root), handle_signals=False, **options
+    )
 
 
 def warm_up(root: str) -> None:
@@ -113,8 +116,13 @@ def warm_up(root: str) -> None:
     for background in (False, True):
         tiny = {"x": torch.ones(4)}
         where = os.path.join(root, f"background-{background}")
-        ckpt = spotrun.Checkpointer({"warm": tiny}, storage=LocalStorage(where), handle_signals=False,
-                                    interval_steps=1, background_saves=background)
+        ckpt = spotrun.Checkpointer(
+            {"warm": tiny},
+            storage=LocalStorage(where),
+            handle_signals=False,
+            interval_steps=1,
+            background_saves=background,
+        )
         ckpt.restore()
         ckpt.end_of_step(1)
         ckpt.wait_for_save()
@@ -128,8 +136,13 @@ def fields(peak: PeakMemory) -> dict[str, int]:
     """The measurement, and ``kept_bytes``: what the action still holds once garbage is
     collected and the C heap trimmed (resident now minus resident before it)."""
     trim_heap()
-    return {"before_bytes": peak.before_bytes, "peak_bytes": peak.peak_bytes, "after_bytes": peak.after_bytes,
-            "extra_bytes": peak.extra_bytes, "kept_bytes": status_bytes("VmRSS") - peak.before_bytes}
+    return {
+        "before_bytes": peak.before_bytes,
+        "peak_bytes": peak.peak_bytes,
+        "after_bytes": peak.after_bytes,
+        "extra_bytes": peak.extra_bytes,
+        "kept_bytes": status_bytes("VmRSS") - peak.before_bytes,
+    }
 
 
 def main() -> None:
@@ -159,8 +172,9 @@ def main() -> None:
     result["full_state_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
     result["tensors"] = len(tensors)
     result["largest_tensor_bytes"] = max(t.numel() * t.element_size() for t in tensors.values())
-    result["local_optimizer_bytes"] = sum(local(t).numel() * local(t).element_size()
-                                          for n, t in tensors.items() if n.startswith("optimizer/"))
+    result["local_optimizer_bytes"] = sum(
+        local(t).numel() * local(t).element_size() for n, t in tensors.items() if n.startswith("optimizer/")
+    )
     warm_up(os.path.join(args.root, "warm-up"))
 
     allocated, peak = measure(lambda: torch.ones(result["local_share_bytes"] // 4))
@@ -179,20 +193,26 @@ def main() -> None:
             local(t).zero_()
     ckpt = checkpointer(model, opt, os.path.join(args.root, "fsdp"), background_saves=False)
     step, peak = measure(ckpt.restore)
-    result["restore_same_layout"] = {**fields(peak), "step": step, "bytes_read": ckpt.restore_bytes_read,
-                                     "exact": {n: digest(local(t)) for n, t in tensors.items()} == saved}
+    result["restore_same_layout"] = {
+        **fields(peak),
+        "step": step,
+        "bytes_read": ckpt.restore_bytes_read,
+        "exact": {n: digest(local(t)) for n, t in tensors.items()} == saved,
+    }
     ckpt.close()
 
     ckpt = checkpointer(model, opt, os.path.join(args.root, "ddp"), background_saves=False)
     step, peak = measure(ckpt.restore)
     tensors = named_tensors(model, opt)  # the restore keeps the optimizer's tensors, but look again
     result["restore_other_layout"] = {
-        **fields(peak), "step": step, "bytes_read": ckpt.restore_bytes_read,
-        "exact": {n: digest(local(t)) for n, t in tensors.items()} == replicated_halves}
+        **fields(peak),
+        "step": step,
+        "bytes_read": ckpt.restore_bytes_read,
+        "exact": {n: digest(local(t)) for n, t in tensors.items()} == replicated_halves,
+    }
     ckpt.close()
 
-    ckpt = checkpointer(model, opt, os.path.join(args.root, "background"), interval_steps=1,
-                        background_saves=True)
+    ckpt = checkpointer(model, opt, os.path.join(args.root, "background"), interval_steps=1, background_saves=True)
     ckpt.restore()
 
     def two_saves() -> None:
@@ -211,8 +231,12 @@ def main() -> None:
     ckpt = checkpointer(model, opt, os.path.join(args.root, "fsdp"), background_saves=False)
     step, peak = measure(ckpt.restore)
     tensors = named_tensors(model, opt)
-    result["restore_at_start"] = {**fields(peak), "step": step, "bytes_read": ckpt.restore_bytes_read,
-                                  "exact": {n: digest(local(t)) for n, t in tensors.items()} == saved}
+    result["restore_at_start"] = {
+        **fields(peak),
+        "step": step,
+        "bytes_read": ckpt.restore_bytes_read,
+        "exact": {n: digest(local(t)) for n, t in tensors.items()} == saved,
+    }
     ckpt.close()
 
     results: list = [None] * ranks

@@ -27,8 +27,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from exit_without_teardown import exit_without_teardown
+from torch import nn
 
 
 def build(width: int) -> nn.Module:
@@ -63,8 +63,11 @@ def describe(tensor: torch.Tensor) -> dict:
         return {"box": None, "shape": list(tensor.shape), "itemsize": tensor.element_size()}
     chunks = tensor.__create_chunk_list__()  # torch's own sharding arithmetic (offsets, sizes)
     assert len(chunks) == 1 and all(o == 0 for o in chunks[0].offsets[1:]), chunks
-    return {"box": [chunks[0].offsets[0], chunks[0].sizes[0]], "shape": list(tensor.shape),
-            "itemsize": tensor.element_size()}
+    return {
+        "box": [chunks[0].offsets[0], chunks[0].sizes[0]],
+        "shape": list(tensor.shape),
+        "itemsize": tensor.element_size(),
+    }
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -92,8 +95,9 @@ def main() -> None:
 
     model = build(args.width)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    ckpt = spotrun.Checkpointer({"model": model, "optimizer": opt}, uri=args.uri,
-                                handle_signals=False, background_saves=False)
+    ckpt = spotrun.Checkpointer(
+        {"model": model, "optimizer": opt}, uri=args.uri, handle_signals=False, background_saves=False
+    )
     restored = ckpt.restore()
     if args.mode == "save":
         g = torch.Generator().manual_seed(1)
@@ -103,9 +107,12 @@ def main() -> None:
         ckpt.save(1)
     ckpt.close()
     tensors = named_state(model, opt)
-    report = {"restored": restored, "restore_bytes_read": ckpt.restore_bytes_read,
-              "tensors": {name: digest(t) for name, t in tensors.items()},
-              "shards": {name: describe(t) for name, t in tensors.items()}}
+    report = {
+        "restored": restored,
+        "restore_bytes_read": ckpt.restore_bytes_read,
+        "tensors": {name: digest(t) for name, t in tensors.items()},
+        "shards": {name: describe(t) for name, t in tensors.items()},
+    }
     with open(os.path.join(args.out_dir, f"rank-{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.barrier()

@@ -14,11 +14,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from exit_without_teardown import exit_without_teardown
 
 import spotrun
 from spotrun.control.env import WorkerEnv
 from spotrun.storage import LocalStorage
-from exit_without_teardown import exit_without_teardown
 
 SLOW_SAVE_S = float(os.environ.get("SLOW_SAVE_S", "45"))
 
@@ -35,8 +35,9 @@ rank = dist.get_rank()
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 8)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-ckpt = spotrun.Checkpointer({"model": model, "optimizer": opt},
-                            storage=SlowStorage(WorkerEnv.from_environ().checkpoint_uri))
+ckpt = spotrun.Checkpointer(
+    {"model": model, "optimizer": opt}, storage=SlowStorage(WorkerEnv.from_environ().checkpoint_uri)
+)
 step = ckpt.restore()
 while True:
     loss = model(torch.randn(4, 8)).pow(2).mean()

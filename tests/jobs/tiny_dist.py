@@ -39,12 +39,13 @@ if mode == "save":
     report({"rank": rank, "saved": 3})
 elif mode == "load":
     loaded = load_committed(storage, 3, rank, dist.get_world_size())
-    report({"rank": rank, "w": loaded.replicated["w"]["only"].tolist(),
-                      "meta": loaded.replicated["meta"]})
+    report({"rank": rank, "w": loaded.replicated["w"]["only"].tolist(), "meta": loaded.replicated["meta"]})
 elif mode == "fail-rank1":
     if rank == 1:
+
         def broken_put_stream(key, source, **kwargs):
             raise StorageError(5, f"injected write failure for {key}")
+
         storage.put_stream = broken_put_stream
     try:
         save_step(storage, 4, replicated, {}, context)
@@ -52,11 +53,13 @@ elif mode == "fail-rank1":
     except CheckpointSaveError as exc:
         report({"rank": rank, "error": str(exc)})
 elif mode == "split":
+
     def many(seed):
         gen = torch.Generator().manual_seed(seed)
         state = {f"t{i}": torch.randn(1 + i % 9, generator=gen) for i in range(300)}
         state.update({f"s{i}": torch.randn(4, generator=gen).to(torch.float8_e8m0fnu) for i in range(40)})
         return state
+
     replicated = {"model": many(0)}
     own = {"mine": many(100 + rank)}
     save_step(storage, 5, replicated, own, context, ShardLimits(max_file_size_bytes=4096, max_header_bytes=4096))
@@ -64,10 +67,18 @@ elif mode == "split":
 
     def same(a, b):
         return a.keys() == b.keys() and all(
-            a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
-    report({"rank": rank, "replicated_exact": same(loaded.replicated["model"], replicated["model"]),
-            "own_exact": same(loaded.rank_local["mine"], own["mine"])})
+            a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a
+        )
+
+    report(
+        {
+            "rank": rank,
+            "replicated_exact": same(loaded.replicated["model"], replicated["model"]),
+            "own_exact": same(loaded.rank_local["mine"], own["mine"]),
+        }
+    )
 dist.barrier()  # no rank tears gloo down while a peer still receives
 dist.destroy_process_group()
 from exit_without_teardown import exit_without_teardown
+
 exit_without_teardown(0)

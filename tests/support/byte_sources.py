@@ -17,8 +17,7 @@ class BytesSource(ByteSource):
         error: what that read raises.
     """
 
-    def __init__(self, data: bytes, *, fail_at: int | None = None,
-                 error: BaseException | None = None) -> None:
+    def __init__(self, data: bytes, *, fail_at: int | None = None, error: BaseException | None = None) -> None:
         self._data = memoryview(data)
         self._fail_at = fail_at
         self._error = error

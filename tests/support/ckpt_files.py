@@ -35,7 +35,7 @@ def has_manifest(storage: Storage, step: int) -> bool:
     from spotrun.checkpoint.layout import parse_manifest_name, step_dir
 
     prefix = f"{step_dir(step)}/"
-    return any(parse_manifest_name(o.key[len(prefix):])[0] for o in storage.list(prefix))
+    return any(parse_manifest_name(o.key[len(prefix) :])[0] for o in storage.list(prefix))
 
 
 def chunk_files(root: Path | str, step: int) -> dict[str, set[str]]:

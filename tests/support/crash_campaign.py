@@ -48,7 +48,8 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -75,6 +76,7 @@ CHILD_ALARM_S = 120
 
 # --- the writer ---------------------------------------------------------------------
 
+
 def background_supported() -> bool:
     """Whether this spotrun's Checkpointer has background periodic saves (issue 9 item 3)."""
     from spotrun import Checkpointer
@@ -85,8 +87,9 @@ def background_supported() -> bool:
 def _checkpointer(state, storage, **options):
     from spotrun import Checkpointer
 
-    return Checkpointer(state, storage=storage, handle_signals=False, max_file_size_bytes=MAX_FILE_SIZE_BYTES,
-                        **options)
+    return Checkpointer(
+        state, storage=storage, handle_signals=False, max_file_size_bytes=MAX_FILE_SIZE_BYTES, **options
+    )
 
 
 def write_base(scenario: Scenario, storage) -> None:
@@ -140,6 +143,7 @@ def writer_child(scenario: Scenario, uri: str, kill_at: int | None, out_path: st
 
 # --- the restart after a kill ---------------------------------------------------------
 
+
 class _Warnings(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -179,34 +183,46 @@ def check_restart(scenario: Scenario, uri: str, snapshot: dict[str, Any]) -> dic
     restored = ckpt.restore()
     newest_before = max((int(s) for s in snapshot["committed"]), default=0)
     if restored != max(complete, default=0) or restored < newest_before:
-        problems.append(f"the restart resumed from step {restored}; complete steps {complete}, "
-                        f"newest committed before the kill {newest_before}")
+        problems.append(
+            f"the restart resumed from step {restored}; complete steps {complete}, "
+            f"newest committed before the kill {newest_before}"
+        )
     problems += compare(state, restored, f"state restored from step {restored}", scenario)
     following = restored + 1  # saved again over the killed incarnation's leftovers, when it was that step
     set_state(state, following, scenario)
     ckpt.save(following, reason="periodic")
     ckpt.close()
     try:
-        problems += compare(load_committed(storage, following, 0, 1).replicated, following,
-                            f"step {following} saved after the restart", scenario)
+        problems += compare(
+            load_committed(storage, following, 0, 1).replicated,
+            following,
+            f"step {following} saved after the restart",
+            scenario,
+        )
     except Exception as exc:  # noqa: BLE001
         problems.append(f"step {following} saved after the restart does not load: {type(exc).__name__}: {exc}")
     problems += [f"the restart logged {m}" for m in warnings.messages]
     return {"problems": problems, "complete": complete, "restored": restored}
 
 
-def _changed_since(scenario: Scenario, uri: str, storage, snapshot: dict[str, Any],
-                   complete: list[int]) -> list[str]:
-    problems = [f"step {step} was complete before the kill and is not now"
-                for step in snapshot["committed"] if int(step) not in complete]
+def _changed_since(scenario: Scenario, uri: str, storage, snapshot: dict[str, Any], complete: list[int]) -> list[str]:
+    problems = [
+        f"step {step} was complete before the kill and is not now"
+        for step in snapshot["committed"]
+        if int(step) not in complete
+    ]
     before = snapshot["identities"]
     now = object_identities(scenario, uri, storage, sorted(before))
-    problems += [f"committed {key} changed after the kill: {before[key]}, now {now[key]}"
-                 for key in sorted(before) if now[key] != before[key]]
+    problems += [
+        f"committed {key} changed after the kill: {before[key]}, now {now[key]}"
+        for key in sorted(before)
+        if now[key] != before[key]
+    ]
     return problems
 
 
 # --- forking ------------------------------------------------------------------------
+
 
 def _write_json(path: str, doc: Any) -> None:
     with open(path + ".part", "w") as f:
@@ -250,8 +266,10 @@ def _checked_in_child(scenario: Scenario, uri: str, snapshot_path: str, result_p
         try:
             result = check_restart(scenario, uri, _read_json(snapshot_path))
         except Exception as exc:  # noqa: BLE001
-            result = {"problems": [f"the restart failed: {type(exc).__name__}: {exc}"],
-                      "traceback": traceback.format_exc()}
+            result = {
+                "problems": [f"the restart failed: {type(exc).__name__}: {exc}"],
+                "traceback": traceback.format_exc(),
+            }
         _write_json(result_path, result)
         remove_root(scenario, uri)
 
@@ -279,34 +297,58 @@ def campaign(scenario: Scenario) -> dict[str, Any]:
         raise RuntimeError(f"the dry run failed (status {status})")
     dry = _read_json(dry_out)
     names: list[str] = dry["points"]
-    end_state = _checked_in_child(scenario, scenario.uri("dry"), dry_out,
-                                  os.path.join(scenario.work_dir, "dry-check.json"))
+    end_state = _checked_in_child(
+        scenario, scenario.uri("dry"), dry_out, os.path.join(scenario.work_dir, "dry-check.json")
+    )
     points = []
     for index in range(len(names)):
         uri = scenario.uri(f"p{index:03d}")
         snapshot_path = os.path.join(scenario.work_dir, f"p{index:03d}-snapshot.json")
         status = in_child(lambda: writer_child(scenario, uri, index, snapshot_path))
         if status != -signal.SIGKILL or not os.path.exists(snapshot_path):
-            points.append({"index": index, "name": names[index], "problems": [
-                f"the writer was not killed at point {index} (status {status}): the run passed fewer "
-                f"persistence points than the dry run's {len(names)}"]})
+            points.append(
+                {
+                    "index": index,
+                    "name": names[index],
+                    "problems": [
+                        f"the writer was not killed at point {index} (status {status}): the run passed fewer "
+                        f"persistence points than the dry run's {len(names)}"
+                    ],
+                }
+            )
             remove_root(scenario, uri)
             continue
         killed_at = _read_json(snapshot_path)["point"]
-        checked = _checked_in_child(scenario, uri, snapshot_path,
-                                    os.path.join(scenario.work_dir, f"p{index:03d}-check.json"))
-        points.append({"index": index, "name": killed_at, "problems": checked["problems"],
-                       "complete": checked.get("complete"), "restored": checked.get("restored")})
+        checked = _checked_in_child(
+            scenario, uri, snapshot_path, os.path.join(scenario.work_dir, f"p{index:03d}-check.json")
+        )
+        points.append(
+            {
+                "index": index,
+                "name": killed_at,
+                "problems": checked["problems"],
+                "complete": checked.get("complete"),
+                "restored": checked.get("restored"),
+            }
+        )
     remove_root(scenario, base)
     return {
-        "backend": scenario.backend, "mode": scenario.mode,
-        "tried": len(points), "survived": sum(not p["problems"] for p in points),
-        "points": points, "end_state_problems": end_state["problems"],
+        "backend": scenario.backend,
+        "mode": scenario.mode,
+        "tried": len(points),
+        "survived": sum(not p["problems"] for p in points),
+        "points": points,
+        "end_state_problems": end_state["problems"],
         "files_per_save": len(dry["committed"].get(str(scenario.saved_steps[-1]), {})) - 1,
         "seconds": round(time.monotonic() - started_s, 1),
-        "cpu_seconds": round(sum(getattr(resource.getrusage(who), field)
-                                 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-                                 for field in ("ru_utime", "ru_stime")), 1),
+        "cpu_seconds": round(
+            sum(
+                getattr(resource.getrusage(who), field)
+                for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                for field in ("ru_utime", "ru_stime")
+            ),
+            1,
+        ),
     }
 
 

@@ -42,10 +42,19 @@ from collections.abc import Callable
 #: run to run, and no restore reads it. A kill at a save's points still lands while it writes.
 EVENT_LOG_THREAD = "spotrun-event-log"
 #: S3 operations that change the bucket; every other request only reads.
-S3_MUTATING_OPERATIONS = frozenset({
-    "PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload",
-    "AbortMultipartUpload", "DeleteObject", "DeleteObjects", "CopyObject", "UploadPartCopy",
-})
+S3_MUTATING_OPERATIONS = frozenset(
+    {
+        "PutObject",
+        "CreateMultipartUpload",
+        "UploadPart",
+        "CompleteMultipartUpload",
+        "AbortMultipartUpload",
+        "DeleteObject",
+        "DeleteObjects",
+        "CopyObject",
+        "UploadPartCopy",
+    }
+)
 
 _WRITE_FLAGS = os.O_CREAT | os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND
 _TMP_SUFFIX = re.compile(r"\.tmp-[^/]*$")
@@ -60,8 +69,7 @@ class PointCounter:
         on_kill: records the state before the kill (runs with every hook passing through).
     """
 
-    def __init__(self, kill_at: int | None = None,
-                 on_kill: Callable[[int, str], None] | None = None) -> None:
+    def __init__(self, kill_at: int | None = None, on_kill: Callable[[int, str], None] | None = None) -> None:
         self.kill_at = kill_at
         self.on_kill = on_kill
         self.names: list[str] = []
@@ -134,10 +142,29 @@ class LocalHooks:
             self._counter.point(f"{what} {' -> '.join(relative)}")
 
     def install(self) -> None:
-        original = {name: getattr(os, name) for name in (
-            "open", "write", "pwrite", "writev", "pwritev", "fsync", "fdatasync", "ftruncate",
-            "truncate", "posix_fallocate", "replace", "rename", "link", "unlink", "remove",
-            "mkdir", "rmdir") if hasattr(os, name)}
+        original = {
+            name: getattr(os, name)
+            for name in (
+                "open",
+                "write",
+                "pwrite",
+                "writev",
+                "pwritev",
+                "fsync",
+                "fdatasync",
+                "ftruncate",
+                "truncate",
+                "posix_fallocate",
+                "replace",
+                "rename",
+                "link",
+                "unlink",
+                "remove",
+                "mkdir",
+                "rmdir",
+            )
+            if hasattr(os, name)
+        }
 
         def on_path(name: str) -> None:
             call = original[name]
@@ -145,6 +172,7 @@ class LocalHooks:
             def hooked(path, *args, **kwargs):
                 self._point(f"os.{name}", _at(path, kwargs.get("dir_fd")))
                 return call(path, *args, **kwargs)
+
             setattr(os, name, hooked)
 
         def on_two_paths(name: str) -> None:
@@ -153,6 +181,7 @@ class LocalHooks:
             def hooked(src, dst, *args, **kwargs):
                 self._point(f"os.{name}", src, dst)
                 return call(src, dst, *args, **kwargs)
+
             setattr(os, name, hooked)
 
         def on_fd(name: str) -> None:
@@ -164,6 +193,7 @@ class LocalHooks:
                     size = _payload_bytes(name, args)
                     self._counter.point(f"os.{name} {where}" + (f" ({size} bytes)" if size is not None else ""))
                 return call(fd, *args, **kwargs)
+
             setattr(os, name, hooked)
 
         def hooked_open(path, flags, *args, **kwargs):
@@ -251,7 +281,7 @@ class S3Hooks:
     def _name(self, when: str, model, params: dict | None) -> str:
         params = params or {}
         key = str(params.get("Key", ""))
-        key = key[len(self._prefix):] if key.startswith(self._prefix) else key
+        key = key[len(self._prefix) :] if key.startswith(self._prefix) else key
         part = f" part {params['PartNumber']}" if "PartNumber" in params else ""
         condition = " If-None-Match" if params.get("IfNoneMatch") else ""
         return f"{when} {model.name}{condition} {key}{part}"
@@ -269,8 +299,7 @@ class S3Hooks:
     @staticmethod
     def _remember_params(params=None, context=None, **_ignored) -> None:
         if context is not None and params is not None:
-            context["crash_points_params"] = {k: params[k] for k in ("Key", "PartNumber", "IfNoneMatch")
-                                              if k in params}
+            context["crash_points_params"] = {k: params[k] for k in ("Key", "PartNumber", "IfNoneMatch") if k in params}
 
     def install(self) -> None:
         import botocore.session

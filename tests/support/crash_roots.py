@@ -82,11 +82,12 @@ def expected_state(step: int, scenario: Scenario) -> dict[str, dict[str, Any]]:
     return _generated_state(step, scenario.weight_elems)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _generated_state(step: int, weight_elems: int) -> dict[str, dict[str, Any]]:
     g = torch.Generator().manual_seed(1000 + step)
-    specials = torch.tensor([0x7FC00001 + step, 0xFFC12345 - 2**32, -(2**31), 0x7F800000, step],
-                            dtype=torch.int32).view(torch.float32)  # NaN payloads, -0.0, inf, a denormal
+    specials = torch.tensor(
+        [0x7FC00001 + step, 0xFFC12345 - 2**32, -(2**31), 0x7F800000, step], dtype=torch.int32
+    ).view(torch.float32)  # NaN payloads, -0.0, inf, a denormal
     return {
         "model": {
             "layer.weight": torch.randn(weight_elems, generator=g),
@@ -133,14 +134,14 @@ def compare(actual: dict[str, Any], step: int, what: str, scenario: Scenario) ->
     for name, want in saved.items():
         got = tensors[name]
         if got.dtype != want.dtype or got.shape != want.shape:
-            problems.append(f"{what}: {name} is {got.dtype} {tuple(got.shape)}, "
-                            f"saved {want.dtype} {tuple(want.shape)}")
+            problems.append(f"{what}: {name} is {got.dtype} {tuple(got.shape)}, saved {want.dtype} {tuple(want.shape)}")
         elif not numpy.array_equal(got.contiguous().view(torch.uint8).numpy(), want.view(torch.uint8).numpy()):
             problems.append(f"{what}: {name} differs from step {step}'s saved bits")
     return problems
 
 
 # --- storage ------------------------------------------------------------------------
+
 
 def make_storage(scenario: Scenario, uri: str, *, durable: bool = True):
     """The writer's storage (``durable``: fsync on; S3: a client of its own, built as
@@ -149,8 +150,12 @@ def make_storage(scenario: Scenario, uri: str, *, durable: bool = True):
     if scenario.backend == "s3":
         from spotrun.storage.s3 import S3Options, S3Storage, parse_s3_uri
 
-        options = {"part_size_bytes": 5 * MIB, "multipart_threshold_bytes": MULTIPART_THRESHOLD_BYTES,
-                   "max_concurrency": 2, "retry_deadline_s": 60.0}
+        options = {
+            "part_size_bytes": 5 * MIB,
+            "multipart_threshold_bytes": MULTIPART_THRESHOLD_BYTES,
+            "max_concurrency": 2,
+            "retry_deadline_s": 60.0,
+        }
         if durable:
             return S3Storage.from_uri(uri, **options)
         return S3Storage(*parse_s3_uri(uri), S3Options(**options), client=_s3_client())
@@ -167,9 +172,14 @@ def _s3_client():
     import boto3
     from botocore.config import Config
 
-    return boto3.client("s3", config=Config(retries={"total_max_attempts": 1, "mode": "standard"},
-                                            request_checksum_calculation="when_required",
-                                            response_checksum_validation="when_required"))
+    return boto3.client(
+        "s3",
+        config=Config(
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        ),
+    )
 
 
 def preload(scenario: Scenario) -> None:
@@ -177,10 +187,10 @@ def preload(scenario: Scenario) -> None:
     model into the default session), so that children start in milliseconds. Nothing here
     starts a thread or opens a connection."""
     import spotrun.checkpoint.catalog  # noqa: F401
-    import spotrun.checkpoint.restore  # noqa: F401
     import spotrun.checkpoint.claim  # noqa: F401
-    import spotrun.train.checkpointer  # noqa: F401
+    import spotrun.checkpoint.restore  # noqa: F401
     import spotrun.storage.local  # noqa: F401
+    import spotrun.train.checkpointer  # noqa: F401
 
     if scenario.backend == "s3":
         import botocore.loaders
@@ -205,8 +215,11 @@ def copy_root(scenario: Scenario, source: str, dest: str) -> None:
     src_prefix, dest_prefix = source.split("/", 3)[3] + "/", dest.split("/", 3)[3] + "/"
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=src_prefix):
         for obj in page.get("Contents", []):
-            client.copy_object(Bucket=bucket, Key=dest_prefix + obj["Key"][len(src_prefix):],
-                               CopySource={"Bucket": bucket, "Key": obj["Key"]})
+            client.copy_object(
+                Bucket=bucket,
+                Key=dest_prefix + obj["Key"][len(src_prefix) :],
+                CopySource={"Bucket": bucket, "Key": obj["Key"]},
+            )
 
 
 def remove_root(scenario: Scenario, uri: str) -> None:
@@ -244,8 +257,9 @@ def object_identities(scenario: Scenario, uri: str, storage, keys: list[str]) ->
     listed = {}
     for page in _s3_client().get_paginator("list_objects_v2").paginate(Bucket=scenario.bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
-            listed[obj["Key"][len(prefix):]] = (f"etag {obj['ETag']} size {obj['Size']} "
-                                                f"modified {obj['LastModified'].isoformat()}")
+            listed[obj["Key"][len(prefix) :]] = (
+                f"etag {obj['ETag']} size {obj['Size']} modified {obj['LastModified'].isoformat()}"
+            )
     return {key: listed.get(key, "missing") for key in keys}
 
 

@@ -34,7 +34,9 @@ class Spotrun:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "spotrun", "run", *options, "--", *map(str, command)],
-                stderr=log, cwd=cwd, env=env,
+                stderr=log,
+                cwd=cwd,
+                env=env,
             )
 
     def log(self) -> str:

@@ -80,22 +80,30 @@ CUT_REQUEST = "cut-request"
 TRUNCATED_BODY = "truncated-body"
 #: The kinds a rule mixes by default: failures that happen before the server acts.
 ALL_KINDS = (SLOW_DOWN, INTERNAL, DROP)
-_KNOWN_KINDS = (*ALL_KINDS, LOST_RESPONSE, NOT_IMPLEMENTED, IGNORE_CONDITION, CUT_REQUEST,
-                TRUNCATED_BODY)
+_KNOWN_KINDS = (*ALL_KINDS, LOST_RESPONSE, NOT_IMPLEMENTED, IGNORE_CONDITION, CUT_REQUEST, TRUNCATED_BODY)
 
 _ERRORS = {
     SLOW_DOWN: (503, "SlowDown", "Please reduce your request rate."),
     INTERNAL: (500, "InternalError", "We encountered an internal error. Please try again."),
-    NOT_IMPLEMENTED: (501, "NotImplemented",
-                      "A header you provided implies functionality that is not implemented."),
+    NOT_IMPLEMENTED: (501, "NotImplemented", "A header you provided implies functionality that is not implemented."),
 }
 #: Request headers that make a write conditional; ``IGNORE_CONDITION`` drops them.
 _CONDITION_HEADERS = frozenset({"if-none-match", "if-match"})
 #: Headers that belong to one connection and are never relayed.
-_HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
-    "te", "trailers", "transfer-encoding", "upgrade", "expect",
-})
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "expect",
+    }
+)
 #: Seconds the proxy waits for the upstream server's answer to one request.
 UPSTREAM_TIMEOUT_S = 120.0
 
@@ -134,8 +142,7 @@ def conditional_put(request: Request) -> bool:
     """Predicate: a single ``PUT`` of an object carrying ``If-None-Match`` (a conditional
     write; multipart parts and copies excluded)."""
     query = urllib.parse.urlsplit(request.path).query
-    return (request.method == "PUT" and "if-none-match" in request.headers
-            and "uploadId" not in query)
+    return request.method == "PUT" and "if-none-match" in request.headers and "uploadId" not in query
 
 
 @dataclass(frozen=True)
@@ -265,11 +272,15 @@ class FaultProxy:
                 upload_id = re.search(r"<UploadId>([^<]*)</UploadId>", text).group(1)
                 at = initiated.get(upload_id)
                 if at is not None:
-                    text = re.sub(r"<Initiated>[^<]*</Initiated>", f"<Initiated>{_s3_time(at - shift_s)}</Initiated>", text)
+                    text = re.sub(
+                        r"<Initiated>[^<]*</Initiated>", f"<Initiated>{_s3_time(at - shift_s)}</Initiated>", text
+                    )
             elif shift_s:
-                text = re.sub(r"<LastModified>([^<]*)</LastModified>",
-                              lambda m: f"<LastModified>{_s3_time(_parse_s3_time(m.group(1)) - shift_s)}</LastModified>",
-                              text)
+                text = re.sub(
+                    r"<LastModified>([^<]*)</LastModified>",
+                    lambda m: f"<LastModified>{_s3_time(_parse_s3_time(m.group(1)) - shift_s)}</LastModified>",
+                    text,
+                )
             return text.encode()
 
         return re.sub(rb"<(Upload|Contents)>.*?</\1>", entry, payload, flags=re.DOTALL)
@@ -315,9 +326,7 @@ class FaultProxy:
             if rule.count is not None:
                 fail = n <= rule.count
             else:
-                fail = math.floor((n + self._phase) * rule.fraction) > math.floor(
-                    (n - 1 + self._phase) * rule.fraction
-                )
+                fail = math.floor((n + self._phase) * rule.fraction) > math.floor((n - 1 + self._phase) * rule.fraction)
             if not fail:
                 return None
             kind = rule.kinds[len(self._injected) % len(rule.kinds)]
@@ -340,8 +349,9 @@ def _parse_s3_time(text: str) -> float:
     return datetime.datetime.strptime(text.replace("Z", "+0000"), "%Y-%m-%dT%H:%M:%S.%f%z").timestamp()
 
 
-def send_s3_error(handler: http.server.BaseHTTPRequestHandler, status: int, code: str, message: str, *,
-                  request_id: str) -> None:
+def send_s3_error(
+    handler: http.server.BaseHTTPRequestHandler, status: int, code: str, message: str, *, request_id: str
+) -> None:
     """Answer the request ``handler`` serves with S3's XML error document (no body for HEAD)."""
     body = (
         '<?xml version="1.0" encoding="UTF-8"?>\n'
@@ -421,8 +431,7 @@ def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler
                     self.rfile.readline()  # CRLF after each chunk
             return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-        def _forward(self, body: bytes, drop_headers: frozenset[str] = frozenset(),
-                     truncate: bool = False) -> None:
+        def _forward(self, body: bytes, drop_headers: frozenset[str] = frozenset(), truncate: bool = False) -> None:
             response, payload = self._relay(body, drop_headers)
             payload = proxy.rewrite_answer(Request(self.command, self.path), payload)
             self.send_response_only(response.status, response.reason)
@@ -443,11 +452,13 @@ def _handler_class(proxy: FaultProxy) -> type[http.server.BaseHTTPRequestHandler
             elif self.command != "HEAD":
                 self.wfile.write(payload)
 
-        def _relay(self, body: bytes, drop_headers: frozenset[str] = frozenset()
-                   ) -> tuple[http.client.HTTPResponse, bytes]:
+        def _relay(
+            self, body: bytes, drop_headers: frozenset[str] = frozenset()
+        ) -> tuple[http.client.HTTPResponse, bytes]:
             """Send the request upstream (less ``drop_headers``); its response and body."""
-            headers = {k: v for k, v in self.headers.items()
-                       if k.lower() not in _HOP_BY_HOP and k.lower() not in drop_headers}
+            headers = {
+                k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP and k.lower() not in drop_headers
+            }
             headers["Content-Length"] = str(len(body))
             for attempt in (1, 2):  # a kept-alive upstream connection may have been closed
                 if self._conn is None:

@@ -24,24 +24,47 @@ WAIT_S = 180.0
 
 
 def torchrun(script: pathlib.Path, *args: object) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            str(script), *map(str, args)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        *map(str, args),
+    ]
 
 
 def accelerate_launch(script: pathlib.Path, *args: object) -> list[str]:
     """``accelerate launch --multi_gpu`` with 2 processes on CPU (field case C19): accelerate
     runs torch's elastic agent in its own process, no torchrun on any command line. Every
     option given, so it reads no config file; port 0: a free one."""
-    return [str(pathlib.Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu",
-            "--num_processes", "2", "--num_machines", "1", "--main_process_port", "0",
-            "--mixed_precision", "no", "--dynamo_backend", "no", str(script), *map(str, args)]
+    return [
+        str(pathlib.Path(sys.executable).with_name("accelerate")),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        "0",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(script),
+        *map(str, args),
+    ]
 
 
 def start(command: list[str], output: pathlib.Path, env: dict | None = None) -> subprocess.Popen:
     """Start ``command`` in its own session, stdout and stderr appended to ``output``."""
     with open(output, "ab") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
+        return subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+        )
 
 
 def events(log_file: pathlib.Path) -> list[dict]:
@@ -56,8 +79,9 @@ def events(log_file: pathlib.Path) -> list[dict]:
     return rows
 
 
-def wait_for_training(log_file: pathlib.Path, proc: subprocess.Popen, *, ranks: int, step: int,
-                      since: int = 0) -> list[int]:
+def wait_for_training(
+    log_file: pathlib.Path, proc: subprocess.Popen, *, ranks: int, step: int, since: int = 0
+) -> list[int]:
     """Wait until every rank logged its start and rank 0 logged ``step`` (events after the first
     ``since``); returns the workers' pids."""
     deadline = time.monotonic() + WAIT_S
@@ -82,7 +106,8 @@ def saved_step(new_events: list[dict], ranks: int) -> int:
 def assert_resumed_and_finished(new_events: list[dict], *, from_step: int, last_step: int, ranks: int) -> None:
     """The run whose events are ``new_events`` started at ``from_step + 1`` on every rank and
     trained every step to ``last_step``."""
-    assert {e["rank"]: e["resumed_step"] for e in new_events if e["event"] == "start"} == \
-        {r: from_step for r in range(ranks)}
+    assert {e["rank"]: e["resumed_step"] for e in new_events if e["event"] == "start"} == {
+        r: from_step for r in range(ranks)
+    }
     assert [e["step"] for e in new_events if e["event"] == "step"] == list(range(from_step + 1, last_step + 1))
     assert {e["rank"]: e["step"] for e in new_events if e["event"] == "done"} == {r: last_step for r in range(ranks)}

@@ -33,8 +33,9 @@ MIB = 2**20
 DEFAULT_LAYERS = 16
 
 
-def build_training_state(state_bytes: int, *, layers: int = DEFAULT_LAYERS,
-                         seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build_training_state(
+    state_bytes: int, *, layers: int = DEFAULT_LAYERS, seed: int = 0
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A float32 ``Sequential`` of ``layers`` square ``Linear`` layers and its AdamW optimizer
     after one step, sized so that parameters plus AdamW state hold about ``state_bytes`` bytes
     (3 float32 values per parameter, plus one scalar ``step`` per parameter tensor)."""
@@ -64,8 +65,9 @@ def background_saves_available() -> bool:
     """Whether this spotrun has background periodic saves (``background_saves=``, ``wait_for_save``)."""
     import spotrun
 
-    return "background_saves" in inspect.signature(spotrun.Checkpointer).parameters \
-        and hasattr(spotrun.Checkpointer, "wait_for_save")
+    return "background_saves" in inspect.signature(spotrun.Checkpointer).parameters and hasattr(
+        spotrun.Checkpointer, "wait_for_save"
+    )
 
 
 def evict_from_page_cache(directory: str) -> None:
@@ -145,8 +147,9 @@ def spotrun_background_save(model, optimizer, root: str) -> dict[str, PeakMemory
     if not background_saves_available():
         raise NotImplementedError("this spotrun has no background saves (Checkpointer(background_saves=...))")
     _warm_up(root, interval_steps=1, background_saves=True)
-    ckpt = _checkpointer({"model": model, "optimizer": optimizer}, os.path.join(root, "ck"),
-                         interval_steps=1, background_saves=True)
+    ckpt = _checkpointer(
+        {"model": model, "optimizer": optimizer}, os.path.join(root, "ck"), interval_steps=1, background_saves=True
+    )
     ckpt.restore()
 
     def two_saves() -> None:
@@ -180,8 +183,11 @@ def spotrun_export_hf(model, optimizer, root: str) -> dict[str, PeakMemory]:
         ckpt.close()
     export_hf(LocalStorage(os.path.join(root, "warm-up")), LocalStorage(os.path.join(root, "warm-up-hf")))
     evict_from_page_cache(directory)
-    result, peak = measure(lambda: export_hf(LocalStorage(directory), LocalStorage(os.path.join(root, "hf")),
-                                             max_shard_size_bytes=EXPORT_SHARD_BYTES))
+    result, peak = measure(
+        lambda: export_hf(
+            LocalStorage(directory), LocalStorage(os.path.join(root, "hf")), max_shard_size_bytes=EXPORT_SHARD_BYTES
+        )
+    )
     if len(result.plan.shards) < 2:
         raise RuntimeError("the measured export wrote one file: the model is not larger than a file")
     return {"spotrun-export-hf": peak}
@@ -213,9 +219,19 @@ def run_child(actions: dict[str, Callable[..., dict[str, PeakMemory]]], argv: li
         print(json.dumps({"action": args.action, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return 3
     for name, peak in peaks.items():
-        print(json.dumps({"action": name, "state_bytes": state_bytes, "before_bytes": peak.before_bytes,
-                          "peak_bytes": peak.peak_bytes, "after_bytes": peak.after_bytes,
-                          "extra_bytes": peak.extra_bytes}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "action": name,
+                    "state_bytes": state_bytes,
+                    "before_bytes": peak.before_bytes,
+                    "peak_bytes": peak.peak_bytes,
+                    "after_bytes": peak.after_bytes,
+                    "extra_bytes": peak.extra_bytes,
+                }
+            ),
+            flush=True,
+        )
     return 0
 
 

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 import traceback
+
 from tests.support.paths import JOBS, REPO
 
 WORKER = JOBS / "sharded_job.py"
@@ -59,12 +60,26 @@ def build_roots(work: pathlib.Path) -> dict[str, pathlib.Path]:
     roots = {"replicated": work / "replicated", "sharded": work / "sharded"}
     procs = []
     for name, nproc in (("replicated", None), ("sharded", 2)):
-        jobs = json.dumps([{"layout": "single" if nproc is None else "fsdp", "ckpt": str(roots[name]), "steps": s}
-                           for s in (PREVIOUS, NEWEST)])
-        launcher = [sys.executable] if nproc is None else \
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-        procs.append(subprocess.Popen(launcher + [str(WORKER), "--jobs", jobs, "--out", str(work / f"{name}.json")],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        jobs = json.dumps(
+            [
+                {"layout": "single" if nproc is None else "fsdp", "ckpt": str(roots[name]), "steps": s}
+                for s in (PREVIOUS, NEWEST)
+            ]
+        )
+        launcher = (
+            [sys.executable]
+            if nproc is None
+            else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        )
+        procs.append(
+            subprocess.Popen(
+                launcher + [str(WORKER), "--jobs", jobs, "--out", str(work / f"{name}.json")],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     for proc in procs:
         out, _ = proc.communicate(timeout=SAVE_TIMEOUT_S)
         if proc.returncode != 0:
@@ -96,8 +111,9 @@ def restore(root: str) -> dict:
     import logging
 
     import sharded_job
-    import spotrun
     import torch
+
+    import spotrun
 
     records = io.StringIO()
     handler = logging.StreamHandler(records)
@@ -107,17 +123,29 @@ def restore(root: str) -> dict:
         model = sharded_job.build("single")
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-        ckpt = spotrun.Checkpointer({"model": model, "optimizer": opt, "scheduler": sched}, uri=root,
-                                    handle_signals=False, background_saves=False)
+        ckpt = spotrun.Checkpointer(
+            {"model": model, "optimizer": opt, "scheduler": sched},
+            uri=root,
+            handle_signals=False,
+            background_saves=False,
+        )
         try:
             step = ckpt.restore()
         finally:
             ckpt.close()
-        return {"step": step, "tensors": sharded_job.tensor_digests(model, opt), "lr": sched.get_last_lr(),
-                "log": records.getvalue()}
+        return {
+            "step": step,
+            "tensors": sharded_job.tensor_digests(model, opt),
+            "lr": sched.get_last_lr(),
+            "log": records.getvalue(),
+        }
     except BaseException as exc:
-        return {"error": type(exc).__name__, "message": str(exc)[:2000], "traceback": traceback.format_exc()[-3000:],
-                "log": records.getvalue()}
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc)[:2000],
+            "traceback": traceback.format_exc()[-3000:],
+            "log": records.getvalue(),
+        }
 
 
 def exported(out_dir: pathlib.Path) -> dict[str, str]:
@@ -237,8 +265,10 @@ def judge(edit, found: dict, references: dict) -> tuple[str, list[str]]:
             last = [line for line in run["err"].splitlines() if line.strip()][-1:]
             failures.append(f"{name}: traceback ({last[0][:160] if last else '?'})")
         elif run["code"] not in codes:
-            failures.append(f"{name}: exit {run['code']} (documented: {sorted(codes)}): "
-                            f"{(run['err'].strip().splitlines() or [''])[-1][:160]}")
+            failures.append(
+                f"{name}: exit {run['code']} (documented: {sorted(codes)}): "
+                f"{(run['err'].strip().splitlines() or [''])[-1][:160]}"
+            )
         elif run["code"] == 2 and len(run["err"].strip().splitlines()) != 1:
             failures.append(f"{name}: exit 2 with {len(run['err'].strip().splitlines())} lines on stderr, not one")
         if any(len(line) > 2000 for line in (run["err"] + run["out"]).splitlines()):
@@ -262,8 +292,10 @@ def judge(edit, found: dict, references: dict) -> tuple[str, list[str]]:
         failures.append(f"restore: {restored['error']}: {' '.join(restored['message'].split())[:200]}")
         return "failed", failures
     if edit.self_consistent:
-        failures.append(f"restore: resumed step {restored['step']} of a checkpoint of another job "
-                        "instead of refusing it (StateMismatchError)")
+        failures.append(
+            f"restore: resumed step {restored['step']} of a checkpoint of another job "
+            "instead of refusing it (StateMismatchError)"
+        )
     same = {k: restored[k] for k in ("step", "tensors", "lr")}
     if same == references[PREVIOUS]:
         outcome = "fell back"
@@ -339,16 +371,31 @@ def campaign(work: pathlib.Path) -> dict:
         max_rss_mib = max(max_rss_mib, found["max_rss_mib"])
         outcome, failures = judge(edit, found, references[state])
         restored = found.get("result", {}).get("restore", {})
-        rows.append({"state": state, "number": number, "edit": edit.name, "outcome": outcome, "failures": failures,
-                     "restored": restored.get("step", restored.get("error")),
-                     "verify": found.get("result", {}).get("verify", {}).get("code"),
-                     "seconds": round(time.monotonic() - edit_started_s, 2)})
+        rows.append(
+            {
+                "state": state,
+                "number": number,
+                "edit": edit.name,
+                "outcome": outcome,
+                "failures": failures,
+                "restored": restored.get("step", restored.get("error")),
+                "verify": found.get("result", {}).get("verify", {}).get("code"),
+                "seconds": round(time.monotonic() - edit_started_s, 2),
+            }
+        )
         if not failures:
             shutil.rmtree(place)
     rows.sort(key=lambda row: (row["state"], row["number"]))
     counts = {k: sum(r["outcome"] == k for r in rows) for k in ("fell back", "refused", "harmless", "failed")}
-    return {"edits": len(EDITS), "tried": len(rows), **counts, "rows": rows, "max_rss_mib": max_rss_mib,
-            "save_seconds": round(saved_s, 1), "seconds": round(time.monotonic() - started_s, 1)}
+    return {
+        "edits": len(EDITS),
+        "tried": len(rows),
+        **counts,
+        "rows": rows,
+        "max_rss_mib": max_rss_mib,
+        "save_seconds": round(saved_s, 1),
+        "seconds": round(time.monotonic() - started_s, 1),
+    }
 
 
 def main() -> None:
@@ -364,10 +411,11 @@ def main() -> None:
     torch.set_num_threads(1)
     import safetensors.torch  # noqa: F401
     import sharded_job  # noqa: F401
-    import spotrun.train.checkpointer  # noqa: F401
+    import torch._dynamo  # noqa: F401  (the optimizer imports it on first use)
+
     import spotrun.cli  # noqa: F401
     import spotrun.export.hf  # noqa: F401
-    import torch._dynamo  # noqa: F401  (the optimizer imports it on first use)
+    import spotrun.train.checkpointer  # noqa: F401
 
     args.result.write_text(json.dumps(campaign(args.work)))
 

@@ -88,8 +88,9 @@ class NewestStep:
             record = self.record(".index.json", rank)
             (self.dir / record["path"]).write_bytes(data)
             record["size_bytes"], record["sha256"] = len(data), hashlib.sha256(data).hexdigest()
-        self.manifest_path.write_bytes(self.manifest_raw if self.manifest_raw is not None
-                                       else json.dumps(self.manifest).encode())
+        self.manifest_path.write_bytes(
+            self.manifest_raw if self.manifest_raw is not None else json.dumps(self.manifest).encode()
+        )
 
     def _write_data(self, rank: int) -> None:
         old_header, body = self._data(rank)
@@ -107,8 +108,11 @@ class NewestStep:
         shift = len(prefix) + len(text) - old_start
         if shift:  # the data moved: so do the chunk ranges
             index["chunks"] = {k: [v[0], v[1] + shift, v[2] + shift] for k, v in index["chunks"].items()}
-        block = entry["block_bytes"] if type(entry.get("block_bytes")) is int and entry["block_bytes"] > 0 \
+        block = (
+            entry["block_bytes"]
+            if type(entry.get("block_bytes")) is int and entry["block_bytes"] > 0
             else record["chunk_bytes"]
+        )
         digests = ChunkDigests(len(data), block, CHUNKED_BLAKE3)
         digests.add_span(0, memoryview(data))
         entry["size_bytes"], entry["block_digests"] = len(data), digests.chunk_hexdigests()
@@ -181,7 +185,7 @@ def _swap_offsets(step: NewestStep) -> None:
     header = step.header(0)
     entries = [k for k in header if k != "__metadata__"]
     size = {k: header[k]["data_offsets"][1] - header[k]["data_offsets"][0] for k in entries}
-    a, b = next((a, b) for i, a in enumerate(entries) for b in entries[i + 1:] if size[a] == size[b] and size[a])
+    a, b = next((a, b) for i, a in enumerate(entries) for b in entries[i + 1 :] if size[a] == size[b] and size[a])
     header[a]["data_offsets"], header[b]["data_offsets"] = header[b]["data_offsets"], header[a]["data_offsets"]
 
 
@@ -216,8 +220,11 @@ def _link(step: NewestStep, outside: pathlib.Path, what: str) -> None:
         shutil.rmtree(step.dir)
         step.dir.symlink_to(copy, target_is_directory=True)
         return
-    path = {"data": step.dir / step.record(".safetensors", 0)["path"],
-            "index": step.dir / step.record(".index.json", 0)["path"], "manifest": step.manifest_path}[what]
+    path = {
+        "data": step.dir / step.record(".safetensors", 0)["path"],
+        "index": step.dir / step.record(".index.json", 0)["path"],
+        "manifest": step.manifest_path,
+    }[what]
     shutil.copy2(path, outside / path.name)
     path.unlink()
     path.symlink_to(outside / path.name)
@@ -244,6 +251,7 @@ def _t(change: Callable[[dict], None]) -> Callable[[NewestStep, pathlib.Path], N
 def _set(key: str, value) -> Callable[[dict], None]:
     def change(doc: dict) -> None:
         doc[key] = value
+
     return change
 
 
@@ -272,28 +280,54 @@ EDITS: list[Edit] = [
     Edit("manifest: shape wrong type", _t(_set("shape", "20x12"))),
     Edit("manifest: shape missing", _t(_drop("shape"))),
     Edit("manifest: shape one more dimension", _t(lambda d: d.__setitem__("shape", d["shape"] + [1]))),
-    Edit("manifest: grid astronomical", _t(lambda d: d.update(grid=[10**6] * len(d["shape"]),
-                                                               writers={"first": 0, "step": 0}))),
+    Edit(
+        "manifest: grid astronomical",
+        _t(lambda d: d.update(grid=[10**6] * len(d["shape"]), writers={"first": 0, "step": 0})),
+    ),
     Edit("manifest: grid negative", _t(lambda d: d.__setitem__("grid", [-1] * len(d["shape"])))),
-    Edit("manifest: grid one cell more", _t(lambda d: d.update(grid=[d["grid"][0] + 1] + d["grid"][1:],
-                                                               writers=d["writers"] + [0]))),
+    Edit(
+        "manifest: grid one cell more",
+        _t(lambda d: d.update(grid=[d["grid"][0] + 1] + d["grid"][1:], writers=d["writers"] + [0])),
+    ),
     Edit("manifest: writers out of range", _t(lambda d: d.__setitem__("writers", [99] * len(d["writers"])))),
-    Edit("manifest: chunks overlapping", _t(lambda d: d.update(
-        chunks=[[[0] * len(d["shape"]), d["shape"], 0], [[0] * len(d["shape"]), d["shape"], 0]]) or
-        d.pop("grid") and d.pop("writers"))),
-    Edit("manifest: chunks leaving a gap", _t(lambda d: d.update(
-        chunks=[[[0] * len(d["shape"]), [1] + d["shape"][1:], 0]]) or d.pop("grid") and d.pop("writers"))),
+    Edit(
+        "manifest: chunks overlapping",
+        _t(
+            lambda d: (
+                d.update(chunks=[[[0] * len(d["shape"]), d["shape"], 0], [[0] * len(d["shape"]), d["shape"], 0]])
+                or d.pop("grid")
+                and d.pop("writers")
+            )
+        ),
+    ),
+    Edit(
+        "manifest: chunks leaving a gap",
+        _t(
+            lambda d: (
+                d.update(chunks=[[[0] * len(d["shape"]), [1] + d["shape"][1:], 0]])
+                or d.pop("grid")
+                and d.pop("writers")
+            )
+        ),
+    ),
     Edit("manifest: tensor record removed", _m(lambda m: m["tensors"].pop(TENSOR))),
     Edit("manifest: tensor record wrong type", _m(lambda m: m["tensors"].__setitem__(TENSOR, "x"))),
-    Edit("manifest: tensor record repeated key", lambda step, outside: _repeat_key_in_manifest(step),
-         must_fall_back=True),
+    Edit(
+        "manifest: tensor record repeated key", lambda step, outside: _repeat_key_in_manifest(step), must_fall_back=True
+    ),
     # --- the manifest: files, counts, the document ---------------------------------------------
     Edit("manifest: data file size + 1", _data_record(lambda r: r.__setitem__("size_bytes", r["size_bytes"] + 1))),
     Edit("manifest: data file block size 4096", _data_record(_set("chunk_bytes", 4096))),
     Edit("manifest: data file block size 0", _data_record(_set("chunk_bytes", 0))),
     Edit("manifest: data file path leaves the step", _data_record(_set("path", "../../../etc/hostname"))),
-    Edit("manifest: index record removed", _m(lambda m: m["files"].remove(
-        next(f for f in m["files"] if f["rank"] == 0 and f["path"].endswith(".index.json"))))),
+    Edit(
+        "manifest: index record removed",
+        _m(
+            lambda m: m["files"].remove(
+                next(f for f in m["files"] if f["rank"] == 0 and f["path"].endswith(".index.json"))
+            )
+        ),
+    ),
     Edit("manifest: world size 0", _m(_set("world_size", 0))),
     Edit("manifest: world size huge", _m(_set("world_size", 10**18))),
     Edit("manifest: rank states missing", _m(_set("rank_state", []))),
@@ -307,12 +341,16 @@ EDITS: list[Edit] = [
     Edit("manifest: NaN world size", lambda step, outside: _manifest_text(step, "world_size", "NaN")),
     Edit("manifest: not an object", lambda step, outside: setattr(step, "manifest_raw", b"[]")),
     # --- a rank index -----------------------------------------------------------------------
-    Edit("index: chunk range into the header", lambda s, o: _index_chunk(
-        s, lambda v, i: v.__setitem__(slice(1, 3), [8, 8 + v[2] - v[1]]))),
+    Edit(
+        "index: chunk range into the header",
+        lambda s, o: _index_chunk(s, lambda v, i: v.__setitem__(slice(1, 3), [8, 8 + v[2] - v[1]])),
+    ),
     Edit("index: chunk range overlaps the one before", lambda s, o: _overlap(s)),
     Edit("index: chunk range 4 bytes short", lambda s, o: _index_chunk(s, lambda v, i: v.__setitem__(2, v[2] - 4))),
-    Edit("index: chunk range past the end", lambda s, o: _index_chunk(
-        s, lambda v, i: v.__setitem__(2, i["files"][0]["size_bytes"] + 100))),
+    Edit(
+        "index: chunk range past the end",
+        lambda s, o: _index_chunk(s, lambda v, i: v.__setitem__(2, i["files"][0]["size_bytes"] + 100)),
+    ),
     Edit("index: chunk range negative", lambda s, o: _index_chunk(s, lambda v, i: v.__setitem__(1, -8))),
     Edit("index: chunk in a file it does not have", lambda s, o: _index_chunk(s, lambda v, i: v.__setitem__(0, 5))),
     Edit("index: chunk missing", lambda s, o: s.index(0)["chunks"].pop(s.chunk_keys(0)[0])),
@@ -323,36 +361,72 @@ EDITS: list[Edit] = [
     Edit("index: step wrong", lambda s, o: s.index(0).__setitem__("step", s.index(0)["step"] - 1)),
     Edit("index: rank wrong", lambda s, o: s.index(0).__setitem__("rank", 1)),
     Edit("index: files missing", lambda s, o: s.index(0).pop("files")),
-    Edit("index: chunks nested 100000 deep", lambda s, o: s.index_raw.__setitem__(0, json.dumps(
-        dict(s.index(0), chunks="@@")).replace('"@@"', _deep(DEEP)).encode())),
-    Edit("index: number of 5000 digits", lambda s, o: s.index_raw.__setitem__(0, json.dumps(
-        dict(s.index(0), step="@@")).replace('"@@"', "9" * 5000).encode())),
+    Edit(
+        "index: chunks nested 100000 deep",
+        lambda s, o: s.index_raw.__setitem__(
+            0, json.dumps(dict(s.index(0), chunks="@@")).replace('"@@"', _deep(DEEP)).encode()
+        ),
+    ),
+    Edit(
+        "index: number of 5000 digits",
+        lambda s, o: s.index_raw.__setitem__(
+            0, json.dumps(dict(s.index(0), step="@@")).replace('"@@"', "9" * 5000).encode()
+        ),
+    ),
     Edit("index: repeated chunk key", lambda s, o: _repeat_chunk_in_index(s), must_fall_back=True),
     # --- a safetensors header ------------------------------------------------------------------
     Edit("header: dtype F32 -> F64", lambda s, o: _header_entry(s, lambda e: e.__setitem__("dtype", "F64"))),
-    Edit("header: dtype F32 -> I32 (same size)", lambda s, o: _header_entry(s, lambda e: e.__setitem__("dtype", "I32"))),
-    Edit("header: shape transposed", lambda s, o: _header_entry(
-        s, lambda e: e.__setitem__("shape", e["shape"][::-1]))),
-    Edit("header: data offsets shifted", lambda s, o: _header_entry(
-        s, lambda e: e.__setitem__("data_offsets", [e["data_offsets"][0] + 4, e["data_offsets"][1] + 4]))),
+    Edit(
+        "header: dtype F32 -> I32 (same size)", lambda s, o: _header_entry(s, lambda e: e.__setitem__("dtype", "I32"))
+    ),
+    Edit("header: shape transposed", lambda s, o: _header_entry(s, lambda e: e.__setitem__("shape", e["shape"][::-1]))),
+    Edit(
+        "header: data offsets shifted",
+        lambda s, o: _header_entry(
+            s, lambda e: e.__setitem__("data_offsets", [e["data_offsets"][0] + 4, e["data_offsets"][1] + 4])
+        ),
+    ),
     Edit("header: data offsets of two tensors swapped", lambda s, o: _swap_offsets(s)),
     Edit("header: entry removed", lambda s, o: s.header(0).pop(s.chunk_keys(0)[0])),
     Edit("header: repeated entry", lambda s, o: _repeat_entry_in_header(s), must_fall_back=True),
-    Edit("header: metadata nested 100000 deep", lambda s, o: s.header_raw.__setitem__(0, json.dumps(
-        dict(s.header(0), __metadata__="@@"), separators=(",", ":")).replace('"@@"', _deep(DEEP)).encode())),
+    Edit(
+        "header: metadata nested 100000 deep",
+        lambda s, o: s.header_raw.__setitem__(
+            0,
+            json.dumps(dict(s.header(0), __metadata__="@@"), separators=(",", ":"))
+            .replace('"@@"', _deep(DEEP))
+            .encode(),
+        ),
+    ),
     Edit("header: length prefix huge", lambda s, o: s.length_prefix.__setitem__(0, struct.pack("<Q", 2**62))),
     Edit("header: not an object", lambda s, o: s.header_raw.__setitem__(0, b"[]")),
     # --- links and FIFOs (the root is a boundary) -------------------------------------------------
-    Edit("link: data file to an identical copy outside", lambda s, o: _link(s, o, "data"), must_fall_back=True,
-         rewrites=False),
-    Edit("link: index to an identical copy outside", lambda s, o: _link(s, o, "index"), must_fall_back=True,
-         rewrites=False),
-    Edit("link: manifest to an identical copy outside", lambda s, o: _link(s, o, "manifest"), must_fall_back=True,
-         rewrites=False),
-    Edit("link: step directory to an identical copy outside", lambda s, o: _link(s, o, "step directory"),
-         must_fall_back=True, rewrites=False),
-    Edit("fifo: in place of a data file", lambda s, o: _fifo(s, o, inside=True), must_fall_back=True,
-         rewrites=False),
-    Edit("link: data file to a FIFO outside", lambda s, o: _fifo(s, o, inside=False), must_fall_back=True,
-         rewrites=False),
+    Edit(
+        "link: data file to an identical copy outside",
+        lambda s, o: _link(s, o, "data"),
+        must_fall_back=True,
+        rewrites=False,
+    ),
+    Edit(
+        "link: index to an identical copy outside",
+        lambda s, o: _link(s, o, "index"),
+        must_fall_back=True,
+        rewrites=False,
+    ),
+    Edit(
+        "link: manifest to an identical copy outside",
+        lambda s, o: _link(s, o, "manifest"),
+        must_fall_back=True,
+        rewrites=False,
+    ),
+    Edit(
+        "link: step directory to an identical copy outside",
+        lambda s, o: _link(s, o, "step directory"),
+        must_fall_back=True,
+        rewrites=False,
+    ),
+    Edit("fifo: in place of a data file", lambda s, o: _fifo(s, o, inside=True), must_fall_back=True, rewrites=False),
+    Edit(
+        "link: data file to a FIFO outside", lambda s, o: _fifo(s, o, inside=False), must_fall_back=True, rewrites=False
+    ),
 ]

@@ -71,8 +71,10 @@ class NoLinkPassthrough(mfusepy.Operations):
 
     def statfs(self, path):
         sv = os.statvfs(self._path(path))
-        return {name: getattr(sv, name) for name in (
-            "f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree", "f_namemax")}
+        return {
+            name: getattr(sv, name)
+            for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree", "f_namemax")
+        }
 
     # --- directories ------------------------------------------------------------
 
@@ -139,8 +141,9 @@ class _RenameFlagsFUSE(mfusepy.FUSE):
     """mfusepy drops the flags of libfuse 3's ``rename``; pass them to the operations."""
 
     def rename_fuse_3(self, old: bytes, new: bytes, flags: int) -> int:
-        return self.operations.rename(old.decode(self.encoding, self.errors),
-                                      new.decode(self.encoding, self.errors), flags)
+        return self.operations.rename(
+            old.decode(self.encoding, self.errors), new.decode(self.encoding, self.errors), flags
+        )
 
 
 def main() -> None:

@@ -82,9 +82,13 @@ class RgwServer:
         """A plain boto3 S3 client for this gateway, with the user's keys."""
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name=REGION,
-                            aws_access_key_id=self.access_key_id,
-                            aws_secret_access_key=self.secret_access_key)
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=REGION,
+            aws_access_key_id=self.access_key_id,
+            aws_secret_access_key=self.secret_access_key,
+        )
 
 
 def _missing_programs() -> list[str]:
@@ -106,8 +110,9 @@ def install_packages() -> str | None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for command in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", *PACKAGES]):
         try:
-            done = subprocess.run(command, capture_output=True, text=True, env=env,
-                                  stdin=subprocess.DEVNULL, timeout=INSTALL_TIMEOUT_S)
+            done = subprocess.run(
+                command, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=INSTALL_TIMEOUT_S
+            )
         except subprocess.TimeoutExpired:
             return f"{' '.join(command)} did not finish in {INSTALL_TIMEOUT_S:.0f} s"
         if done.returncode != 0:
@@ -172,20 +177,31 @@ class _Cluster:
 
     def run(self, *command: str, timeout_s: float = START_TIMEOUT_S) -> str:
         """Run one tool with the cluster's configuration; its stdout. Raises on failure."""
-        done = subprocess.run([command[0], "-c", self.conf, *command[1:]], capture_output=True,
-                              text=True, stdin=subprocess.DEVNULL, timeout=timeout_s)
+        done = subprocess.run(
+            [command[0], "-c", self.conf, *command[1:]],
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=timeout_s,
+        )
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed (exit {done.returncode}): "
-                               f"{(done.stdout + done.stderr).strip()[-1500:]}")
+            raise RuntimeError(
+                f"{' '.join(command)} failed (exit {done.returncode}): {(done.stdout + done.stderr).strip()[-1500:]}"
+            )
         return done.stdout
 
     def start(self, name: str, *command: str) -> None:
         """Start a daemon in the foreground (``-f``); its output goes to ``log/NAME.out``."""
         with open(os.path.join(self.workdir, "log", f"{name}.out"), "ab") as out:
-            self.daemons.append(subprocess.Popen(
-                [command[0], "-f", "-c", self.conf, *command[1:]], stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-            ))
+            self.daemons.append(
+                subprocess.Popen(
+                    [command[0], "-f", "-c", self.conf, *command[1:]],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=_die_with_parent,
+                )
+            )
 
     def wait_until(self, what: str, ready) -> None:
         """Poll ``ready()`` until true; raise naming ``what`` if a daemon exits or time runs out."""
@@ -194,8 +210,7 @@ class _Cluster:
         while not ready():
             exited = [p.args[0] for p in self.daemons if p.poll() is not None]
             if exited:
-                raise RuntimeError(f"{', '.join(exited)} exited while waiting for {what}; "
-                                   f"logs in {self.workdir}/log")
+                raise RuntimeError(f"{', '.join(exited)} exited while waiting for {what}; logs in {self.workdir}/log")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{what} not ready in {START_TIMEOUT_S:.0f} s; logs in {self.workdir}/log")
             time.sleep(pause_s)  # polling a condition, not synchronising on time
@@ -252,11 +267,27 @@ def rgw_server(workdir: str) -> Iterator[RgwServer]:
     with open(cluster.conf, "w") as f:
         f.write(_config(workdir, fsid, mon_port, rgw_port))
     try:
-        subprocess.run(["ceph-authtool", "--create-keyring", os.path.join(workdir, "keyring"), "--gen-key",
-                        "-n", "mon.", "--cap", "mon", "allow *"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "ceph-authtool",
+                "--create-keyring",
+                os.path.join(workdir, "keyring"),
+                "--gen-key",
+                "-n",
+                "mon.",
+                "--cap",
+                "mon",
+                "allow *",
+            ],
+            check=True,
+            capture_output=True,
+        )
         monmap = os.path.join(workdir, "monmap")
-        subprocess.run(["monmaptool", "--create", "--addv", "a", f"[v2:127.0.0.1:{mon_port}]",
-                        "--fsid", fsid, monmap], check=True, capture_output=True)
+        subprocess.run(
+            ["monmaptool", "--create", "--addv", "a", f"[v2:127.0.0.1:{mon_port}]", "--fsid", fsid, monmap],
+            check=True,
+            capture_output=True,
+        )
         cluster.run("ceph-mon", "--mkfs", "-i", "a", "--monmap", monmap)
         cluster.start("mon", "ceph-mon", "-i", "a")
         osd_uuid = str(uuid.uuid4())
@@ -269,8 +300,15 @@ def rgw_server(workdir: str) -> Iterator[RgwServer]:
         endpoint_url = f"http://127.0.0.1:{rgw_port}"
         cluster.wait_until("radosgw", lambda: _http_answers(endpoint_url))
         access_key, secret_key = f"spotrun{secrets.token_hex(8)}", secrets.token_hex(20)
-        cluster.run("radosgw-admin", "user", "create", "--uid=spotrun-test", "--display-name=spotrun test",
-                    f"--access-key={access_key}", f"--secret={secret_key}")
+        cluster.run(
+            "radosgw-admin",
+            "user",
+            "create",
+            "--uid=spotrun-test",
+            "--display-name=spotrun test",
+            f"--access-key={access_key}",
+            f"--secret={secret_key}",
+        )
         yield RgwServer(endpoint_url, access_key, secret_key, workdir)
     finally:
         cluster.stop()

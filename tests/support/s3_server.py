@@ -176,9 +176,7 @@ def empty_and_delete_bucket(client, bucket: str) -> None:
     with contextlib.suppress(Exception):
         uploads = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
         for upload in uploads:
-            client.abort_multipart_upload(
-                Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
-            )
+            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
             keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
             if keys:  # a page holds at most 1,000 keys, as many as one DeleteObjects takes
@@ -193,7 +191,7 @@ def moto_endpoint() -> Iterator[str]:
         yield url
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _admin_client(endpoint_url: str) -> Any:
     """One boto3 client per server for creating and removing test buckets (slow to build)."""
     return make_client(endpoint_url)

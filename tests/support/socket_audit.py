@@ -20,12 +20,19 @@ from dataclasses import dataclass
 
 #: The audit events that mean "this process used the network" (or prepared to).
 SOCKET_EVENTS = (
-    "socket.__new__", "socket.bind", "socket.connect", "socket.getaddrinfo", "socket.gethostbyname",
-    "socket.gethostbyaddr", "socket.getnameinfo", "socket.sendmsg", "socket.sendto",
+    "socket.__new__",
+    "socket.bind",
+    "socket.connect",
+    "socket.getaddrinfo",
+    "socket.gethostbyname",
+    "socket.gethostbyaddr",
+    "socket.getnameinfo",
+    "socket.sendmsg",
+    "socket.sendto",
 )
 AUDIT_LOG_ENV = "SPOTRUN_TEST_SOCKET_AUDIT"
 
-_SITECUSTOMIZE = f'''\
+_SITECUSTOMIZE = f"""\
 import json, os, sys
 
 _path = os.environ.get({AUDIT_LOG_ENV!r})
@@ -43,7 +50,7 @@ if _path:
 
     sys.addaudithook(_hook)
     _write({{"pid": os.getpid(), "event": "hook-installed", "args": []}})
-'''
+"""
 
 
 @dataclass(frozen=True)
@@ -71,8 +78,9 @@ def read_audit(log_path: pathlib.Path) -> list[AuditEvent]:
     """Every event logged so far, in order (``hook-installed`` once per process)."""
     if not log_path.exists():
         return []
-    return [AuditEvent(r["pid"], r["event"], tuple(r["args"]))
-            for r in map(json.loads, log_path.read_text().splitlines())]
+    return [
+        AuditEvent(r["pid"], r["event"], tuple(r["args"])) for r in map(json.loads, log_path.read_text().splitlines())
+    ]
 
 
 def socket_events(events: list[AuditEvent]) -> list[AuditEvent]:

@@ -19,9 +19,28 @@ from spotrun.storage import open_storage
 
 #: A small, fast configuration of the example trainer (2 ranks on 2 CPU cores).
 TRAIN_ARGS = [
-    "--width", "32", "--depth", "1", "--heads", "2", "--block-size", "32", "--batch-size", "4",
-    "--dropout", "0.1", "--max-bytes", "300000", "--schedule", "onecycle", "--lr", "0.003",
-    "--warmup-steps", "5", "--log-interval", "1000",
+    "--width",
+    "32",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "4",
+    "--dropout",
+    "0.1",
+    "--max-bytes",
+    "300000",
+    "--schedule",
+    "onecycle",
+    "--lr",
+    "0.003",
+    "--warmup-steps",
+    "5",
+    "--log-interval",
+    "1000",
 ]
 
 #: Steps and checkpoint interval of the shared uninterrupted reference run (conftest.py).
@@ -31,15 +50,33 @@ REFERENCE_SAVE_INTERVAL = 10
 
 def torchrun_command(steps: int, save_interval: int, log_file: pathlib.Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "spotrun.examples.train_gpt", "--steps", str(steps), "--save-interval", str(save_interval),
-        "--log-file", str(log_file), *TRAIN_ARGS, *extra,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "spotrun.examples.train_gpt",
+        "--steps",
+        str(steps),
+        "--save-interval",
+        str(save_interval),
+        "--log-file",
+        str(log_file),
+        *TRAIN_ARGS,
+        *extra,
     ]
 
 
 def start_supervised(
-    checkpoint_uri: str, command: list[str], *, grace_period_s: float = 60, env: dict | None = None,
-    extra_options: list[str] | None = None, log_path: pathlib.Path | None = None,
+    checkpoint_uri: str,
+    command: list[str],
+    *,
+    grace_period_s: float = 60,
+    env: dict | None = None,
+    extra_options: list[str] | None = None,
+    log_path: pathlib.Path | None = None,
     drop_env: tuple[str, ...] = (),
 ) -> subprocess.Popen:
     """Start `spotrun run` in its own session; its output goes to ``log_path`` (or is inherited).
@@ -49,10 +86,23 @@ def start_supervised(
     out = open(log_path, "ab") if log_path else None
     child_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in drop_env}
     return subprocess.Popen(
-        [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", checkpoint_uri,
-         "--grace-period-s", str(grace_period_s), *(extra_options or []), "--", *command],
-        stdout=out, stderr=subprocess.STDOUT if out else None,
-        env=child_env, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "spotrun",
+            "run",
+            "--checkpoint-uri",
+            checkpoint_uri,
+            "--grace-period-s",
+            str(grace_period_s),
+            *(extra_options or []),
+            "--",
+            *command,
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT if out else None,
+        env=child_env,
+        start_new_session=True,
     )
 
 
@@ -97,8 +147,13 @@ def last_loss_per_step(log_file: pathlib.Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in read_log(log_file)}
 
 
-def wait_for_step(log_file: pathlib.Path, step: int, proc: subprocess.Popen, timeout_s: float = 300,
-                  outputs: tuple[pathlib.Path, ...] = ()) -> None:
+def wait_for_step(
+    log_file: pathlib.Path,
+    step: int,
+    proc: subprocess.Popen,
+    timeout_s: float = 300,
+    outputs: tuple[pathlib.Path, ...] = (),
+) -> None:
     """Wait until the training log reaches ``step``; on failure the message ends with the last
     lines of each file in ``outputs`` (supervisor, launcher and worker output)."""
     deadline = time.monotonic() + timeout_s
@@ -148,8 +203,13 @@ def sigterm(proc: subprocess.Popen) -> None:
 
 def ls_json(checkpoint_uri: str) -> list[dict]:
     """What `spotrun ls URI --json` prints, parsed."""
-    out = subprocess.run([sys.executable, "-m", "spotrun", "ls", checkpoint_uri, "--json"],
-                         check=True, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "spotrun", "ls", checkpoint_uri, "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return json.loads(out.stdout)
 
 
@@ -178,9 +238,16 @@ def assert_same_as_reference(reference, checkpoint_uri: str, log_file: pathlib.P
         assert torch.equal(got[name], tensor), f"{name} differs"
 
 
-def preempt_and_resume_exactly(reference, checkpoint_uri: str, tmp_path: pathlib.Path, processes: list,
-                               *, extra_options: list[str] = (), drop_env: tuple[str, ...] = (),
-                               wait_s: float = 600) -> int:
+def preempt_and_resume_exactly(
+    reference,
+    checkpoint_uri: str,
+    tmp_path: pathlib.Path,
+    processes: list,
+    *,
+    extra_options: list[str] = (),
+    drop_env: tuple[str, ...] = (),
+    wait_s: float = 600,
+) -> int:
     """One preemption-and-resume cycle of the example trainer under `spotrun run`, asserted.
 
     Starts the REFERENCE_STEPS-step job, SIGTERMs the supervisor at a random step: it must
@@ -195,8 +262,10 @@ def preempt_and_resume_exactly(reference, checkpoint_uri: str, tmp_path: pathlib
 
     def launch(name: str, *extra: str) -> subprocess.Popen:
         proc = start_supervised(
-            checkpoint_uri, torchrun_command(REFERENCE_STEPS, REFERENCE_SAVE_INTERVAL, log_file, *extra),
-            extra_options=[*extra_options, "--notice", "none"], drop_env=drop_env,
+            checkpoint_uri,
+            torchrun_command(REFERENCE_STEPS, REFERENCE_SAVE_INTERVAL, log_file, *extra),
+            extra_options=[*extra_options, "--notice", "none"],
+            drop_env=drop_env,
             log_path=tmp_path / f"{name}.log",
         )
         processes.append(proc)
@@ -210,7 +279,9 @@ def preempt_and_resume_exactly(reference, checkpoint_uri: str, tmp_path: pathlib
     assert proc.wait(timeout=wait_s) == 143, (tmp_path / "first.log").read_text()[-3000:]
     listed = subprocess.run(
         [sys.executable, "-m", "spotrun", "ls", checkpoint_uri, "--json", *extra_options],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={k: v for k, v in os.environ.items() if k not in drop_env},
     )
     assert listed.returncode == 0, listed.stderr
@@ -228,8 +299,15 @@ def preempt_and_resume_exactly(reference, checkpoint_uri: str, tmp_path: pathlib
     return emergency_step
 
 
-def restart_resumes_exactly(reference, tmp_path: pathlib.Path, processes: list, checkpoint_uri: str,
-                            log_file: pathlib.Path, command: list[str], resumed_step: int) -> None:
+def restart_resumes_exactly(
+    reference,
+    tmp_path: pathlib.Path,
+    processes: list,
+    checkpoint_uri: str,
+    log_file: pathlib.Path,
+    command: list[str],
+    resumed_step: int,
+) -> None:
     """Run ``command`` again under a supervisor: it must resume at ``resumed_step + 1``, finish
     (exit 0) and end bit-identical to the uninterrupted ``reference`` run."""
     logged_before_restart = len(read_log(log_file))

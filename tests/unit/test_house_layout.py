@@ -20,16 +20,23 @@ PACKAGE = pathlib.Path(spotrun.__file__).parent
 
 #: Each room's layer: a module may import only from rooms of a lower layer (or its own room).
 LAYERS = {
-    "errors": 0, "_version": 0,
+    "errors": 0,
+    "_version": 0,
     "tools": 1,
     "control": 2,
-    "storage": 3, "notices": 3,
+    "storage": 3,
+    "notices": 3,
     "checkpoint": 4,
-    "state": 5, "data": 5, "eventlog": 5,
-    "train": 6, "supervisor": 6,
-    "export": 7, "drill": 7,
+    "state": 5,
+    "data": 5,
+    "eventlog": 5,
+    "train": 6,
+    "supervisor": 6,
+    "export": 7,
+    "drill": 7,
     "__init__": 8,  # the package's public names (spotrun.Checkpointer, ...)
-    "examples": 9, "cli": 9,
+    "examples": 9,
+    "cli": 9,
     "__main__": 10,
 }
 #: The modules allowed loose at the package's top level.
@@ -118,8 +125,12 @@ def test_torch_free_rooms_import_no_torch(room):
 
 def test_the_supervisor_starts_without_importing_torch():
     """`spotrun run --help` loads no torch: the supervisor installs its signal handlers at once."""
-    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "spotrun", "run", "--help"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "spotrun", "run", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert "spotrun.supervisor.run" in imported or "spotrun.cli" in imported  # the log is real

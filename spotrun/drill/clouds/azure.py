@@ -71,14 +71,25 @@ class FakeAzure(FakeServer):
         self.start_requests: list[dict] = []  # parsed bodies of valid acknowledgement POSTs
         super().__init__()
 
-    def add_event(self, event_type: str = "Preempt", resources: list[str] | None = None,
-                  not_before_unix_s: float | None = None, **fields: object) -> dict:
+    def add_event(
+        self,
+        event_type: str = "Preempt",
+        resources: list[str] | None = None,
+        not_before_unix_s: float | None = None,
+        **fields: object,
+    ) -> dict:
         """Schedule an event (for this VM unless ``resources`` says otherwise); returns it."""
         event = {
-            "EventId": str(uuid.uuid4()).upper(), "EventType": event_type, "ResourceType": "VirtualMachine",
-            "Resources": [self.vm_name] if resources is None else resources, "EventStatus": "Scheduled",
+            "EventId": str(uuid.uuid4()).upper(),
+            "EventType": event_type,
+            "ResourceType": "VirtualMachine",
+            "Resources": [self.vm_name] if resources is None else resources,
+            "EventStatus": "Scheduled",
             "NotBefore": "" if not_before_unix_s is None else rfc1123(not_before_unix_s),
-            "Description": "", "EventSource": "Platform", "DurationInSeconds": -1, **fields,
+            "Description": "",
+            "EventSource": "Platform",
+            "DurationInSeconds": -1,
+            **fields,
         }
         with self._changed:
             self.events.append(event)
@@ -116,8 +127,11 @@ def _valid_start_requests(body: bytes) -> bool:
     except ValueError:
         return False
     starts = doc.get("StartRequests") if isinstance(doc, dict) else None
-    return (isinstance(starts, list) and bool(starts)
-            and all(isinstance(s, dict) and isinstance(s.get("EventId"), str) for s in starts))
+    return (
+        isinstance(starts, list)
+        and bool(starts)
+        and all(isinstance(s, dict) and isinstance(s.get("EventId"), str) for s in starts)
+    )
 
 
 #: This module's cloud (see :data:`spotrun.drill.clouds.MODULES`).

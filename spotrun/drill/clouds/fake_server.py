@@ -104,8 +104,16 @@ class FakeServer:
 
     # --- for tests ---------------------------------------------------------------
 
-    def misbehave(self, path: str, *, status: int = 200, body: bytes | str = b"", delay_s: float = 0.0,
-                  drop: bool = False, headers: dict[str, str] | None = None) -> None:
+    def misbehave(
+        self,
+        path: str,
+        *,
+        status: int = 200,
+        body: bytes | str = b"",
+        delay_s: float = 0.0,
+        drop: bool = False,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         """Answer every request to ``path`` (any method) with this, after ``delay_s`` seconds;
         ``drop`` closes the connection without an answer."""
         with self._changed:
@@ -138,7 +146,8 @@ class FakeServer:
         parts = urlsplit(handler.path)
         length = int(handler.headers.get("Content-Length") or 0)
         request = Request(
-            method=handler.command, path=parts.path,
+            method=handler.command,
+            path=parts.path,
             query={k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()},
             headers={k.lower(): v for k, v in handler.headers.items()},
             body=handler.rfile.read(length) if length else b"",

@@ -76,8 +76,11 @@ class FakeGcp(FakeServer):
                     min(wait_s, self.MAX_WAIT_S),
                 )
                 value = self.values[request.path]
-        return Reply(200, value.encode(),
-                     {"ETag": self.etag(value), "Metadata-Flavor": "Google", "Content-Type": "application/text"})
+        return Reply(
+            200,
+            value.encode(),
+            {"ETag": self.etag(value), "Metadata-Flavor": "Google", "Content-Type": "application/text"},
+        )
 
 
 #: This module's cloud (see :data:`spotrun.drill.clouds.MODULES`).

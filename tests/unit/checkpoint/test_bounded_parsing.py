@@ -25,14 +25,13 @@ import pytest
 import torch
 
 import spotrun
-from spotrun.checkpoint import catalog, strict_json
+from spotrun.checkpoint import catalog, strict_json, tree
 from spotrun.checkpoint.fencing import read_fences
+from spotrun.checkpoint.manifest import Manifest
 from spotrun.checkpoint.rank_index import RankIndex
 from spotrun.checkpoint.reader import read_header
 from spotrun.errors import CorruptShardError, ManifestError, StateSerializationError
 from spotrun.eventlog.records import parse_records
-from spotrun.checkpoint.manifest import Manifest
-from spotrun.checkpoint import tree
 from spotrun.storage import LocalStorage
 from tests.support.ckpt_files import manifest_path
 from tests.support.paths import REPO
@@ -47,13 +46,22 @@ def deep(levels: int = DEEP) -> str:
 
 def limited(args: list[str], timeout_s: float = 120, stdin: bytes | None = None) -> subprocess.CompletedProcess:
     """Run ``python ARGS`` from the repository under the address-space limit, with a timeout."""
+
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES))
+
     # glibc reserves 64 MiB of address space per malloc arena, one per thread that meets
     # contention (more on a busy machine): two arenas keep the limit about what is allocated
     env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, timeout=timeout_s,
-                          preexec_fn=limit, input=stdin, env=env)
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        capture_output=True,
+        timeout=timeout_s,
+        preexec_fn=limit,
+        input=stdin,
+        env=env,
+    )
 
 
 def save_two_steps(root: pathlib.Path) -> dict[str, str]:
@@ -61,10 +69,14 @@ def save_two_steps(root: pathlib.Path) -> dict[str, str]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     extra = {"epoch": 1}
-    ckpt = spotrun.Checkpointer({"model": model, "extra": extra}, storage=LocalStorage(str(root), fsync=False),
-                                handle_signals=False)
+    ckpt = spotrun.Checkpointer(
+        {"model": model, "extra": extra}, storage=LocalStorage(str(root), fsync=False), handle_signals=False
+    )
     ckpt.save(1)
-    at_1 = {"weight": model.weight.detach().numpy().tobytes().hex(), "bias": model.bias.detach().numpy().tobytes().hex()}
+    at_1 = {
+        "weight": model.weight.detach().numpy().tobytes().hex(),
+        "bias": model.bias.detach().numpy().tobytes().hex(),
+    }
     with torch.no_grad():
         model.weight.add_(1.0)
     extra["epoch"] = 2
@@ -154,8 +166,15 @@ def index_repeated_key(root: pathlib.Path) -> None:
     reseal_index(root, text.replace(weight, f'{weight},"model/weight":{bias}', 1))
 
 
-EDITS = [manifest_state_nested_deep, manifest_repeated_key, manifest_shape_2_40_squared, manifest_grid_of_10_12_cells,
-         manifest_shape_of_4_times_the_data_bytes, index_nested_deep, index_repeated_key]
+EDITS = [
+    manifest_state_nested_deep,
+    manifest_repeated_key,
+    manifest_shape_2_40_squared,
+    manifest_grid_of_10_12_cells,
+    manifest_shape_of_4_times_the_data_bytes,
+    index_nested_deep,
+    index_repeated_key,
+]
 REASONS = {  # what the one line about step 2 says (verify's and restore's, when they differ)
     # the restore runs verify's header check (issue 21 item 1) before it sizes anything
     manifest_shape_of_4_times_the_data_bytes: "tensor model/weight is stored as F32[4, 4]",
@@ -187,7 +206,9 @@ def test_an_edited_newest_step_is_refused_by_every_reader_and_restore_resumes_th
     assert verify.returncode == 1, verify.stderr.decode()[-3000:]
     assert "Traceback" not in verify.stderr.decode()
     lines = out.splitlines()
-    assert len([line for line in lines if reason in line]) == 1 and all(line.startswith("step 2: ") for line in lines), out
+    assert len([line for line in lines if reason in line]) == 1 and all(
+        line.startswith("step 2: ") for line in lines
+    ), out
 
     before = ls(root)[2]
     manifest_refused = before["status"] == "corrupt"
@@ -256,7 +277,9 @@ def test_a_repeated_key_is_refused_in_a_manifest_an_index_and_a_header(tmp_path)
     index = index_of(tmp_path / "ckpt")
     with pytest.raises(CorruptShardError, match="names the key 'step' twice"):
         RankIndex.from_json(index.replace('"step":2', '"step":2,"step":2').encode(), where="i.json")
-    header = b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
+    header = (
+        b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
+    )
     (tmp_path / "f.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"x")
     with pytest.raises(CorruptShardError, match="names the key 'a' twice"):
         read_header(LocalStorage(str(tmp_path)), "f.safetensors", 9 + len(header), where="f.safetensors")
@@ -284,9 +307,16 @@ def test_a_manifest_larger_than_the_limit_is_a_corrupt_step_by_its_listed_size(t
 
 def parse_limited(data: bytes) -> str:
     """``Manifest.from_json`` in a process of at most 2 GiB: its error's name and message."""
-    done = limited(["-c", "import sys\nfrom spotrun.checkpoint.manifest import Manifest\ntry:\n"
-                          "    Manifest.from_json(sys.stdin.buffer.read())\n    print('parsed')\n"
-                          "except Exception as exc:\n    print(type(exc).__name__, exc)"], stdin=data, timeout_s=60)
+    done = limited(
+        [
+            "-c",
+            "import sys\nfrom spotrun.checkpoint.manifest import Manifest\ntry:\n"
+            "    Manifest.from_json(sys.stdin.buffer.read())\n    print('parsed')\n"
+            "except Exception as exc:\n    print(type(exc).__name__, exc)",
+        ],
+        stdin=data,
+        timeout_s=60,
+    )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     return done.stdout.decode().strip()
 
@@ -325,8 +355,9 @@ def test_a_checksum_chunk_outside_4_kib_to_64_mib_is_refused(tmp_path, chunk_byt
     with pytest.raises(ManifestError, match=f"chunk_bytes must be .*{refusal}"):
         Manifest.from_json(json.dumps(doc).encode())
     index = json.loads(index_of(tmp_path / "ckpt"))
-    index["files"][0].update(block_bytes=chunk_bytes, block_digests=["0" * 64] * -(-index["files"][0]["size_bytes"]
-                                                                                      // chunk_bytes))
+    index["files"][0].update(
+        block_bytes=chunk_bytes, block_digests=["0" * 64] * -(-index["files"][0]["size_bytes"] // chunk_bytes)
+    )
     with pytest.raises(CorruptShardError, match=f"blocks of {chunk_bytes} bytes"):
         RankIndex.from_json(json.dumps(index).encode(), where="i.json")
 
@@ -334,15 +365,21 @@ def test_a_checksum_chunk_outside_4_kib_to_64_mib_is_refused(tmp_path, chunk_byt
 def test_a_header_entry_past_the_end_of_its_file_is_refused_before_its_tensor_is_allocated(tmp_path):
     """Issue 21, format 3 reader: the manifest and the header agree on [2**20, 2**20] float32,
     but the header's offsets lie past the file's end: refused before the 4 TiB tensor exists."""
-    from spotrun.checkpoint.reader import read_shard_into
     from spotrun.checkpoint.manifest import FileRecord, TensorRecord
+    from spotrun.checkpoint.reader import read_shard_into
 
     nbytes = 2**40 * 4
     header = json.dumps({"w": {"dtype": "F32", "shape": [2**20, 2**20], "data_offsets": [0, nbytes]}}).encode()
     data = len(header).to_bytes(8, "little") + header + b"\0" * 64
     (tmp_path / "f.safetensors").write_bytes(data)
-    record = FileRecord(path="f.safetensors", rank=0, size_bytes=len(data), digest="0" * 64,
-                        algorithm="blake3-chunks", chunk_bytes=2**20)
+    record = FileRecord(
+        path="f.safetensors",
+        rank=0,
+        size_bytes=len(data),
+        digest="0" * 64,
+        algorithm="blake3-chunks",
+        chunk_bytes=2**20,
+    )
     wanted = {"w": TensorRecord(file="f.safetensors", dtype="float32", shape=[2**20, 2**20])}
     with pytest.raises(CorruptShardError, match="the header describes 4398046511200 bytes, the manifest records 160"):
         read_shard_into(LocalStorage(str(tmp_path)), "f.safetensors", record, wanted, {}, where="f.safetensors")

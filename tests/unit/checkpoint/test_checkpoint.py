@@ -15,10 +15,10 @@ from safetensors import safe_open
 
 import spotrun
 from spotrun.checkpoint import catalog
-from tests.support.ckpt_files import manifest_path, shard_path
 from spotrun.checkpoint.stream import ShardSource
 from spotrun.errors import NoCheckpointError, StateMismatchError, StateSerializationError
 from spotrun.storage import LocalStorage
+from tests.support.ckpt_files import manifest_path, shard_path
 
 
 class TiedModel(torch.nn.Module):
@@ -168,8 +168,25 @@ def test_every_step_corrupt_is_an_error_not_a_fresh_start(tmp_path):
     # and so does the supervisor, before it launches anything
     with pytest.raises(NoCheckpointError, match=r"step\(s\) \[1\] failed verification.*refusing to start over"):
         checkpointer(tmp_path, *build()).restore()
-    run = subprocess.run([sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", str(tmp_path), "--notice", "none",
-                          "--", sys.executable, "-c", "raise SystemExit(7)"], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spotrun",
+            "run",
+            "--checkpoint-uri",
+            str(tmp_path),
+            "--notice",
+            "none",
+            "--",
+            sys.executable,
+            "-c",
+            "raise SystemExit(7)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2 and "refusing to start over from step 0" in run.stderr, run.stderr[-2000:]
     assert "started pid" not in run.stderr
 
@@ -191,7 +208,8 @@ def test_wrong_architecture_is_a_clear_error(tmp_path):
     other = torch.nn.Linear(3, 3)
     ckpt = spotrun.Checkpointer(
         {"model": other, "optimizer": {}, "scheduler": {}},
-        storage=LocalStorage(str(tmp_path)), handle_signals=False,
+        storage=LocalStorage(str(tmp_path)),
+        handle_signals=False,
     )
     with pytest.raises(StateMismatchError, match="cannot load saved state 'model'"):
         ckpt.restore()
@@ -266,8 +284,9 @@ def test_checkpoint_request_saves_once_and_training_goes_on(tmp_path, monkeypatc
 
 def test_unserialisable_state_fails_at_restore_before_training(tmp_path):
     model, opt, sched = build()
-    ckpt = spotrun.Checkpointer({"model": model, "cfg": {"f": lambda x: x}},
-                                storage=LocalStorage(str(tmp_path)), handle_signals=False)
+    ckpt = spotrun.Checkpointer(
+        {"model": model, "cfg": {"f": lambda x: x}}, storage=LocalStorage(str(tmp_path)), handle_signals=False
+    )
     with pytest.raises(StateSerializationError, match="cfg/f"):
         ckpt.restore()
 
@@ -323,8 +342,11 @@ def test_stop_at_step_takes_the_emergency_checkpoint_of_exactly_that_step(tmp_pa
     stopped_at = next(step for step in range(1, 20) if ckpt.end_of_step(step))
     assert stopped_at == 5 and ckpt.preempted
     steps = catalog.list_steps(LocalStorage(str(tmp_path / "ck")))
-    assert [(s.step, s.reason, s.status) for s in steps] == [(2, "periodic", "complete"), (4, "periodic", "complete"),
-                                                            (5, "emergency", "complete")]
+    assert [(s.step, s.reason, s.status) for s in steps] == [
+        (2, "periodic", "complete"),
+        (4, "periodic", "complete"),
+        (5, "emergency", "complete"),
+    ]
     assert control.read_commit_report(str(control_dir)).step == 5  # so the supervisor exits 143
 
 

@@ -12,27 +12,46 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load as safetensors_load, save as safetensors_save
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 
 import spotrun
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import file_key, step_dir
-from tests.support.ckpt_files import chunk_files, manifest_path, storage_at
 from spotrun.checkpoint.shard import sha256_hex
 from spotrun.errors import StateSerializationError
+from tests.support.ckpt_files import chunk_files, manifest_path, storage_at
 
-pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental",
-                                        "ignore:torch.quantize_per_tensor")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:ComplexHalf support is experimental", "ignore:torch.quantize_per_tensor"
+)
 
 #: Every dtype the installed torch exposes as an attribute of the ``torch`` module.
 ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 #: The dtypes the issue names, which must round-trip wherever this torch has them.
 MUST_ROUND_TRIP = [
-    getattr(torch, name) for name in (
-        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-        "bool", "complex32", "complex64", "complex128", "uint16", "uint32", "uint64",
-        "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
-    ) if hasattr(torch, name)
+    getattr(torch, name)
+    for name in (
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "bool",
+        "complex32",
+        "complex64",
+        "complex128",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float4_e2m1fn_x2",
+        "bits8",
+        "bits16",
+        "bits1x8",
+        "bits2x4",
+        "bits4x2",
+    )
+    if hasattr(torch, name)
 ]
 
 
@@ -104,8 +123,7 @@ def test_4_every_torch_dtype_round_trips_or_is_refused(tmp_path, dtype):
             torch.empty(1, dtype=dtype)
         assert dtype not in MUST_ROUND_TRIP
         return
-    ckpt = spotrun.Checkpointer({"model": model, "extra": extra}, storage=storage_at(tmp_path),
-                                handle_signals=False)
+    ckpt = spotrun.Checkpointer({"model": model, "extra": extra}, storage=storage_at(tmp_path), handle_signals=False)
     if torch_refuses(dtype):
         assert dtype not in MUST_ROUND_TRIP
         with pytest.raises(StateSerializationError) as refused:
@@ -120,18 +138,20 @@ def test_4_every_torch_dtype_round_trips_or_is_refused(tmp_path, dtype):
     saved = {"buf": bytes_of(model.buf), **{k: bytes_of(v) for k, v in extra.items()}}
 
     model2, extra2 = make_state(dtype, seed=100)  # other contents: all must come from the step
-    ckpt2 = spotrun.Checkpointer({"model": model2, "extra": extra2}, storage=storage_at(tmp_path),
-                                 handle_signals=False)
+    ckpt2 = spotrun.Checkpointer({"model": model2, "extra": extra2}, storage=storage_at(tmp_path), handle_signals=False)
     assert ckpt2.restore() == 1
     assert model2.buf.dtype == dtype and model2.buf.shape == (3, 5)
-    assert {k: (v.dtype, tuple(v.shape)) for k, v in extra2.items()} == \
-        {k: (v.dtype, tuple(v.shape)) for k, v in extra.items()}
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in extra2.items()} == {
+        k: (v.dtype, tuple(v.shape)) for k, v in extra.items()
+    }
     assert {"buf": bytes_of(model2.buf), **{k: bytes_of(v) for k, v in extra2.items()}} == saved
 
 
 def mx_buffers(seed: int) -> dict[str, torch.Tensor]:
-    return {"scales": random_tensor(torch.float8_e8m0fnu, (4, 2), seed),
-            "packed": random_tensor(torch.float4_e2m1fn_x2, (4, 8), seed + 1)}
+    return {
+        "scales": random_tensor(torch.float8_e8m0fnu, (4, 2), seed),
+        "packed": random_tensor(torch.float4_e2m1fn_x2, (4, 8), seed + 1),
+    }
 
 
 def test_4_float8_e8m0_and_fp4_buffers_round_trip(tmp_path):
@@ -144,8 +164,7 @@ def test_4_float8_e8m0_and_fp4_buffers_round_trip(tmp_path):
     for name, value in mx_buffers(seed=5).items():
         model.register_buffer(name, value)
     ckpt.save(2)
-    assert [(s.step, s.status) for s in catalog.list_steps(storage_at(tmp_path))] == \
-        [(1, "complete"), (2, "complete")]
+    assert [(s.step, s.status) for s in catalog.list_steps(storage_at(tmp_path))] == [(1, "complete"), (2, "complete")]
 
     model2 = Buffers(mx_buffers(seed=50))
     ckpt2 = spotrun.Checkpointer({"model": model2}, storage=storage_at(tmp_path), handle_signals=False)
@@ -175,8 +194,12 @@ def _as_old_writer(tmp_path) -> None:
     # format 1: whole tensors named by file, each file's SHA-256, no index files
     for tensor_name, record in doc["tensors"].items():
         (holding,) = chunk_files(tmp_path, 2)[tensor_name]
-        doc["tensors"][tensor_name] = {"file": holding, "dtype": record["dtype"], "shape": record["shape"],
-                                       "offsets": None}
+        doc["tensors"][tensor_name] = {
+            "file": holding,
+            "dtype": record["dtype"],
+            "shape": record["shape"],
+            "offsets": None,
+        }
     doc["files"] = [f for f in doc["files"] if f["path"].endswith(".safetensors")]
     for file_record in doc["files"]:
         content = (tmp_path / file_key(2, file_record["path"])).read_bytes()
@@ -211,17 +234,18 @@ def _undecodable_skeleton(tmp_path) -> None:
     mpath.write_text(json.dumps(doc))
 
 
-@pytest.mark.parametrize("damage", [_as_old_writer, _dtype_this_torch_lacks, _refused_dtype, _undecodable_skeleton],
-                         ids=["native-F8_E8M0-shard", "dtype-this-torch-lacks", "quantized-dtype",
-                              "undecodable-state-skeleton"])
+@pytest.mark.parametrize(
+    "damage",
+    [_as_old_writer, _dtype_this_torch_lacks, _refused_dtype, _undecodable_skeleton],
+    ids=["native-F8_E8M0-shard", "dtype-this-torch-lacks", "quantized-dtype", "undecodable-state-skeleton"],
+)
 def test_4_undecodable_committed_step_falls_back(tmp_path, caplog, damage):
     """A committed step whose shard or manifest declares a dtype this reader cannot decode:
     restore() falls back to step 1 and un-commits step 2 (no exception, no crash loop), and
     training can save step 2 again."""
     model = torch.nn.Linear(3, 3)
     extra: dict = {"epoch": 1}
-    ckpt = spotrun.Checkpointer({"model": model, "extra": extra}, storage=storage_at(tmp_path),
-                                handle_signals=False)
+    ckpt = spotrun.Checkpointer({"model": model, "extra": extra}, storage=storage_at(tmp_path), handle_signals=False)
     ckpt.save(1)
     weight_at_1 = model.weight.detach().clone()
     with torch.no_grad():
@@ -232,8 +256,7 @@ def test_4_undecodable_committed_step_falls_back(tmp_path, caplog, damage):
     assert catalog.inspect_step(storage_at(tmp_path), 2).status == "complete"
 
     model2, extra2 = torch.nn.Linear(3, 3), {}
-    ckpt2 = spotrun.Checkpointer({"model": model2, "extra": extra2}, storage=storage_at(tmp_path),
-                                 handle_signals=False)
+    ckpt2 = spotrun.Checkpointer({"model": model2, "extra": extra2}, storage=storage_at(tmp_path), handle_signals=False)
     with caplog.at_level(logging.WARNING):
         assert ckpt2.restore() == 1
     assert torch.equal(model2.weight, weight_at_1) and extra2 == {"epoch": 1}
@@ -242,5 +265,9 @@ def test_4_undecodable_committed_step_falls_back(tmp_path, caplog, damage):
     assert list((tmp_path / step_dir(2)).glob("rejected-manifest*.json"))
     ckpt2.save(2)  # training gets through step 2 again
     assert catalog.inspect_step(storage_at(tmp_path), 2).status == "complete"
-    assert spotrun.Checkpointer({"model": torch.nn.Linear(3, 3), "extra": {}}, storage=storage_at(tmp_path),
-                                handle_signals=False).restore() == 2
+    assert (
+        spotrun.Checkpointer(
+            {"model": torch.nn.Linear(3, 3), "extra": {}}, storage=storage_at(tmp_path), handle_signals=False
+        ).restore()
+        == 2
+    )

@@ -29,8 +29,9 @@ def header_bytes(path) -> int:
 def many_tensors(count: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     state = {f"block.{i}.w": torch.randn(3 + i % 5, generator=gen) for i in range(count)}
-    state.update({f"block.{i}.scale": torch.randn(2, generator=gen).to(torch.float8_e8m0fnu)
-                  for i in range(0, count, 7)})  # some stored as raw bytes
+    state.update(
+        {f"block.{i}.scale": torch.randn(2, generator=gen).to(torch.float8_e8m0fnu) for i in range(0, count, 7)}
+    )  # some stored as raw bytes
     state["big"] = torch.randn(40_000, generator=gen)  # 160 kB: more than one file may hold
     return state
 
@@ -41,8 +42,13 @@ def test_5_many_tensors_split_into_files(tmp_path):
     is an ordinary safetensors file, and restore reads them all back exactly."""
     max_file_size_bytes, max_header_bytes = 64 * 1024, 16 * 1024
     state = many_tensors(2_000, seed=0)
-    ckpt = spotrun.Checkpointer({"model": state}, storage=storage_at(tmp_path), handle_signals=False,
-                                max_file_size_bytes=max_file_size_bytes, max_header_bytes=max_header_bytes)
+    ckpt = spotrun.Checkpointer(
+        {"model": state},
+        storage=storage_at(tmp_path),
+        handle_signals=False,
+        max_file_size_bytes=max_file_size_bytes,
+        max_header_bytes=max_header_bytes,
+    )
     ckpt.save(3)
 
     manifest = catalog.committed(storage_at(tmp_path), 3).manifest
@@ -77,16 +83,19 @@ def test_5_many_tensors_split_into_files(tmp_path):
 def test_5_a_missing_part_marks_the_step_corrupt(tmp_path):
     """Every part is a file of the step: without one, the step is not complete."""
     state = many_tensors(300, seed=0)
-    ckpt = spotrun.Checkpointer({"model": state}, storage=storage_at(tmp_path), handle_signals=False,
-                                max_file_size_bytes=8 * 1024)
+    ckpt = spotrun.Checkpointer(
+        {"model": state}, storage=storage_at(tmp_path), handle_signals=False, max_file_size_bytes=8 * 1024
+    )
     ckpt.save(1)
     (tmp_path / file_key(1, shard_part_name(0, ckpt.incarnation, 2))).unlink()
     info = catalog.inspect_step(storage_at(tmp_path), 1)
     assert info.status == "corrupt" and shard_part_name(0, ckpt.incarnation, 2) in info.problem
 
 
-@pytest.mark.parametrize("kwargs", [{"max_file_size_bytes": 0}, {"max_header_bytes": 100},
-                                    {"max_header_bytes": SAFETENSORS_MAX_HEADER_BYTES + 1}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"max_file_size_bytes": 0}, {"max_header_bytes": 100}, {"max_header_bytes": SAFETENSORS_MAX_HEADER_BYTES + 1}],
+)
 def test_5_shard_limits_out_of_range_are_refused(tmp_path, kwargs):
     with pytest.raises(ConfigError):
         spotrun.Checkpointer({"model": {}}, storage=storage_at(tmp_path), handle_signals=False, **kwargs)

@@ -11,16 +11,19 @@ import pytest
 import torch
 
 from spotrun.checkpoint.chunks import Chunk, ChunkLayout, byte_runs, grid_bounds, overlap
+from spotrun.checkpoint.manifest import Manifest
 from spotrun.checkpoint.manifest_build import build_manifest
 from spotrun.checkpoint.save import SaveContext
-from spotrun.checkpoint.manifest import Manifest
 
 
 def fsdp_chunks(shape: list[int], ranks: int) -> list[Chunk]:
     """The chunks FSDP2 writes: dimension 0 cut as torch.chunk cuts it, one part per rank."""
     bounds = grid_bounds(shape[0], ranks)
-    return [Chunk((bounds[r],) + (0,) * (len(shape) - 1), (bounds[r + 1] - bounds[r],) + tuple(shape[1:]), r)
-            for r in range(ranks) if bounds[r + 1] > bounds[r]]
+    return [
+        Chunk((bounds[r],) + (0,) * (len(shape) - 1), (bounds[r + 1] - bounds[r],) + tuple(shape[1:]), r)
+        for r in range(ranks)
+        if bounds[r + 1] > bounds[r]
+    ]
 
 
 @pytest.mark.parametrize("rows,ranks", [(8, 2), (7, 3), (5, 4), (1, 4), (1024, 1024)])
@@ -40,20 +43,24 @@ def test_irregular_chunks_are_listed_one_by_one():
 
 
 def test_overlapping_finds_exactly_the_chunks_sharing_elements_with_a_box():
-    layout = ChunkLayout.of([10, 6], [Chunk((r0, c0), (5, 3), 2 * (r0 // 5) + c0 // 3)
-                                      for r0 in (0, 5) for c0 in (0, 3)])
+    layout = ChunkLayout.of(
+        [10, 6], [Chunk((r0, c0), (5, 3), 2 * (r0 // 5) + c0 // 3) for r0 in (0, 5) for c0 in (0, 3)]
+    )
     for box in [((0, 0), (10, 6)), ((4, 2), (2, 2)), ((5, 3), (5, 3)), ((9, 0), (1, 1))]:
         expected = [c for c in layout.chunks() if overlap((c.offsets, c.lengths), box) is not None]
         assert layout.overlapping(box) == expected
 
 
-@pytest.mark.parametrize("shape,box", [
-    ((4, 6), ((1, 2), (2, 3))),  # a block inside: one run per row
-    ((4, 6), ((1, 0), (2, 6))),  # whole rows: one run
-    ((3, 4, 5), ((0, 1, 0), (3, 2, 5))),  # whole innermost rows
-    ((3, 4, 5), ((1, 1, 1), (2, 3, 3))),
-    ((), ((), ())),  # a scalar
-])
+@pytest.mark.parametrize(
+    "shape,box",
+    [
+        ((4, 6), ((1, 2), (2, 3))),  # a block inside: one run per row
+        ((4, 6), ((1, 0), (2, 6))),  # whole rows: one run
+        ((3, 4, 5), ((0, 1, 0), (3, 2, 5))),  # whole innermost rows
+        ((3, 4, 5), ((1, 1, 1), (2, 3, 3))),
+        ((), ((), ())),  # a scalar
+    ],
+)
 def test_byte_runs_concatenated_are_the_box_in_row_major_order(shape, box):
     chunk = torch.arange(math.prod(shape), dtype=torch.int32).reshape(shape)
     run_bytes, starts = byte_runs(tuple(shape), box, chunk.element_size())
@@ -87,22 +94,46 @@ def test_manifest_of_a_1024_rank_fsdp_job_stays_under_10_mb():
     mesh = SimpleNamespace(shape=(ranks,), mesh=torch.arange(ranks), mesh_dim_names=("dp",))
     shapes = {f"model/layers.{i}.weight": [4096 + i % 7, 512] for i in range(tensors)}
     # stand-ins for DTensors: the manifest reads their dtype, global shape, mesh and placements
-    sharded = {f"{kind}/{n}": SimpleNamespace(dtype=torch.float32, shape=shape, device_mesh=mesh,
-                                              placements=(Shard(0),))
-               for n, shape in shapes.items() for kind in ("m", "optimizer/exp_avg", "optimizer/exp_avg_sq")}
+    sharded = {
+        f"{kind}/{n}": SimpleNamespace(dtype=torch.float32, shape=shape, device_mesh=mesh, placements=(Shard(0),))
+        for n, shape in shapes.items()
+        for kind in ("m", "optimizer/exp_avg", "optimizer/exp_avg_sq")
+    }
     reports = []
     for rank in range(ranks):
-        rng = {f"rank-{rank:05d}/rng/{k}": {"dtype": "int64", "shape": [624], "stored_as": None}
-               for k in ("numpy", "python", "torch_cpu")}
-        reports.append({"chunks": [[n, [0], [624]] for n in rng], "rank_tensors": rng, "write_s": 1.0,
-                        "rank_state": {"rng": {k: {"__tensor__": n} for k, n in zip(("numpy", "python", "torch_cpu"), rng)},
-                                       "numerics": {"intra_op_threads": 8, "torch_version": "2.13.0"}},
-                        "files": [{"path": f"rank-{rank:05d}.i000000001.safetensors", "rank": rank,
-                                   "size_bytes": 2**30, "digest": "0" * 64, "algorithm": "blake3-chunks",
-                                   "chunk_bytes": 2**20},
-                                  {"path": f"rank-{rank:05d}.i000000001.index.json", "rank": rank,
-                                   "size_bytes": 2**20, "digest": "0" * 64, "algorithm": "sha256",
-                                   "chunk_bytes": None}]})
+        rng = {
+            f"rank-{rank:05d}/rng/{k}": {"dtype": "int64", "shape": [624], "stored_as": None}
+            for k in ("numpy", "python", "torch_cpu")
+        }
+        reports.append(
+            {
+                "chunks": [[n, [0], [624]] for n in rng],
+                "rank_tensors": rng,
+                "write_s": 1.0,
+                "rank_state": {
+                    "rng": {k: {"__tensor__": n} for k, n in zip(("numpy", "python", "torch_cpu"), rng)},
+                    "numerics": {"intra_op_threads": 8, "torch_version": "2.13.0"},
+                },
+                "files": [
+                    {
+                        "path": f"rank-{rank:05d}.i000000001.safetensors",
+                        "rank": rank,
+                        "size_bytes": 2**30,
+                        "digest": "0" * 64,
+                        "algorithm": "blake3-chunks",
+                        "chunk_bytes": 2**20,
+                    },
+                    {
+                        "path": f"rank-{rank:05d}.i000000001.index.json",
+                        "rank": rank,
+                        "size_bytes": 2**20,
+                        "digest": "0" * 64,
+                        "algorithm": "sha256",
+                        "chunk_bytes": None,
+                    },
+                ],
+            }
+        )
     encoded = SimpleNamespace(tensors={}, sharded=sharded, skeleton={"m": {}}, aliases={})
     manifest = build_manifest(7, encoded, reports, SaveContext("periodic", "run", 1), ranks)
     data = manifest.to_json()

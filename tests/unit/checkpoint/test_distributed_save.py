@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from safetensors import safe_open
+
 from tests.support.ckpt_files import chunk_files, data_files, manifest_path, shard_path
 from tests.support.paths import JOBS
 
@@ -20,9 +21,21 @@ def torchrun(ckpt_dir: pathlib.Path, mode: str) -> list[dict]:
     out_dir = ckpt_dir.parent / f"out-{mode}"
     out_dir.mkdir()
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(WORKER), str(ckpt_dir), mode, str(out_dir)],
-        capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(WORKER),
+            str(ckpt_dir),
+            mode,
+            str(out_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads((out_dir / f"rank-{r}.json").read_text()) for r in range(2)]

@@ -20,9 +20,9 @@ import torch
 
 import spotrun
 import spotrun.control.env
-from spotrun.control import files as control
 from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.layout import parse_manifest_name, step_dir
+from spotrun.control import files as control
 from spotrun.errors import FencedError
 from spotrun.storage import LocalStorage
 
@@ -96,7 +96,10 @@ def test_1_zombie_incarnation_cannot_commit_after_a_newer_start(tmp_path):
     new.save(15)
     assert committed_file_hashes(tmp_path).items() >= before.items()
     assert {s.step: s.status for s in catalog.list_steps(LocalStorage(str(tmp_path)))} == {
-        5: "complete", 10: "complete", 15: "complete"}
+        5: "complete",
+        10: "complete",
+        15: "complete",
+    }
     third, third_w = make(LocalStorage(str(tmp_path), fsync=False))
     assert third.restore() == 15 and torch.equal(third_w["w"], torch.full((32,), 15.5))
 
@@ -191,13 +194,13 @@ def test_1_incarnation_numbers_are_claimed_once_each(tmp_path):
 @pytest.mark.parametrize(
     "writer, step, fenced_by",
     [
-        (0, 10, None),   # at or below every newer start's resume step: valid
-        (0, 11, 1),      # past incarnation 1's resume step: a zombie's commit
-        (1, 12, None),   # incarnation 1 itself, past its own resume step
-        (1, 13, 2),      # incarnation 2 resumed from 12
-        (1, 21, 2),      # the first newer start that fences it is named
+        (0, 10, None),  # at or below every newer start's resume step: valid
+        (0, 11, 1),  # past incarnation 1's resume step: a zombie's commit
+        (1, 12, None),  # incarnation 1 itself, past its own resume step
+        (1, 13, 2),  # incarnation 2 resumed from 12
+        (1, 21, 2),  # the first newer start that fences it is named
         (2, 5, None),
-        (3, 25, None),   # the newest writes freely
+        (3, 25, None),  # the newest writes freely
         (None, 10, None),  # a version-1 manifest (no incarnation in its name)
         (None, 11, 0),
     ],
@@ -238,7 +241,11 @@ def test_a_fenced_worker_tells_its_supervisor_and_its_launch_claims_no_incarnati
         old.save(5)
     report = control.read_fence_report(str(control_dir))
     assert (report.incarnation, report.newer_incarnation, report.newer_host, report.newer_pid) == (
-        0, 1, socket.gethostname(), os.getpid())
+        0,
+        1,
+        socket.gethostname(),
+        os.getpid(),
+    )
     assert "incarnation 1 of this job started" in report.message
 
     monkeypatch.setenv(spotrun.control.env.CONTROL_DIR, str(control_dir))

@@ -26,7 +26,10 @@ def wait_for(path: pathlib.Path, proc: subprocess.Popen, timeout_s: float = 120.
 def ls_json(ckpt_dir: pathlib.Path) -> list[dict]:
     out = subprocess.run(
         [sys.executable, "-m", "spotrun", "ls", str(ckpt_dir), "--json"],
-        check=True, capture_output=True, text=True, timeout=120,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     return json.loads(out.stdout)
 
@@ -54,6 +57,9 @@ def test_sigkill_in_the_middle_of_a_shard_write_leaves_the_previous_step(tmp_pat
 
     resumed = subprocess.run(
         [sys.executable, str(WORKER), str(ckpt_dir), "--resume"],
-        check=True, capture_output=True, text=True, timeout=120,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert resumed.stdout.strip() == "100"

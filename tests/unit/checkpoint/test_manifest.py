@@ -10,8 +10,8 @@ import torch
 
 import spotrun
 from spotrun.checkpoint import catalog
-from spotrun.errors import ManifestError
 from spotrun.checkpoint.manifest import FORMAT_VERSION, Manifest
+from spotrun.errors import ManifestError
 from spotrun.storage import LocalStorage
 from tests.support.paths import GOLDEN
 

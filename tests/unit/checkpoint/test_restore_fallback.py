@@ -14,15 +14,28 @@ MISMATCH = {"corrupt": False, "mismatch": True, "message": "tensor 'w' has shape
 # (name, every rank's problem, expected verdict)
 VERDICTS = [
     ("every rank loaded it: use it", [None, None, None], StepVerdict(failures={})),
-    ("one rank found a corrupt file: all fall back, and the step is un-committed", [None, CORRUPT, None],
-     StepVerdict(failures={1: CORRUPT["message"]}, corrupt=True)),
-    ("one rank could not read a file: all fall back, the step stays committed", [MISSING, None],
-     StepVerdict(failures={0: MISSING["message"]})),
-    ("several ranks failed: each is named", [MISSING, CORRUPT],
-     StepVerdict(failures={0: MISSING["message"], 1: CORRUPT["message"]}, corrupt=True)),
-    ("the step does not fit this job on one rank: every rank refuses, no fallback", [None, MISMATCH, CORRUPT],
-     StepVerdict(failures={1: MISMATCH["message"], 2: CORRUPT["message"]}, mismatch=MISMATCH["message"],
-                 corrupt=True)),
+    (
+        "one rank found a corrupt file: all fall back, and the step is un-committed",
+        [None, CORRUPT, None],
+        StepVerdict(failures={1: CORRUPT["message"]}, corrupt=True),
+    ),
+    (
+        "one rank could not read a file: all fall back, the step stays committed",
+        [MISSING, None],
+        StepVerdict(failures={0: MISSING["message"]}),
+    ),
+    (
+        "several ranks failed: each is named",
+        [MISSING, CORRUPT],
+        StepVerdict(failures={0: MISSING["message"], 1: CORRUPT["message"]}, corrupt=True),
+    ),
+    (
+        "the step does not fit this job on one rank: every rank refuses, no fallback",
+        [None, MISMATCH, CORRUPT],
+        StepVerdict(
+            failures={1: MISMATCH["message"], 2: CORRUPT["message"]}, mismatch=MISMATCH["message"], corrupt=True
+        ),
+    ),
 ]
 
 

@@ -18,12 +18,11 @@ import spotrun
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import file_key, shard_name, step_dir
 from spotrun.checkpoint.retention import Retainer, RetentionPolicy, plan_retention
-from spotrun.supervisor.config_file import load_run_config
 from spotrun.errors import ConfigError, StorageError
 from spotrun.storage import LocalStorage, open_storage
-from tests.support.trainrun import start_supervised
+from spotrun.supervisor.config_file import load_run_config
 from tests.support.paths import JOBS
-
+from tests.support.trainrun import start_supervised
 
 WORKER = JOBS / "retention_job.py"
 
@@ -35,8 +34,9 @@ def statuses(storage) -> dict[int, str]:
 def train(storage, steps: int, *, interval: int = 10, background: bool = True, **options) -> spotrun.Checkpointer:
     """A single-process loop over a tiny state, saving every ``interval`` steps; returns the closed Checkpointer."""
     state = {"model": {"w": torch.zeros(4)}}
-    ckpt = spotrun.Checkpointer(state, storage=storage, interval_steps=interval, handle_signals=False,
-                                background_saves=background, **options)
+    ckpt = spotrun.Checkpointer(
+        state, storage=storage, interval_steps=interval, handle_signals=False, background_saves=background, **options
+    )
     step = ckpt.restore()
     while step < steps:
         step += 1
@@ -55,15 +55,19 @@ def restored(storage) -> tuple[int, torch.Tensor]:
 
 # --- the rule ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("complete, policy, protected, kept", [
-    ([10, 20, 30, 40, 50, 60], RetentionPolicy(keep_last=2, keep_every=50), {}, [50, 60]),
-    ([10, 20, 50, 100, 110, 120, 130], RetentionPolicy(keep_last=2, keep_every=50), {}, [50, 100, 120, 130]),
-    ([10, 20, 30], RetentionPolicy(keep_last=1), {10: "resumed"}, [10, 30]),
-    ([10, 20, 30], RetentionPolicy(keep_last=5), {}, [10, 20, 30]),
-    ([10, 20, 30], RetentionPolicy(), {}, [10, 20, 30]),
-    ([10, 20, 30], RetentionPolicy(keep_last=0, keep_every=7), {}, [10, 20, 30]),
-    ([], RetentionPolicy(keep_last=1), {}, []),
-])
+
+@pytest.mark.parametrize(
+    "complete, policy, protected, kept",
+    [
+        ([10, 20, 30, 40, 50, 60], RetentionPolicy(keep_last=2, keep_every=50), {}, [50, 60]),
+        ([10, 20, 50, 100, 110, 120, 130], RetentionPolicy(keep_last=2, keep_every=50), {}, [50, 100, 120, 130]),
+        ([10, 20, 30], RetentionPolicy(keep_last=1), {10: "resumed"}, [10, 30]),
+        ([10, 20, 30], RetentionPolicy(keep_last=5), {}, [10, 20, 30]),
+        ([10, 20, 30], RetentionPolicy(), {}, [10, 20, 30]),
+        ([10, 20, 30], RetentionPolicy(keep_last=0, keep_every=7), {}, [10, 20, 30]),
+        ([], RetentionPolicy(keep_last=1), {}, []),
+    ],
+)
 def test_the_rule_keeps_the_newest_the_divisible_and_the_protected_steps(complete, policy, protected, kept):
     decisions = plan_retention(complete, policy, protected=protected)
     assert [d.step for d in decisions] == sorted(complete)
@@ -84,6 +88,7 @@ def test_keep_every_without_keep_last_and_values_below_their_minimum_are_refused
 
 # --- in a training job ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("backend, background", [("local", True), ("local", False), ("s3", True)])
 def test_keep_last_2_keep_every_50_leaves_exactly_the_expected_steps(tmp_path, request, backend, background):
     uri = f"{request.getfixturevalue('s3_bucket').uri}/ck" if backend == "s3" else str(tmp_path / "ck")
@@ -94,7 +99,10 @@ def test_keep_last_2_keep_every_50_leaves_exactly_the_expected_steps(tmp_path, r
     assert kept_dirs == {step_dir(s) for s in (50, 100, 120, 130)}  # nothing left of the deleted steps
     if backend == "local":
         assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [  # the event log and incarnations stay
-            "events", "incarnations", *(step_dir(s) for s in (50, 100, 120, 130))]
+            "events",
+            "incarnations",
+            *(step_dir(s) for s in (50, 100, 120, 130)),
+        ]
     step, w = restored(storage)
     assert step == 130 and torch.equal(w, torch.full((4,), 130.0))
 
@@ -163,6 +171,7 @@ def test_an_orphaned_incarnation_deletes_nothing(tmp_path, caplog):
 
 # --- through spotrun run -------------------------------------------------------------------
 
+
 def test_keep_last_and_keep_every_in_a_config_file(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("keep_last: 2\nkeep_every: ${EVERY:-50}\n")
@@ -179,10 +188,23 @@ def test_spotrun_run_passes_the_retention_to_torchrun_workers(tmp_path, processe
     config = tmp_path / "run.yaml"
     config.write_text("keep_every: 4\n")
     ck, log_path = tmp_path / "ck", tmp_path / "supervisor.log"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER), "10"]
-    proc = start_supervised(str(ck), command, extra_options=["--notice", "none", "--config", str(config),
-                                                             "--keep-last", "2", "--log-level", "info"],
-                            log_path=log_path, env={"OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(WORKER),
+        "10",
+    ]
+    proc = start_supervised(
+        str(ck),
+        command,
+        extra_options=["--notice", "none", "--config", str(config), "--keep-last", "2", "--log-level", "info"],
+        log_path=log_path,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     processes.append(proc)
     assert proc.wait(timeout=300) == 0, log_path.read_text()[-3000:]
     assert statuses(LocalStorage(str(ck))) == {4: "complete", 8: "complete", 9: "complete", 10: "complete"}
@@ -190,9 +212,26 @@ def test_spotrun_run_passes_the_retention_to_torchrun_workers(tmp_path, processe
 
 
 def test_a_bad_retention_option_is_refused_before_anything_starts(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", str(tmp_path / "ck"),
-                           "--keep-every", "50", "--", sys.executable, "-c", "pass"],
-                          capture_output=True, text=True, timeout=120, env={**os.environ})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spotrun",
+            "run",
+            "--checkpoint-uri",
+            str(tmp_path / "ck"),
+            "--keep-every",
+            "50",
+            "--",
+            sys.executable,
+            "-c",
+            "pass",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("spotrun: error: keep_every=50 needs keep_last")
     assert not (tmp_path / "ck").exists()

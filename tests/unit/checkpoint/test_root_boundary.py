@@ -43,8 +43,9 @@ def two_steps(tmp_path_factory) -> tuple[pathlib.Path, dict, dict]:
     """A root with steps 1 and 2 (different weights), and each step's weights."""
     root = tmp_path_factory.mktemp("boundary") / "ck"
     model = net()
-    ckpt = spotrun.Checkpointer({"model": model}, storage=LocalStorage(str(root), fsync=False),
-                                handle_signals=False, background_saves=False)
+    ckpt = spotrun.Checkpointer(
+        {"model": model}, storage=LocalStorage(str(root), fsync=False), handle_signals=False, background_saves=False
+    )
     ckpt.restore()
     ckpt.save(1)
     first = {k: v.clone() for k, v in model.state_dict().items()}
@@ -69,8 +70,11 @@ def linked_away(root: pathlib.Path, outside: pathlib.Path, what: str) -> pathlib
         shutil.rmtree(step_dir)
         step_dir.symlink_to(copy, target_is_directory=True)
         return copy
-    pattern = {"data file": "rank-*[0-9].safetensors", "index file": "rank-*.index.json",
-               "manifest": "manifest.*.json"}[what]
+    pattern = {
+        "data file": "rank-*[0-9].safetensors",
+        "index file": "rank-*.index.json",
+        "manifest": "manifest.*.json",
+    }[what]
     original = one_file(step_dir, pattern)
     copy = outside / original.name
     shutil.copy2(original, copy)
@@ -95,7 +99,8 @@ def same_bits(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize("what", ["data file", "index file", "manifest", "step directory"])
 def test_a_link_leaving_the_root_makes_the_step_corrupt_for_every_tool_and_the_restore(
-        two_steps, tmp_path, capsys, caplog, what):
+    two_steps, tmp_path, capsys, caplog, what
+):
     """Issue 21 item 4: a data file, an index, the manifest or the step directory linked to an
     identical copy outside the root is not followed: ls and verify say the step is corrupt with
     one line naming it, export --step refuses it, gc deletes nothing outside, and a restore
@@ -130,8 +135,9 @@ def test_a_link_leaving_the_root_makes_the_step_corrupt_for_every_tool_and_the_r
     assert tree(outside) == outside_before
 
     model = net()
-    ckpt = spotrun.Checkpointer({"model": model}, storage=LocalStorage(str(root), fsync=False),
-                                handle_signals=False, background_saves=False)
+    ckpt = spotrun.Checkpointer(
+        {"model": model}, storage=LocalStorage(str(root), fsync=False), handle_signals=False, background_saves=False
+    )
     capsys.readouterr()
     with caplog.at_level(logging.WARNING, logger="spotrun"):
         assert ckpt.restore() == 1
@@ -139,8 +145,11 @@ def test_a_link_leaving_the_root_makes_the_step_corrupt_for_every_tool_and_the_r
     assert same_bits(model.state_dict(), first)
     assert tree(outside) == outside_before
     # The in-process CLI calls above gave spotrun's logger its own stderr handler.
-    said = [line for line in capsys.readouterr().err.splitlines() + [r.getMessage() for r in caplog.records]
-            if "step 2" in line]
+    said = [
+        line
+        for line in capsys.readouterr().err.splitlines() + [r.getMessage() for r in caplog.records]
+        if "step 2" in line
+    ]
     assert len(said) == 1 and "corrupt" in said[0] and "symbolic link" in said[0], said
 
 
@@ -171,14 +180,21 @@ def test_a_fifo_in_place_of_a_data_file_is_refused_without_blocking(two_steps, t
     data = one_file(root / STEP_DIR, "rank-*[0-9].safetensors")
     data.unlink()
     os.mkfifo(data)
-    script = ("import sys, spotrun, torch\n"
-              "from spotrun.storage import LocalStorage\n"
-              "torch.manual_seed(0); m = torch.nn.Linear(64, 48)\n"
-              "c = spotrun.Checkpointer({'model': m}, storage=LocalStorage(sys.argv[1], fsync=False),"
-              " handle_signals=False, background_saves=False)\n"
-              "print('restored', c.restore()); c.close()\n")
-    proc = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    script = (
+        "import sys, spotrun, torch\n"
+        "from spotrun.storage import LocalStorage\n"
+        "torch.manual_seed(0); m = torch.nn.Linear(64, 48)\n"
+        "c = spotrun.Checkpointer({'model': m}, storage=LocalStorage(sys.argv[1], fsync=False),"
+        " handle_signals=False, background_saves=False)\n"
+        "print('restored', c.restore()); c.close()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "restored 1" in proc.stdout
     info = catalog.inspect_step(LocalStorage(str(root)), 2)

@@ -44,9 +44,20 @@ pytestmark = pytest.mark.slow
 def probe(action: str, root) -> dict:
     """Run one measurement in a child process; its JSON result."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.memory_probe", action,
-         "--state-mib", str(STATE_MIB), "--root", str(root)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+        [
+            sys.executable,
+            "-m",
+            "tests.support.memory_probe",
+            action,
+            "--state-mib",
+            str(STATE_MIB),
+            "--root",
+            str(root),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=PROBE_TIMEOUT_S,
         env={k: v for k, v in os.environ.items() if not k.startswith("SPOTRUN_")},
     )
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -59,9 +70,11 @@ def probe(action: str, root) -> dict:
 
 def describe(result: dict) -> str:
     mib = 2**20
-    return (f"{result['action']}: {result['extra_bytes'] / mib:.1f} MiB extra at peak "
-            f"({result['extra_bytes'] / result['state_bytes']:.2f}x the {result['state_bytes'] / mib:.1f} MiB state; "
-            f"RSS {result['before_bytes'] / mib:.0f} MiB before, peak {result['peak_bytes'] / mib:.0f} MiB)")
+    return (
+        f"{result['action']}: {result['extra_bytes'] / mib:.1f} MiB extra at peak "
+        f"({result['extra_bytes'] / result['state_bytes']:.2f}x the {result['state_bytes'] / mib:.1f} MiB state; "
+        f"RSS {result['before_bytes'] / mib:.0f} MiB before, peak {result['peak_bytes'] / mib:.0f} MiB)"
+    )
 
 
 def test_4_the_probe_counts_a_known_allocation(tmp_path):

@@ -56,9 +56,25 @@ def ranks(tmp_path_factory) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTRUN_")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(WORKER), "--root", str(base / "ckpt"), "--out", str(base / "out.json")],
-        capture_output=True, text=True, timeout=JOB_TIMEOUT_S, env=env, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(WORKER),
+            "--root",
+            str(base / "ckpt"),
+            "--out",
+            str(base / "out.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((base / "out.json").read_text())
     assert [r["rank"] for r in results] == [0, 1]
@@ -71,17 +87,20 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 def describe(r: dict, action: str) -> str:
     m = r[action]
-    return (f"rank {r['rank']} {action}: {m['extra_bytes'] / MIB:.1f} MiB extra at peak, "
-            f"{m['kept_bytes'] / MIB:.1f} MiB kept (local share {r['local_share_bytes'] / MIB:.1f} MiB, "
-            f"full state {r['full_state_bytes'] / MIB:.1f} MiB; RSS {m['before_bytes'] / MIB:.0f} MiB before, "
-            f"peak {m['peak_bytes'] / MIB:.0f} MiB)")
+    return (
+        f"rank {r['rank']} {action}: {m['extra_bytes'] / MIB:.1f} MiB extra at peak, "
+        f"{m['kept_bytes'] / MIB:.1f} MiB kept (local share {r['local_share_bytes'] / MIB:.1f} MiB, "
+        f"full state {r['full_state_bytes'] / MIB:.1f} MiB; RSS {m['before_bytes'] / MIB:.0f} MiB before, "
+        f"peak {m['peak_bytes'] / MIB:.0f} MiB)"
+    )
 
 
 def test_6_the_probe_counts_a_known_allocation_on_each_rank(ranks):
     for r in ranks:
         print(describe(r, "known_allocation"))
         assert r["known_allocation"]["extra_bytes"] == pytest.approx(
-            r["local_share_bytes"], rel=CALIBRATION_TOLERANCE), describe(r, "known_allocation")
+            r["local_share_bytes"], rel=CALIBRATION_TOLERANCE
+        ), describe(r, "known_allocation")
 
 
 def test_6_synchronous_save_holds_a_bounded_buffer_beyond_the_live_state(ranks):

@@ -63,16 +63,35 @@ def torchrun(ranks: int, mode: str, uri: str, out_dir: pathlib.Path, env: dict[s
     """Run the worker on ``ranks`` ranks; each rank's report, by rank."""
     out_dir.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-         str(WORKER), "--mode", mode, "--uri", uri, "--width", str(WIDTH), "--out-dir", str(out_dir)],
-        env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+            str(WORKER),
+            "--mode",
+            mode,
+            "--uri",
+            uri,
+            "--width",
+            str(WIDTH),
+            "--out-dir",
+            str(out_dir),
+        ],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        raise AssertionError(f"workers hung for {TORCHRUN_TIMEOUT_S} s:\n{output[-4000:]}")
+        raise AssertionError(f"workers hung for {TORCHRUN_TIMEOUT_S} s:\n{output[-4000:]}") from None
     assert proc.returncode == 0, output[-4000:]
     return [json.loads((out_dir / f"rank-{r}.json").read_text()) for r in range(ranks)]
 
@@ -82,7 +101,7 @@ def saved_files(bucket) -> tuple[dict[str, int], dict[int, dict]]:
     writers' index files (their documented JSON format) by writer rank."""
     client = make_client(bucket.endpoint_url)
     listing = client.list_objects_v2(Bucket=bucket.name, Prefix=STEP_DIR)["Contents"]
-    sizes = {o["Key"][len(STEP_DIR):]: o["Size"] for o in listing}
+    sizes = {o["Key"][len(STEP_DIR) :]: o["Size"] for o in listing}
     indexes = {}
     for name in sizes:
         if name.endswith(".index.json"):
@@ -97,7 +116,7 @@ def runs_of(report: dict, rank: int, indexes: dict[int, dict]) -> list[tuple[str
     and the RNG state tensors of saved rank ``rank mod SAVED_RANKS``."""
     runs = []
     own_state = f"rank-{rank % SAVED_RANKS:05d}/"
-    for writer, index in indexes.items():
+    for _writer, index in indexes.items():
         for key, (file_index, begin, end) in index["chunks"].items():
             path = index["files"][file_index]["path"]
             name, _, offsets = key.partition("@")
@@ -142,8 +161,13 @@ def test_fsdp2_saved_on_2_ranks_restored_on_3_each_rank_reads_its_share_from_s3(
     sizes, indexes = saved_files(s3_bucket)
     with contextlib.ExitStack() as stack:  # one proxy per restoring rank
         proxies = [stack.enter_context(FaultProxy(s3_bucket.endpoint_url)) for _ in range(RESTORED_RANKS)]
-        restored = torchrun(RESTORED_RANKS, "restore", uri, tmp_path / "restore",
-                            {"SPOTRUN_TEST_RANK_ENDPOINTS": ",".join(p.url for p in proxies)})
+        restored = torchrun(
+            RESTORED_RANKS,
+            "restore",
+            uri,
+            tmp_path / "restore",
+            {"SPOTRUN_TEST_RANK_ENDPOINTS": ",".join(p.url for p in proxies)},
+        )
 
     shard_bytes = sum(size for name, size in sizes.items() if name.endswith(".safetensors"))
     index_file_bytes = sum(size for name, size in sizes.items() if name.endswith(".index.json"))
@@ -157,10 +181,15 @@ def test_fsdp2_saved_on_2_ranks_restored_on_3_each_rank_reads_its_share_from_s3(
         runs = runs_of(report, rank, indexes)
         share = sum(end - begin for _, begin, end in runs)
         expected_share = sum(  # from the live tensors alone: each run is one piece of the share
-            (held["box"][1] * math.prod(held["shape"][1:]) if held["box"] else math.prod(held["shape"])) * held["itemsize"]
-            for held in report["shards"].values())
-        own_state_bytes = sum(end - begin for key, (_, begin, end) in indexes[rank % SAVED_RANKS]["chunks"].items()
-                              if key.startswith(f"rank-{rank % SAVED_RANKS:05d}/"))
+            (held["box"][1] * math.prod(held["shape"][1:]) if held["box"] else math.prod(held["shape"]))
+            * held["itemsize"]
+            for held in report["shards"].values()
+        )
+        own_state_bytes = sum(
+            end - begin
+            for key, (_, begin, end) in indexes[rank % SAVED_RANKS]["chunks"].items()
+            if key.startswith(f"rank-{rank % SAVED_RANKS:05d}/")
+        )
         assert share == expected_share + own_state_bytes, "the saved chunks must cover each tensor's box exactly once"
         bound = block_bytes(runs, sizes) + header_bytes(runs, indexes)
 
@@ -169,12 +198,18 @@ def test_fsdp2_saved_on_2_ranks_restored_on_3_each_rank_reads_its_share_from_s3(
         data = sum(a.body_bytes for a in answers if a.method == "GET" and ".safetensors" in a.path)
         index = sum(a.body_bytes for a in answers if a.method == "GET" and ".index.json" in a.path)
         other = proxy.sent_bytes - data - index
-        print(f"{rank:4d}   {share / 2**20:9.2f}   {data / 2**20:8.2f}   {bound / 2**20:15.2f}   {len(runs):4d}   "
-              f"{index:7d}   {other:7d}   {report['restore_bytes_read']}")
+        print(
+            f"{rank:4d}   {share / 2**20:9.2f}   {data / 2**20:8.2f}   {bound / 2**20:15.2f}   {len(runs):4d}   "
+            f"{index:7d}   {other:7d}   {report['restore_bytes_read']}"
+        )
 
         assert share <= data <= bound <= share + 2 * BLOCK_BYTES * len(runs) + header_bytes(runs, indexes)
         assert data < shard_bytes, "a rank read the whole checkpoint"
         assert index <= index_file_bytes
         assert other <= manifest_bytes + OTHER_BOUND_BYTES
         assert report["restore_bytes_read"] == data + index  # spotrun's count: the same bodies
-        assert report["restore_bytes_read"] < proxy.sent_bytes <= report["restore_bytes_read"] + manifest_bytes + OTHER_BOUND_BYTES
+        assert (
+            report["restore_bytes_read"]
+            < proxy.sent_bytes
+            <= report["restore_bytes_read"] + manifest_bytes + OTHER_BOUND_BYTES
+        )

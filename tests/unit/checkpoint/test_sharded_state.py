@@ -34,9 +34,24 @@ def run_with_stderr(nproc: int, jobs: list[dict], out: pathlib.Path) -> tuple[li
     """Run the sharded worker's ``jobs`` on ``nproc`` ranks: (its results, torchrun's stderr)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-         str(WORKER), "--jobs", json.dumps(jobs), "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env=env)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(WORKER),
+            "--jobs",
+            json.dumps(jobs),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text()), proc.stderr
 
@@ -82,18 +97,29 @@ def test_fsdp2_and_hsdp_state_resumes_bit_identically_on_3_ranks_and_as_tensor_p
     """Row-sharded saves read into FSDP2 on 3 ranks (uneven rows), and into a 3-way tensor-parallel
     layout whose row-wise layer needs a column slice of every saved row."""
     cases = [("fsdp", "fsdp"), ("hsdp", "fsdp"), ("fsdp", "tp")]
-    results = run(3, [{"layout": target, "ckpt": str(tmp_path / f"{i}"), "steps": STEPS}
-                      for i, (source, target) in enumerate(cases)
-                      if shutil.copytree(saved[source][0], tmp_path / f"{i}")], tmp_path / "out.json")
+    results = run(
+        3,
+        [
+            {"layout": target, "ckpt": str(tmp_path / f"{i}"), "steps": STEPS}
+            for i, (source, target) in enumerate(cases)
+            if shutil.copytree(saved[source][0], tmp_path / f"{i}")
+        ],
+        tmp_path / "out.json",
+    )
     for result, (source, _target) in zip(results, cases):
         assert_restored_exactly(result, saved[source][1])
 
 
 @pytest.mark.slow
 def test_ddp_state_resumes_as_fsdp2_and_fsdp2_state_as_ddp(saved, tmp_path):
-    results = run(2, [{"layout": "fsdp", "ckpt": str(copy_of(saved["ddp"][0], tmp_path)), "steps": STEPS + 2},
-                      {"layout": "ddp", "ckpt": str(copy_of(saved["fsdp"][0], tmp_path)), "steps": STEPS + 2}],
-                  tmp_path / "out.json")
+    results = run(
+        2,
+        [
+            {"layout": "fsdp", "ckpt": str(copy_of(saved["ddp"][0], tmp_path)), "steps": STEPS + 2},
+            {"layout": "ddp", "ckpt": str(copy_of(saved["fsdp"][0], tmp_path)), "steps": STEPS + 2},
+        ],
+        tmp_path / "out.json",
+    )
     assert_restored_exactly(results[0], saved["ddp"][1])
     assert_restored_exactly(results[1], saved["fsdp"][1])
     # both go on training from the same values on the same batches: the same losses up to the
@@ -174,8 +200,9 @@ def test_a_parameter_smaller_than_the_ranks_saves_and_resumes_with_empty_shards(
     3 ranks gives each its (empty or not) part, and training goes on."""
     root = tmp_path / "ck"
     (saved,) = run(2, [{"layout": "fsdp", "model": "head", "ckpt": str(root), "steps": STEPS}], tmp_path / "a.json")
-    (resumed,) = run(3, [{"layout": "fsdp", "model": "head", "ckpt": str(root), "steps": STEPS + 2}],
-                     tmp_path / "b.json")
+    (resumed,) = run(
+        3, [{"layout": "fsdp", "model": "head", "ckpt": str(root), "steps": STEPS + 2}], tmp_path / "b.json"
+    )
     assert resumed["restored"] == STEPS
     assert resumed["restored_tensors"] == saved["tensors"] and len(saved["tensors"]) == 24
     assert sorted(resumed["losses"]) == ["4", "5"]

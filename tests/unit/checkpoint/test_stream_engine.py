@@ -53,8 +53,9 @@ def test_streamed_shard_is_a_safetensors_file_with_exact_bytes(tmp_path, direct_
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
     # the chunked digest is BLAKE3 over the BLAKE3 of each 8 MiB piece of the file
     data = (tmp_path / "f.safetensors").read_bytes()
-    leaves = b"".join(blake3.blake3(data[i:i + CHECKSUM_CHUNK_BYTES]).digest()
-                      for i in range(0, len(data), CHECKSUM_CHUNK_BYTES))
+    leaves = b"".join(
+        blake3.blake3(data[i : i + CHECKSUM_CHUNK_BYTES]).digest() for i in range(0, len(data), CHECKSUM_CHUNK_BYTES)
+    )
     assert digests.hexdigest() == blake3.blake3(leaves).hexdigest()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
 
@@ -78,8 +79,11 @@ def make(tmp_path, seed: int):
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 4096))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     extra = {"bf": torch.randn(100).to(torch.bfloat16), "scales": torch.rand(9).to(torch.float8_e8m0fnu)}
-    ckpt = spotrun.Checkpointer({"model": model, "optimizer": opt, "extra": extra},
-                                storage=LocalStorage(str(tmp_path / "ck")), handle_signals=False)
+    ckpt = spotrun.Checkpointer(
+        {"model": model, "optimizer": opt, "extra": extra},
+        storage=LocalStorage(str(tmp_path / "ck")),
+        handle_signals=False,
+    )
     return ckpt, model, opt, extra
 
 
@@ -154,8 +158,9 @@ def test_golden_format_2_checkpoint_still_loads_and_is_still_verified(tmp_path):
     shutil.copytree(GOLDEN_V2, tmp_path / "ck")
     model = torch.nn.Linear(3, 2)
     extra: dict = {"bf": torch.zeros(2, dtype=torch.bfloat16), "scales": torch.zeros(3).to(torch.float8_e8m0fnu)}
-    ckpt = spotrun.Checkpointer({"model": model, "extra": extra}, storage=LocalStorage(str(tmp_path / "ck")),
-                                handle_signals=False)
+    ckpt = spotrun.Checkpointer(
+        {"model": model, "extra": extra}, storage=LocalStorage(str(tmp_path / "ck")), handle_signals=False
+    )
     assert ckpt.restore() == 7
     assert torch.equal(model.weight, torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))
     assert torch.equal(extra["bf"], torch.tensor([1.5, -2.25], dtype=torch.bfloat16))
@@ -168,15 +173,16 @@ def test_golden_format_2_checkpoint_still_loads_and_is_still_verified(tmp_path):
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x01
     shard.write_bytes(bytes(data))
-    other = spotrun.Checkpointer({"model": torch.nn.Linear(3, 2), "extra": {}},
-                                 storage=LocalStorage(str(tmp_path / "ck")), handle_signals=False)
+    other = spotrun.Checkpointer(
+        {"model": torch.nn.Linear(3, 2), "extra": {}}, storage=LocalStorage(str(tmp_path / "ck")), handle_signals=False
+    )
     with pytest.raises(NoCheckpointError):
         other.restore()
 
 
 def test_a_shard_shorter_than_recorded_is_corrupt_not_a_crash(tmp_path):
-    from spotrun.checkpoint.reader import read_shard_into
     from spotrun.checkpoint.manifest import FileRecord, TensorRecord
+    from spotrun.checkpoint.reader import read_shard_into
 
     storage = LocalStorage(str(tmp_path))
     source = ShardSource({"w": torch.ones(10)}, {})
@@ -191,16 +197,17 @@ def test_a_sha256_chunked_record_is_verified_too(tmp_path):
     """The chunked construction with SHA-256 (format 3 allows it): read and verified."""
     import hashlib
 
-    from spotrun.checkpoint.reader import read_shard_into
     from spotrun.checkpoint.manifest import FileRecord, TensorRecord
+    from spotrun.checkpoint.reader import read_shard_into
 
     storage = LocalStorage(str(tmp_path))
     tensors = {"w": torch.randn(3 * 2**20)}
     source = ShardSource(tensors, {})
     storage.put_stream("f", source, chunk_bytes=CHECKSUM_CHUNK_BYTES)
     data = (tmp_path / "f").read_bytes()
-    leaves = b"".join(hashlib.sha256(data[i:i + CHECKSUM_CHUNK_BYTES]).digest()
-                      for i in range(0, len(data), CHECKSUM_CHUNK_BYTES))
+    leaves = b"".join(
+        hashlib.sha256(data[i : i + CHECKSUM_CHUNK_BYTES]).digest() for i in range(0, len(data), CHECKSUM_CHUNK_BYTES)
+    )
     good = FileRecord("f", 0, len(data), hashlib.sha256(leaves).hexdigest(), "sha256-chunks", CHECKSUM_CHUNK_BYTES)
     wanted = {"w": TensorRecord("f", "float32", [3 * 2**20])}
     assert torch.equal(read_shard_into(storage, "f", good, wanted, {}, where="f")["w"], tensors["w"])

@@ -27,21 +27,20 @@ import torch
 
 import spotrun
 from spotrun.checkpoint import catalog
+from spotrun.checkpoint.restore import load_step
 from spotrun.checkpoint.verify import steps_to_verify, verify_step
 from spotrun.cli import main
-from spotrun.checkpoint.restore import load_step
 from spotrun.errors import CorruptShardError, StateMismatchError
 from spotrun.storage import LocalStorage
 from tests.support.ckpt_files import manifest_path
 from tests.support.paths import JOBS, REPO
-from tests.unit.checkpoint.test_sharded_state import run_with_stderr
 from tests.support.step_edits import edit_chunk_bytes, edit_header, edit_index, edit_manifest, redigest
+from tests.unit.checkpoint.test_sharded_state import run_with_stderr
 
 ROOT = REPO
 WORKER = JOBS / "sharded_job.py"
 sys.path.insert(0, str(WORKER.parent))
 import sharded_job  # noqa: E402  (the worker's model, also restored in this process)
-
 
 # --- edits (the files are edited with tests/support/step_edits.py) ---------------------------------------
 
@@ -49,6 +48,7 @@ import sharded_job  # noqa: E402  (the worker's model, also restored in this pro
 def shift(entry: str, by: int) -> Callable[[dict], None]:
     def edit(header: dict) -> None:
         header[entry]["data_offsets"] = [o + by for o in header[entry]["data_offsets"]]
+
     return edit
 
 
@@ -56,12 +56,14 @@ def into_header(key: str) -> Callable[[dict], None]:
     def edit(index: dict) -> None:
         file_index, begin, end = index["chunks"][key]
         index["chunks"][key] = [file_index, 8, 8 + end - begin]  # the same length, in the JSON header
+
     return edit
 
 
 def set_dtype(entry: str, code: str) -> Callable[[dict], None]:
     def edit(header: dict) -> None:
         header[entry]["dtype"] = code
+
     return edit
 
 
@@ -73,6 +75,7 @@ def set_shape(tensor: str, shape: list[int]) -> Callable[[dict], None]:
     def edit(manifest: dict) -> None:
         record = manifest["tensors"][tensor]
         record.update(shape=shape, grid=[1] * len(shape))
+
     return edit
 
 
@@ -82,8 +85,10 @@ def python_rng_index_out_of_range(internal: bytearray) -> None:
 
 def point_at(state: str, key: str, tensor: str) -> Callable[[dict], None]:
     """The state skeleton refers to ``tensor`` at ``state/key`` (its own tensor there no more)."""
+
     def edit(manifest: dict) -> None:
         manifest["state"][state][key] = {"__tensor__": tensor}
+
     return edit
 
 
@@ -92,6 +97,7 @@ def chunk_list(tensor: str, chunks: list) -> Callable[[dict], None]:
         record = manifest["tensors"][tensor]
         record.pop("grid"), record.pop("writers")
         record["chunks"] = chunks
+
     return edit
 
 
@@ -107,8 +113,11 @@ def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
 
 
 def checkpointer(root: pathlib.Path, model, opt, extra) -> spotrun.Checkpointer:
-    return spotrun.Checkpointer({"model": model, "optimizer": opt, "extra": extra},
-                                storage=LocalStorage(str(root), fsync=False), handle_signals=False)
+    return spotrun.Checkpointer(
+        {"model": model, "optimizer": opt, "extra": extra},
+        storage=LocalStorage(str(root), fsync=False),
+        handle_signals=False,
+    )
 
 
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
@@ -121,10 +130,14 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> Non
 
 def snapshot(model, opt, extra) -> dict:
     """Every value a restore must give back, and every generator's state."""
-    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
-            "optimizer": copy.deepcopy(opt.state_dict()), "extra": copy.deepcopy(extra),
-            "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-            "numpy_rng": np.random.get_state(legacy=True)}
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": copy.deepcopy(opt.state_dict()),
+        "extra": copy.deepcopy(extra),
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state(legacy=True),
+    }
 
 
 def assert_same(got: dict, expected: dict) -> None:
@@ -136,7 +149,9 @@ def assert_same(got: dict, expected: dict) -> None:
             assert torch.equal(got["optimizer"]["state"][param][key], value), (param, key)
     assert got["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
     assert got["extra"]["count"] == expected["extra"]["count"]
-    assert got["extra"]["t"].shape == expected["extra"]["t"].shape and torch.equal(got["extra"]["t"], expected["extra"]["t"])
+    assert got["extra"]["t"].shape == expected["extra"]["t"].shape and torch.equal(
+        got["extra"]["t"], expected["extra"]["t"]
+    )
     assert torch.equal(got["torch_rng"], expected["torch_rng"])
     assert got["python_rng"] == expected["python_rng"]
     assert all(np.array_equal(a, b) for a, b in zip(got["numpy_rng"], expected["numpy_rng"]))
@@ -185,39 +200,67 @@ def fallback_lines(caplog) -> list[str]:
 
 # (id, edit of step 2, what the one log line says: the file's name and the reason)
 REPLICATED_EDITS: list[tuple[str, Callable[[pathlib.Path], None], str, str]] = [
-    ("header dtype changed",
-     lambda root: edit_header(root, 2, 0, set_dtype("model/weight", "I32")),
-     "rank-00000.", "tensor model/weight is stored as I32[4, 3]"),
-    ("header data_offsets shifted",
-     lambda root: edit_header(root, 2, 0, shift("model/bias", 4)),
-     "rank-00000.", "tensor model/bias starts at byte"),
-    ("index range pointing into the header",
-     lambda root: edit_index(root, 2, 0, into_header("model/bias")),
-     "rank-00000.", "rank 0's index says 8-24"),
-    ("block size disagreeing with the manifest",
-     lambda root: edit_index(root, 2, 0, set_block_bytes),
-     "rank-00000.i000000000.index.json", "in blocks of 524288; the manifest records"),
-    ("manifest shape disagreeing with the file",
-     lambda root: edit_manifest(root, 2, set_shape("model/weight", [3, 4])),
-     "rank-00000.", "tensor model/weight is stored as F32[4, 3]"),
-    ("plain container's manifest shape disagreeing with the file",
-     lambda root: edit_manifest(root, 2, set_shape("extra/t", [2, 3])),
-     "rank-00000.", "tensor extra/t is stored as F32[6]"),
-    ("a chunk list leaving a gap (all of the tensor)",
-     lambda root: edit_manifest(root, 2, chunk_list("model/weight", [])),
-     "step 2", "tensor model/weight: its chunks cover 0 of its 12 elements"),
-    ("a state that puts another tensor where a parameter was",
-     lambda root: edit_manifest(root, 2, point_at("model", "weight", "model/bias")),
-     "manifest.i000000000.json", "the state holds tensor 'model/bias' at model/weight"),
-    ("an RNG state the generator rejects",
-     lambda root: edit_chunk_bytes(root, 2, 0, "rank-00000/rng/python/internal", python_rng_index_out_of_range),
-     "manifest.i000000000.json", "saved RNG state is malformed"),
+    (
+        "header dtype changed",
+        lambda root: edit_header(root, 2, 0, set_dtype("model/weight", "I32")),
+        "rank-00000.",
+        "tensor model/weight is stored as I32[4, 3]",
+    ),
+    (
+        "header data_offsets shifted",
+        lambda root: edit_header(root, 2, 0, shift("model/bias", 4)),
+        "rank-00000.",
+        "tensor model/bias starts at byte",
+    ),
+    (
+        "index range pointing into the header",
+        lambda root: edit_index(root, 2, 0, into_header("model/bias")),
+        "rank-00000.",
+        "rank 0's index says 8-24",
+    ),
+    (
+        "block size disagreeing with the manifest",
+        lambda root: edit_index(root, 2, 0, set_block_bytes),
+        "rank-00000.i000000000.index.json",
+        "in blocks of 524288; the manifest records",
+    ),
+    (
+        "manifest shape disagreeing with the file",
+        lambda root: edit_manifest(root, 2, set_shape("model/weight", [3, 4])),
+        "rank-00000.",
+        "tensor model/weight is stored as F32[4, 3]",
+    ),
+    (
+        "plain container's manifest shape disagreeing with the file",
+        lambda root: edit_manifest(root, 2, set_shape("extra/t", [2, 3])),
+        "rank-00000.",
+        "tensor extra/t is stored as F32[6]",
+    ),
+    (
+        "a chunk list leaving a gap (all of the tensor)",
+        lambda root: edit_manifest(root, 2, chunk_list("model/weight", [])),
+        "step 2",
+        "tensor model/weight: its chunks cover 0 of its 12 elements",
+    ),
+    (
+        "a state that puts another tensor where a parameter was",
+        lambda root: edit_manifest(root, 2, point_at("model", "weight", "model/bias")),
+        "manifest.i000000000.json",
+        "the state holds tensor 'model/bias' at model/weight",
+    ),
+    (
+        "an RNG state the generator rejects",
+        lambda root: edit_chunk_bytes(root, 2, 0, "rank-00000/rng/python/internal", python_rng_index_out_of_range),
+        "manifest.i000000000.json",
+        "saved RNG state is malformed",
+    ),
 ]
 
 
 @pytest.mark.parametrize("edit, file, reason", [e[1:] for e in REPLICATED_EDITS], ids=[e[0] for e in REPLICATED_EDITS])
 def test_an_edited_step_with_recomputed_digests_falls_back_to_the_previous_step_bit_exactly(
-        replicated, tmp_path, caplog, capsys, edit, file, reason):
+    replicated, tmp_path, caplog, capsys, edit, file, reason
+):
     source, expected = replicated
     root = pathlib.Path(shutil.copytree(source, tmp_path / "ck"))
     edit(root)
@@ -229,7 +272,9 @@ def test_an_edited_step_with_recomputed_digests_falls_back_to_the_previous_step_
     with caplog.at_level(logging.WARNING, logger="spotrun"):
         assert checkpointer(root, model, opt, extra).restore() == 1
     [line] = fallback_lines(caplog)
-    assert line.startswith("checkpoint step 2 failed verification (rank 0: ") and line.endswith("falling back to step 1")
+    assert line.startswith("checkpoint step 2 failed verification (rank 0: ") and line.endswith(
+        "falling back to step 1"
+    )
     assert file in line and reason in line, line
     assert_same(snapshot(model, opt, extra), expected)
     assert statuses(root, capsys) == {1: "complete", 2: "corrupt"}
@@ -244,8 +289,10 @@ def test_nothing_is_read_into_a_live_tensor_before_the_whole_step_passed_the_che
     redigest(root, 2)
     storage = LocalStorage(str(root))
     info = catalog.committed(storage, 2)
-    live = {name: torch.full(record.shape, 7, dtype=getattr(torch, record.dtype))
-            for name, record in info.manifest.tensors.items()}
+    live = {
+        name: torch.full(record.shape, 7, dtype=getattr(torch, record.dtype))
+        for name, record in info.manifest.tensors.items()
+    }
     before = {name: t.clone() for name, t in live.items()}
     with pytest.raises(CorruptShardError, match=r"rank-00000\..*: tensor rank-00000/rng/torch_cpu is stored as I8"):
         load_step(storage, 2, info.manifest_key, 0, 1, destinations=live)
@@ -277,13 +324,15 @@ class FailingState:
 
 def test_the_jobs_own_load_state_dict_failing_stops_the_start_and_uncommits_nothing(tmp_path, capsys):
     root = tmp_path / "ck"
-    ckpt = spotrun.Checkpointer({"own": FailingState()}, storage=LocalStorage(str(root), fsync=False),
-                                handle_signals=False)
+    ckpt = spotrun.Checkpointer(
+        {"own": FailingState()}, storage=LocalStorage(str(root), fsync=False), handle_signals=False
+    )
     ckpt.save(1)
     ckpt.close()
     with pytest.raises(TypeError, match="a bug in the job's own code"):
-        spotrun.Checkpointer({"own": FailingState()}, storage=LocalStorage(str(root), fsync=False),
-                             handle_signals=False).restore()
+        spotrun.Checkpointer(
+            {"own": FailingState()}, storage=LocalStorage(str(root), fsync=False), handle_signals=False
+        ).restore()
     assert statuses(root, capsys) == {1: "complete"}
 
 
@@ -306,21 +355,36 @@ UP_WEIGHT_CHUNKS = [[[0, 0], [10, 12], 0], [[10, 0], [10, 12], 1]]
 
 # (id, edit of step 3, what the one log line says)
 SHARDED_EDITS: list[tuple[str, Callable[[pathlib.Path], None], str, str]] = [
-    ("a chunk list leaving a gap",
-     lambda root: edit_manifest(root, 3, chunk_list("model/up.weight", UP_WEIGHT_CHUNKS[:1])),
-     "step 3", "tensor model/up.weight: its chunks cover 120 of its 240 elements"),
-    ("overlapping chunks",
-     lambda root: edit_manifest(root, 3, chunk_list("model/up.weight", UP_WEIGHT_CHUNKS + UP_WEIGHT_CHUNKS[:1])),
-     "step 3", "tensor model/up.weight: its chunks at offsets [0, 0] and [0, 0] overlap"),
-    ("header dtype changed on the other rank's file",
-     lambda root: edit_header(root, 3, 1, set_dtype("model/up.weight@10,0", "I32")),
-     "rank-00001.", "tensor model/up.weight@10,0 is stored as I32[10, 12]"),
-    ("index range pointing into the header",
-     lambda root: edit_index(root, 3, 1, into_header("model/down.bias@6")),
-     "rank-00001.", "rank 1's index says 8-32"),
-    ("an RNG state the generator rejects",
-     lambda root: edit_chunk_bytes(root, 3, 0, "rank-00000/rng/python/internal", python_rng_index_out_of_range),
-     "manifest.i000000001.json", "saved RNG state is malformed"),
+    (
+        "a chunk list leaving a gap",
+        lambda root: edit_manifest(root, 3, chunk_list("model/up.weight", UP_WEIGHT_CHUNKS[:1])),
+        "step 3",
+        "tensor model/up.weight: its chunks cover 120 of its 240 elements",
+    ),
+    (
+        "overlapping chunks",
+        lambda root: edit_manifest(root, 3, chunk_list("model/up.weight", UP_WEIGHT_CHUNKS + UP_WEIGHT_CHUNKS[:1])),
+        "step 3",
+        "tensor model/up.weight: its chunks at offsets [0, 0] and [0, 0] overlap",
+    ),
+    (
+        "header dtype changed on the other rank's file",
+        lambda root: edit_header(root, 3, 1, set_dtype("model/up.weight@10,0", "I32")),
+        "rank-00001.",
+        "tensor model/up.weight@10,0 is stored as I32[10, 12]",
+    ),
+    (
+        "index range pointing into the header",
+        lambda root: edit_index(root, 3, 1, into_header("model/down.bias@6")),
+        "rank-00001.",
+        "rank 1's index says 8-32",
+    ),
+    (
+        "an RNG state the generator rejects",
+        lambda root: edit_chunk_bytes(root, 3, 0, "rank-00000/rng/python/internal", python_rng_index_out_of_range),
+        "manifest.i000000001.json",
+        "saved RNG state is malformed",
+    ),
 ]
 
 
@@ -331,8 +395,12 @@ def restore_single(root: pathlib.Path) -> tuple[int, dict[str, str]]:
     model = sharded_job.build("single")
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    ckpt = spotrun.Checkpointer({"model": model, "optimizer": opt, "scheduler": sched}, uri=str(root),
-                                handle_signals=False, background_saves=False)
+    ckpt = spotrun.Checkpointer(
+        {"model": model, "optimizer": opt, "scheduler": sched},
+        uri=str(root),
+        handle_signals=False,
+        background_saves=False,
+    )
     step = ckpt.restore()
     ckpt.close()
     return step, sharded_job.tensor_digests(model, opt)
@@ -341,7 +409,8 @@ def restore_single(root: pathlib.Path) -> tuple[int, dict[str, str]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("edit, file, reason", [e[1:] for e in SHARDED_EDITS], ids=[e[0] for e in SHARDED_EDITS])
 def test_an_edited_sharded_step_falls_back_to_the_previous_step_bit_exactly(
-        sharded, tmp_path, caplog, capsys, edit, file, reason):
+    sharded, tmp_path, caplog, capsys, edit, file, reason
+):
     source, expected = sharded
     root = pathlib.Path(shutil.copytree(source, tmp_path / "ck"))
     edit(root)
@@ -351,7 +420,9 @@ def test_an_edited_sharded_step_falls_back_to_the_previous_step_bit_exactly(
         step, restored = restore_single(root)
     assert step == 2
     [line] = fallback_lines(caplog)
-    assert line.startswith("checkpoint step 3 failed verification (rank 0: ") and line.endswith("falling back to step 2")
+    assert line.startswith("checkpoint step 3 failed verification (rank 0: ") and line.endswith(
+        "falling back to step 2"
+    )
     assert file in line and reason in line, line
     assert restored == expected
     assert statuses(root, capsys) == {2: "complete", 3: "corrupt"}

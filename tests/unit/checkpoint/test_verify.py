@@ -28,10 +28,12 @@ from spotrun.storage import LocalStorage, open_storage
 from tests.support.ckpt_files import manifest_path, shard_path
 from tests.support.paths import GOLDEN, JOBS, REPO
 
-
 DATA = GOLDEN
-GOLDEN = {"v1": (DATA / "golden-v1", 12), "v2": (DATA / "golden-v2", 7),
-          "v3": (DATA / "golden-v3-sharded" / "checkpoint", 3)}
+GOLDEN = {
+    "v1": (DATA / "golden-v1", 12),
+    "v2": (DATA / "golden-v2", 7),
+    "v3": (DATA / "golden-v3-sharded" / "checkpoint", 3),
+}
 WORKER = JOBS / "sharded_job.py"
 BLOCK_BYTES = 2**20
 
@@ -92,9 +94,25 @@ def sharded(tmp_path_factory) -> pathlib.Path:
     base = tmp_path_factory.mktemp("sharded")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     jobs = json.dumps([{"layout": "fsdp", "ckpt": str(base / "fsdp"), "steps": 3}])
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKER), "--jobs", jobs, "--out", str(base / "out.json")],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(WORKER),
+            "--jobs",
+            jobs,
+            "--out",
+            str(base / "out.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return base / "fsdp"
 
@@ -140,7 +158,8 @@ def test_a_fresh_format_4_checkpoint_passes_reading_each_byte_once(tiny, capsys)
     # each file once; a data file's header once more, for the tensor checks
     assert {k: n for k, n in Counting.read_bytes.items() if k.startswith("step-000000001/rank-")} == {
         f"step-000000001/{f.path}": f.size_bytes + (header_bytes if f.path.endswith(".safetensors") else 0)
-        for f in info.manifest.files}
+        for f in info.manifest.files
+    }
 
 
 def test_a_sharded_fsdp2_checkpoint_passes(sharded, capsys):
@@ -167,8 +186,10 @@ def test_a_flipped_header_byte_names_the_tensor_missing_from_the_file(tiny_copy,
     flip(shard, shard.read_bytes().index(b'"model/proj.weight"') + 1)  # "model/" -> "lodel/"
     code, lines, _ = verify(tiny_copy, capsys=capsys)
     assert code == 1
-    assert lines[:2] == [f"step 1: {shard.name}: digest mismatch in bytes 0-{BLOCK_BYTES} (blake3-chunks)",
-                         f"step 1: {shard.name}: tensor model/proj.weight missing from the file"]
+    assert lines[:2] == [
+        f"step 1: {shard.name}: digest mismatch in bytes 0-{BLOCK_BYTES} (blake3-chunks)",
+        f"step 1: {shard.name}: tensor model/proj.weight missing from the file",
+    ]
 
 
 def test_a_header_that_no_longer_parses_is_named(tiny_copy, capsys):
@@ -271,10 +292,14 @@ def test_all_reports_each_step_and_fails_only_for_the_corrupt_one(three_steps, c
     code, out, _ = verify(three_steps, "--all", "--json", capsys=capsys)
     report = json.loads("\n".join(out))
     assert code == 1 and report["ok"] is False
-    assert [(s["step"], s["verified"], s["ok"]) for s in report["steps"]] == \
-        [(1, True, True), (2, True, False), (3, False, True)]
+    assert [(s["step"], s["verified"], s["ok"]) for s in report["steps"]] == [
+        (1, True, True),
+        (2, True, False),
+        (3, False, True),
+    ]
     assert report["steps"][1]["problems"] == [
-        {"file": shard2, "reason": f"digest mismatch in bytes 0-{BLOCK_BYTES} (blake3-chunks)"}]
+        {"file": shard2, "reason": f"digest mismatch in bytes 0-{BLOCK_BYTES} (blake3-chunks)"}
+    ]
 
 
 def test_an_incomplete_step_is_no_problem_under_all_but_is_when_named(three_steps, capsys):
@@ -312,14 +337,20 @@ def test_by_default_the_newest_complete_step_and_newer_corrupt_ones_are_verified
 
 
 def test_spotrun_errors_exit_2_with_one_line(tmp_path, three_steps, capsys):
-    done = subprocess.run([sys.executable, "-m", "spotrun", "verify", str(tmp_path / "nothing")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "spotrun", "verify", str(tmp_path / "nothing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == f"spotrun: error: no such directory: {tmp_path / 'nothing'}\n"
     (tmp_path / "empty").mkdir()
-    for args, message in [((three_steps, "--step", "9"), f"no step 9 under {three_steps}"),
-                          ((tmp_path / "empty",), f"no complete checkpoint under {tmp_path / 'empty'} to verify"),
-                          (("ftp://host/ck",), None)]:
+    for args, message in [
+        ((three_steps, "--step", "9"), f"no step 9 under {three_steps}"),
+        ((tmp_path / "empty",), f"no complete checkpoint under {tmp_path / 'empty'} to verify"),
+        (("ftp://host/ck",), None),
+    ]:
         code, lines, err = verify(*args, capsys=capsys)
         assert (code, lines) == (2, []), args
         [line] = err.splitlines()

@@ -19,7 +19,10 @@ CREATED_UNIX_S = 1_764_488_000.5  # 2025-11-30T07:33:20Z
 def spotrun_ls(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "spotrun", "ls", *args],
-        capture_output=True, text=True, timeout=120, cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
     )
 
 
@@ -113,7 +116,6 @@ def test_bad_uri_is_one_error_line_and_exit_2(uri):
     assert line.startswith("spotrun: error: ")
 
 
-
 def test_s3_uri_lists_the_same_statuses(s3_bucket):
     uri = f"{s3_bucket.uri}/job"
     write_step(uri, 7)
@@ -122,7 +124,9 @@ def test_s3_uri_lists_the_same_statuses(s3_bucket):
     done = spotrun_ls(uri, "--json")  # the fixture's AWS_ENDPOINT_URL reaches the child
     assert done.returncode == 0, done.stderr
     assert [(r["step"], r["status"]) for r in json.loads(done.stdout)] == [
-        (7, "complete"), (8, "corrupt"), (9, "incomplete"),
+        (7, "complete"),
+        (8, "corrupt"),
+        (9, "incomplete"),
     ]
 
 
@@ -144,8 +148,9 @@ def meshes_root(tmp_path_factory) -> pathlib.Path:
     root = tmp_path_factory.mktemp("ls-meshes") / "ckpt"
     write_step(str(root), 10, world_size=2)  # DDP state: no mesh
     write_step(str(root), 20, world_size=4, meshes=[{"shape": [2, 2], "dim_names": ["dp_replicate", "dp_shard"]}])
-    write_step(str(root), 30, world_size=8,
-               meshes=[{"shape": [2, 4], "dim_names": None}, {"shape": [8], "dim_names": None}])
+    write_step(
+        str(root), 30, world_size=8, meshes=[{"shape": [2, 4], "dim_names": None}, {"shape": [8], "dim_names": None}]
+    )
     write_step(str(root), 40, commit=False)
     return root
 
@@ -187,9 +192,27 @@ def test_layout_of_a_real_two_rank_save(tmp_path):
     """A real Checkpointer on 2 ranks (torchrun, gloo) saves replicated state: `2 ranks`, no mesh."""
     ck, out = tmp_path / "ck", tmp_path / "out"
     out.mkdir()
-    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(BG_JOB), str(ck), str(out), "--steps", "2", "--interval", "0"],
-                         capture_output=True, text=True, errors="replace", timeout=300)
+    job = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(BG_JOB),
+            str(ck),
+            str(out),
+            "--steps",
+            "2",
+            "--interval",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=300,
+    )
     assert job.returncode == 0, (job.stdout + job.stderr)[-4000:]
     [row] = json.loads(spotrun_ls(str(ck), "--json").stdout)
     assert (row["step"], row["status"], row["reason"]) == (2, "complete", "final")

@@ -23,9 +23,8 @@ from spotrun.cli import main
 from spotrun.storage import LocalStorage, open_storage
 from tests.support.crash_roots import Scenario, copy_root
 from tests.support.fault_proxy import FaultProxy
-from tests.support.s3_server import make_client
 from tests.support.paths import JOBS
-
+from tests.support.s3_server import make_client
 
 WORKER = JOBS / "gc_killed.py"
 HOUR_S = 3600.0
@@ -55,8 +54,13 @@ def restored(storage) -> tuple[int, torch.Tensor]:
 
 def gc(*args: str) -> tuple[int, list[str], str]:
     """``spotrun gc ARGS`` in a process of its own: (exit code, stdout lines, stderr)."""
-    done = subprocess.run([sys.executable, "-m", "spotrun", "gc", *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "SPOTRUN_PROGRESS": "0"})
+    done = subprocess.run(
+        [sys.executable, "-m", "spotrun", "gc", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SPOTRUN_PROGRESS": "0"},
+    )
     return done.returncode, done.stdout.splitlines(), done.stderr
 
 
@@ -66,6 +70,7 @@ def backdate(path: Path, age_s: float) -> None:
 
 
 # --- what gc deletes -------------------------------------------------------------------------
+
 
 def test_gc_deletes_by_the_rule_and_by_age_and_keeps_what_must_stay(tmp_path):
     """gc deletes by the rule and by age, and keeps the resume source, young saves and corrupt
@@ -107,13 +112,24 @@ def test_gc_deletes_by_the_rule_and_by_age_and_keeps_what_must_stay(tmp_path):
     for line, pattern in zip(lines, expected):
         assert re.fullmatch(pattern, line), (line, pattern)
     assert lines[-1].startswith("deleted 2 step(s) (4 objects, ")
-    assert lines[-1].endswith(f" and 1 unfinished write(s); kept 7 step(s) and 1 unfinished write(s) under {root}; "
-                              "corrupt, look at them: step(s) 70")
-    assert statuses(storage) == {20: "complete", 30: "complete", 40: "complete", 50: "complete", 60: "complete",
-                                 70: "corrupt", 90: "incomplete"}
+    assert lines[-1].endswith(
+        f" and 1 unfinished write(s); kept 7 step(s) and 1 unfinished write(s) under {root}; "
+        "corrupt, look at them: step(s) 70"
+    )
+    assert statuses(storage) == {
+        20: "complete",
+        30: "complete",
+        40: "complete",
+        50: "complete",
+        60: "complete",
+        70: "corrupt",
+        90: "incomplete",
+    }
     assert not (root / step_dir(80)).exists() and not (root / step_dir(10)).exists()
     assert sorted(p.name for p in (root / step_dir(90)).iterdir()) == [
-        ".rank-00001.i000000002.safetensors.tmp-77-abcdef01", "rank-00000.i000000002.safetensors"]
+        ".rank-00001.i000000002.safetensors.tmp-77-abcdef01",
+        "rank-00000.i000000002.safetensors",
+    ]
 
 
 def test_gc_dry_run_says_what_it_would_delete_and_deletes_nothing(tmp_path):
@@ -127,10 +143,13 @@ def test_gc_dry_run_says_what_it_would_delete_and_deletes_nothing(tmp_path):
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--keep-every", "5"], "keep_every=5 needs keep_last"),
-    (["--keep-last", "2", "--incomplete-older-than-s", "-1"], "--incomplete-older-than-s must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--keep-every", "5"], "keep_every=5 needs keep_last"),
+        (["--keep-last", "2", "--incomplete-older-than-s", "-1"], "--incomplete-older-than-s must be >= 0"),
+    ],
+)
 def test_gc_refuses_bad_options_and_deletes_nothing(tmp_path, args, message):
     storage = LocalStorage(str(tmp_path / "ck"))
     save_steps(storage, [1, 2])
@@ -142,8 +161,7 @@ def test_gc_refuses_bad_options_and_deletes_nothing(tmp_path, args, message):
     assert code == 2 and "no such directory" in stderr
 
 
-def test_gc_on_s3_aborts_abandoned_uploads_and_deletes_old_incomplete_steps(
-        s3_bucket, monkeypatch):
+def test_gc_on_s3_aborts_abandoned_uploads_and_deletes_old_incomplete_steps(s3_bucket, monkeypatch):
     """gc on S3 aborts an abandoned upload and deletes an old incomplete step, but not a save in
     progress.
 
@@ -160,8 +178,9 @@ def test_gc_on_s3_aborts_abandoned_uploads_and_deletes_old_incomplete_steps(
             key = f"job/{step_dir(step)}/rank-00000.i000000001.safetensors"
             proxied.put_object(Bucket=s3_bucket.name, Key=key.replace("rank-00000", "rank-00001"), Body=b"partial")
             upload = proxied.create_multipart_upload(Bucket=s3_bucket.name, Key=key)
-            proxied.upload_part(Bucket=s3_bucket.name, Key=key, UploadId=upload["UploadId"], PartNumber=1,
-                                Body=b"x" * 1024)
+            proxied.upload_part(
+                Bucket=s3_bucket.name, Key=key, UploadId=upload["UploadId"], PartNumber=1, Body=b"x" * 1024
+            )
         proxy.backdate(2 * HOUR_S, lambda key: key.startswith(f"job/{step_dir(30)}/"))
 
         code, lines, stderr = gc(uri)
@@ -191,17 +210,32 @@ def test_gc_on_s3_aborts_abandoned_uploads_and_deletes_old_incomplete_steps(
 
 # --- a kill in the middle of a deletion --------------------------------------------------------
 
+
 def _killed_gc(points_file: Path, kill_at: int | None, backend: str, where: str, uri: str) -> int:
-    done = subprocess.run([sys.executable, str(WORKER), str(points_file), "none" if kill_at is None else str(kill_at),
-                           backend, where, "--", uri, "--keep-last", "1"],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "SPOTRUN_PROGRESS": "0"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(WORKER),
+            str(points_file),
+            "none" if kill_at is None else str(kill_at),
+            backend,
+            where,
+            "--",
+            uri,
+            "--keep-last",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SPOTRUN_PROGRESS": "0"},
+    )
     assert kill_at is not None or done.returncode == 0, done.stderr
     return done.returncode
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
-def test_a_kill_at_any_point_of_a_deletion_leaves_no_corrupt_step(
-        tmp_path, request, backend):
+def test_a_kill_at_any_point_of_a_deletion_leaves_no_corrupt_step(tmp_path, request, backend):
     """A kill at any point of a deletion leaves complete or clearly incomplete steps, and the next
     start resumes.
 
@@ -219,6 +253,7 @@ def test_a_kill_at_any_point_of_a_deletion_leaves_no_corrupt_step(
         copy = f"s3://{bucket}/copy-{index}" if backend == "s3" else str(tmp_path / f"copy-{index}")
         copy_root(scenario, base, copy)
         return copy
+
     save_steps(open_storage(base), [10, 20])
 
     def hooked_root(uri: str) -> str:

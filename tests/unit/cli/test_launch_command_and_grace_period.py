@@ -16,28 +16,52 @@ import pytest
 from tests.support.fake_launch import FAKE, WAIT_S, alive, sigterm_ignored_until_stopped, steps_on
 
 
-@pytest.mark.parametrize("words", [
-    ["run", "python", "-c", "open('started', 'w')"],
-    ["run", "--notice", "none", "python", "-c", "open('started', 'w')"],
-    ["run", "python", "-c", "open('started', 'w')", "--", "x"],
-    ["drill", "--cloud", "signal", "python", "-c", "open('started', 'w')"],
-], ids=["run", "run-after-options", "run-dashes-later", "drill"])
+@pytest.mark.parametrize(
+    "words",
+    [
+        ["run", "python", "-c", "open('started', 'w')"],
+        ["run", "--notice", "none", "python", "-c", "open('started', 'w')"],
+        ["run", "python", "-c", "open('started', 'w')", "--", "x"],
+        ["drill", "--cloud", "signal", "python", "-c", "open('started', 'w')"],
+    ],
+    ids=["run", "run-after-options", "run-dashes-later", "drill"],
+)
 def test_6_launch_command_without_dashes_is_refused(tmp_path, words):
-    done = subprocess.run([sys.executable, "-m", "spotrun", *words], capture_output=True, text=True,
-                          timeout=WAIT_S, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "spotrun", *words], capture_output=True, text=True, timeout=WAIT_S, cwd=tmp_path
+    )
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.splitlines()
-    assert line == (f"spotrun: error: 'python' is not an option of spotrun {words[0]}: put the launch command "
-                    f"after '--', as in spotrun {words[0]} [options] -- torchrun --nproc-per-node 8 train.py")
+    assert line == (
+        f"spotrun: error: 'python' is not an option of spotrun {words[0]}: put the launch command "
+        f"after '--', as in spotrun {words[0]} [options] -- torchrun --nproc-per-node 8 train.py"
+    )
     assert not (tmp_path / "started").exists(), "nothing may be launched"
     assert not (tmp_path / "checkpoints").exists(), "nothing may be written"
 
 
 def test_6_launch_command_after_dashes_may_contain_dashes(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "spotrun", "run", "--notice", "none", "--checkpoint-uri", "ck", "--",
-         sys.executable, "-c", "import sys; open('argv', 'w').write(repr(sys.argv[1:]))", "--", "--grace-period-s"],
-        capture_output=True, text=True, timeout=WAIT_S, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "spotrun",
+            "run",
+            "--notice",
+            "none",
+            "--checkpoint-uri",
+            "ck",
+            "--",
+            sys.executable,
+            "-c",
+            "import sys; open('argv', 'w').write(repr(sys.argv[1:]))",
+            "--",
+            "--grace-period-s",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "argv").read_text() == repr(["--", "--grace-period-s"])
@@ -47,8 +71,10 @@ def test_6_short_grace_period_gets_a_proportionate_safety_margin(spotrun_run, tm
     """--grace-period-s 2 (less than the default 5 s margin) without --safety-margin-s: the
     margin is half the grace period, 1 s, and the save gets the other second."""
     ckpt = tmp_path / "ckpt"
-    run = spotrun_run(["--checkpoint-uri", str(ckpt), "--notice", "none", "--grace-period-s", "2"],
-                      [sys.executable, FAKE / "saver.py", state])
+    run = spotrun_run(
+        ["--checkpoint-uri", str(ckpt), "--notice", "none", "--grace-period-s", "2"],
+        [sys.executable, FAKE / "saver.py", state],
+    )
     run.wait_until(lambda: (state / "ready").exists(), "the worker started")
     sent_unix_s = time.time()
     run.proc.send_signal(signal.SIGTERM)
@@ -61,8 +87,24 @@ def test_6_short_grace_period_gets_a_proportionate_safety_margin(spotrun_run, tm
 
 def test_6_explicit_safety_margin_not_shorter_than_the_grace_period_is_refused(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "spotrun", "run", "--grace-period-s", "2", "--safety-margin-s", "2", "--",
-         sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=WAIT_S, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "spotrun",
+            "run",
+            "--grace-period-s",
+            "2",
+            "--safety-margin-s",
+            "2",
+            "--",
+            sys.executable,
+            "-c",
+            "pass",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        cwd=tmp_path,
     )
     assert done.returncode == 2
     [line] = done.stderr.splitlines()
@@ -75,8 +117,18 @@ def test_6_uncooperative_tree_is_stopped_within_the_grace_period(spotrun_run, tm
     halfway through the safety margin, so nothing waits for the stop timeout."""
     grace_s, margin_s, stop_timeout_s = 3.0, 1.0, 60.0
     run = spotrun_run(
-        ["--checkpoint-uri", str(tmp_path / "ckpt"), "--notice", "none", "--grace-period-s", str(grace_s),
-         "--safety-margin-s", str(margin_s), "--stop-timeout-s", str(stop_timeout_s)],
+        [
+            "--checkpoint-uri",
+            str(tmp_path / "ckpt"),
+            "--notice",
+            "none",
+            "--grace-period-s",
+            str(grace_s),
+            "--safety-margin-s",
+            str(margin_s),
+            "--stop-timeout-s",
+            str(stop_timeout_s),
+        ],
         [sys.executable, FAKE / "ignorer.py", state],
     )
     worker_pid, grandchild_pid, waited_s = sigterm_ignored_until_stopped(run, state)
@@ -93,8 +145,9 @@ def test_output_into_a_closed_pipe_ends_quietly_with_sigpipes_code(tmp_path):
     (tmp_path / "ck" / "step-000000010" / "rank-00000.i000000000.safetensors").write_bytes(b"x")
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader left before spotrun starts: its first write fails, whatever the timing
-    proc = subprocess.Popen([sys.executable, "-m", "spotrun", "ls", str(tmp_path / "ck")],
-                            stdout=write_end, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spotrun", "ls", str(tmp_path / "ck")], stdout=write_end, stderr=subprocess.PIPE
+    )
     os.close(write_end)
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=WAIT_S) == 128 + signal.SIGPIPE, stderr

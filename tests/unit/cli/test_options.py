@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from spotrun.cli import _build_parser
-from spotrun.supervisor.config_file import load_run_config
 from spotrun.errors import ConfigError
 from spotrun.supervisor.config import SupervisorConfig, option_specs
+from spotrun.supervisor.config_file import load_run_config
 
 #: Every option with a value a file may give it, written out so that a dropped or renamed option fails.
 EXPECTED = {
@@ -103,22 +103,35 @@ def test_command_line_wins_over_the_file_which_wins_over_the_defaults(tmp_path):
 
 
 def test_notice_options_come_from_the_flat_fields():
-    config = SupervisorConfig(command=("true",), aws_metadata_endpoint="http://127.0.0.1:1338",
-                              gcp_metadata_host="127.0.0.1:8080", azure_vm_name="vm-1", notice_file="/n")
+    config = SupervisorConfig(
+        command=("true",),
+        aws_metadata_endpoint="http://127.0.0.1:1338",
+        gcp_metadata_host="127.0.0.1:8080",
+        azure_vm_name="vm-1",
+        notice_file="/n",
+    )
     options = config.notice_options
-    assert (options.aws_endpoint, options.gcp_host, options.azure_endpoint, options.azure_vm_name,
-            options.notice_file) == ("http://127.0.0.1:1338", "127.0.0.1:8080", None, "vm-1", "/n")
+    assert (
+        options.aws_endpoint,
+        options.gcp_host,
+        options.azure_endpoint,
+        options.azure_vm_name,
+        options.notice_file,
+    ) == ("http://127.0.0.1:1338", "127.0.0.1:8080", None, "vm-1", "/n")
 
 
-@pytest.mark.parametrize(("changes", "expected"), [
-    ({"notify_signal": "KILL"}, "--notify-signal: SIGKILL cannot tell a job to save"),
-    ({"notify_signal": "STOP"}, "--notify-signal: SIGSTOP cannot tell a job to save"),
-    ({"notify_signal": "CHLD"}, "--notify-signal: SIGCHLD cannot tell a job to save"),
-    ({"notify_signal": "SEGV"}, "--notify-signal: SIGSEGV reports a fault"),
-    ({"notify_signal": "FOO"}, "--notify-signal: 'FOO' is not a signal name"),
-    ({"announce_timeout_s": float("inf")}, "announce timeout must be a finite number >= 0 s"),
-    ({"announce_timeout_s": -1.0}, "announce timeout must be a finite number >= 0 s"),
-])
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"notify_signal": "KILL"}, "--notify-signal: SIGKILL cannot tell a job to save"),
+        ({"notify_signal": "STOP"}, "--notify-signal: SIGSTOP cannot tell a job to save"),
+        ({"notify_signal": "CHLD"}, "--notify-signal: SIGCHLD cannot tell a job to save"),
+        ({"notify_signal": "SEGV"}, "--notify-signal: SIGSEGV reports a fault"),
+        ({"notify_signal": "FOO"}, "--notify-signal: 'FOO' is not a signal name"),
+        ({"announce_timeout_s": float("inf")}, "announce timeout must be a finite number >= 0 s"),
+        ({"announce_timeout_s": -1.0}, "announce timeout must be a finite number >= 0 s"),
+    ],
+)
 def test_a_notify_signal_no_script_could_save_on_is_refused(changes, expected):
     """A signal that cannot be caught (KILL, STOP) or that does nothing by default (CHLD)
     would kill or miss every worker: refused before anything starts, as on the command line."""

@@ -26,14 +26,13 @@ from spotrun.checkpoint import catalog
 from spotrun.checkpoint.layout import DELETION_MARKER_NAME, parse_manifest_name, step_dir
 from spotrun.checkpoint.retention import delete_step
 from spotrun.checkpoint.verify import steps_to_verify, verify_step
-from spotrun.cli import main
 from spotrun.cli import _shared as shared
+from spotrun.cli import main
 from spotrun.cli import verify as verify_command
 from spotrun.errors import StepDeletedError
 from spotrun.export.hf import export_hf
 from spotrun.storage import LocalStorage, open_storage
 from tests.support.paths import JOBS
-
 
 WORKER = JOBS / "short_saver_job.py"
 #: Rounds of the tools next to the live job: at least, and at most.
@@ -53,7 +52,7 @@ class DeletesAtFirstRead(LocalStorage):
         self.fired = False
 
     def _before_read(self, key: str) -> None:
-        if not key.startswith(self._prefix) or parse_manifest_name(key[len(self._prefix):])[0]:
+        if not key.startswith(self._prefix) or parse_manifest_name(key[len(self._prefix) :])[0]:
             return
         with self._lock:
             if not self.fired:
@@ -102,8 +101,10 @@ def verify_cli(monkeypatch, capsys, storage, *args: str) -> tuple[int, list[str]
 
 # --- verify ---------------------------------------------------------------------------------
 
+
 def test_verify_all_reports_a_step_deleted_between_listing_and_reading_as_deleted_and_exits_0(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     """C21: the step retention deletes after ``verify --all`` listed it is gone, not damaged."""
     save_steps(tmp_path, [1, 2, 3])
     hooked = DeletesAtFirstRead(tmp_path, 2, retention_deletes(tmp_path, 2))
@@ -131,13 +132,16 @@ def test_verify_json_marks_the_deleted_step_ok_and_not_verified(tmp_path):
     save_steps(tmp_path, [1, 2])
     hooked = DeletesAtFirstRead(tmp_path, 1, retention_deletes(tmp_path, 1))
     reports = [verify_step(hooked, info) for info in steps_to_verify(hooked, every=True)]
-    assert [(r.step, r.status, r.ok, r.verified) for r in reports] == [(1, "deleted", True, False),
-                                                                        (2, "complete", True, True)]
+    assert [(r.step, r.status, r.ok, r.verified) for r in reports] == [
+        (1, "deleted", True, False),
+        (2, "complete", True, True),
+    ]
     assert reports[0].to_json()["problems"] == []
 
 
 def test_verify_by_default_checks_the_new_newest_step_when_the_newest_is_deleted_under_it(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     """C21: by default the step a restart resumes from is checked: when it is deleted while
     verifying (a newer one committed meanwhile), the newer one is verified instead."""
     save_steps(tmp_path, [1, 2, 3])
@@ -155,8 +159,7 @@ def test_verify_by_default_checks_the_new_newest_step_when_the_newest_is_deleted
     assert lines[1].startswith("step 3: ok (")
 
 
-def test_verify_of_a_named_step_deleted_while_verifying_is_one_error_line_and_exit_2(
-        tmp_path, monkeypatch, capsys):
+def test_verify_of_a_named_step_deleted_while_verifying_is_one_error_line_and_exit_2(tmp_path, monkeypatch, capsys):
     """C21: ``--step N`` deleted meanwhile: no verdict on a step that is gone (as for an absent step)."""
     save_steps(tmp_path, [1, 2])
     hooked = DeletesAtFirstRead(tmp_path, 1, retention_deletes(tmp_path, 1))
@@ -165,10 +168,12 @@ def test_verify_of_a_named_step_deleted_while_verifying_is_one_error_line_and_ex
     assert lines == []
     assert err.splitlines() == [
         f"spotrun: error: step 1 under {hooked.uri} was deleted while verifying it (the job's retention, "
-        "--keep-last, or spotrun gc removed it)"]
+        "--keep-last, or spotrun gc removed it)"
+    ]
 
 
 # --- ls (the catalog) -----------------------------------------------------------------------
+
 
 def test_ls_shows_a_step_whose_deletion_has_begun_as_being_deleted_not_corrupt(tmp_path, capsys):
     """C21: a listing that saw the manifest but not all files of a step being deleted (the marker
@@ -197,6 +202,7 @@ def test_a_step_whose_manifest_was_deleted_after_the_listing_counts_as_deleted(t
 
 # --- export ---------------------------------------------------------------------------------
 
+
 def test_export_of_a_named_step_deleted_mid_way_fails_and_leaves_nothing(tmp_path):
     """Export of a named step deleted while exporting fails with one clear error and leaves nothing.
 
@@ -205,28 +211,32 @@ def test_export_of_a_named_step_deleted_mid_way_fails_and_leaves_nothing(tmp_pat
     root, out = tmp_path / "ck", tmp_path / "out"
     save_steps(root, [1, 2])
     hooked = DeletesAtFirstRead(root, 1, retention_deletes(root, 1))
-    with pytest.raises(StepDeletedError, match=r"step 1 under .* was deleted while exporting it \(the job's "
-                                               r"retention, --keep-last, or spotrun gc removed it\)"):
+    with pytest.raises(
+        StepDeletedError,
+        match=r"step 1 under .* was deleted while exporting it \(the job's "
+        r"retention, --keep-last, or spotrun gc removed it\)",
+    ):
         export_hf(hooked, LocalStorage(str(out), fsync=False), step=1)
     assert not out.exists() or list(out.iterdir()) == []
 
 
-def test_spotrun_export_of_a_named_step_deleted_mid_way_says_so_in_one_line_and_exits_2(
-        tmp_path, monkeypatch, capsys):
+def test_spotrun_export_of_a_named_step_deleted_mid_way_says_so_in_one_line_and_exits_2(tmp_path, monkeypatch, capsys):
     """C21: the command line of the case above: one ``spotrun: error:`` line, no traceback."""
     root, out = tmp_path / "ck", tmp_path / "out"
     save_steps(root, [1, 2])
     hooked = DeletesAtFirstRead(root, 1, retention_deletes(root, 1))
     real = shared.location_of
-    monkeypatch.setattr(shared, "location_of",
-                        lambda uri, args: _Opened(hooked) if uri == str(root) else real(uri, args))
+    monkeypatch.setattr(
+        shared, "location_of", lambda uri, args: _Opened(hooked) if uri == str(root) else real(uri, args)
+    )
     code = main(["export", str(root), str(out), "--step", "1"])
     captured = capsys.readouterr()
     assert code == 2
     assert captured.err.splitlines() == [
         f"spotrun: error: step 1 under {hooked.uri} was deleted while exporting it (the job's retention, "
         f"--keep-last, or spotrun gc removed it); nothing of it was left in {out}: export again, or a step "
-        "the job keeps (--keep-every)"]
+        "the job keeps (--keep-every)"
+    ]
     assert not out.exists() or list(out.iterdir()) == []
 
 
@@ -252,17 +262,34 @@ def test_export_of_the_newest_step_exports_the_new_newest_when_it_is_deleted_mid
 
 # --- every tool in a loop next to a live job ------------------------------------------------
 
+
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_every_read_only_tool_next_to_a_job_that_deletes_a_step_at_every_save_exits_0(
-        backend, tmp_path, request, capsys):
+    backend, tmp_path, request, capsys
+):
     """C21: ``verify --all``, ``verify``, ``ls``, ``export`` and ``report`` in a loop (a bounded
     number of rounds) while a job with keep_last=2 commits a background save every step:
     every run exits 0 and raises nothing."""
     uri = f"{request.getfixturevalue('s3_bucket').uri}/ck" if backend == "s3" else str(tmp_path / "ck")
     stop = tmp_path / "stop"
-    job = subprocess.Popen([sys.executable, str(WORKER), "1000000", "--root", uri, "--keep-last", "2",
-                            "--stop-file", str(stop), "--tensors", "8"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            str(WORKER),
+            "1000000",
+            "--root",
+            uri,
+            "--keep-last",
+            "2",
+            "--stop-file",
+            str(stop),
+            "--tensors",
+            "8",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     storage = open_storage(uri)
     try:
         first = _wait_for_a_committed_step(storage, job)

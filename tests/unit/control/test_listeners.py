@@ -70,12 +70,15 @@ def test_reader_skips_what_is_not_a_whole_announcement(control_dir, caplog):
     (folder / "poll-pid-7.json").write_text('{"kind": "poll", "pid": 7, "ra')  # cut short
     (folder / "poll-pid-8.json.tmp").write_text("{}")  # a write in progress
     (folder / "poll-pid-9.json").write_text('["poll", 9]')
-    (folder / "other-pid-10.json").write_text(json.dumps(
-        {"kind": "other", "pid": 10, "rank": 0, "local_rank": 0, "announced_unix_s": 1.0}))
-    (folder / "poll-pid-11.json").write_text(json.dumps(
-        {"kind": "poll", "pid": "11", "rank": 0, "local_rank": 0, "announced_unix_s": 1.0}))
-    (folder / "poll-pid-12.json").write_text(json.dumps(
-        {"kind": "poll", "pid": 12, "rank": None, "local_rank": None, "announced_unix_s": 5.0}))
+    (folder / "other-pid-10.json").write_text(
+        json.dumps({"kind": "other", "pid": 10, "rank": 0, "local_rank": 0, "announced_unix_s": 1.0})
+    )
+    (folder / "poll-pid-11.json").write_text(
+        json.dumps({"kind": "poll", "pid": "11", "rank": 0, "local_rank": 0, "announced_unix_s": 1.0})
+    )
+    (folder / "poll-pid-12.json").write_text(
+        json.dumps({"kind": "poll", "pid": 12, "rank": None, "local_rank": None, "announced_unix_s": 5.0})
+    )
     with caplog.at_level(logging.DEBUG, logger="spotrun.control.listeners"):
         found = read_listeners(str(control_dir))
     assert found[0] == Listener(kind="poll", pid=12, rank=None, local_rank=None, announced_unix_s=5.0)
@@ -91,7 +94,13 @@ def test_no_listeners_directory_means_no_listener(control_dir):
 def test_a_polling_worker_process_announces_itself(control_dir):
     """A plain script's first spotrun.preemption_notice() call is its announcement."""
     env = {**os.environ, "SPOTRUN_CONTROL_DIR": str(control_dir), "RANK": "1", "LOCAL_RANK": "0"}
-    done = subprocess.run([sys.executable, "-c", "import os, spotrun; spotrun.preemption_notice(); print(os.getpid())"],
-                          env=env, capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import os, spotrun; spotrun.preemption_notice(); print(os.getpid())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     [listener] = read_listeners(str(control_dir))
     assert (listener.kind, listener.pid, listener.rank, listener.local_rank) == ("poll", int(done.stdout), 1, 0)

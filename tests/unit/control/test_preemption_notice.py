@@ -29,8 +29,12 @@ def env(control_dir):
 
 
 def request(control_dir, *, deadline_unix_s=2_000_000_000.0, save=True, reason="SIGTERM"):
-    control.write_save_request(str(control_dir), control.SaveRequest(
-        reason=reason, requested_unix_s=1_900_000_000.0, deadline_unix_s=deadline_unix_s, save=save))
+    control.write_save_request(
+        str(control_dir),
+        control.SaveRequest(
+            reason=reason, requested_unix_s=1_900_000_000.0, deadline_unix_s=deadline_unix_s, save=save
+        ),
+    )
 
 
 def test_no_notice_outside_spotrun_run():
@@ -40,8 +44,9 @@ def test_no_notice_outside_spotrun_run():
 def test_no_notice_until_the_supervisor_writes_one_and_then_every_call_sees_it(control_dir, env):
     assert spotrun.preemption_notice(env=env) is None
     request(control_dir)
-    expected = spotrun.PreemptionNotice(reason="SIGTERM", deadline_unix_s=2_000_000_000.0,
-                                        requested_unix_s=1_900_000_000.0, save=True)
+    expected = spotrun.PreemptionNotice(
+        reason="SIGTERM", deadline_unix_s=2_000_000_000.0, requested_unix_s=1_900_000_000.0, save=True
+    )
     assert spotrun.preemption_notice(env=env) == expected
     assert spotrun.preemption_notice(env=env) == expected
 

@@ -75,16 +75,10 @@ def rank_epoch(length, num_replicas, rank, epoch, **kwargs) -> list[int]:
 @pytest.mark.parametrize("num_replicas", [1, 3, 4])
 @pytest.mark.parametrize("shuffle", [True, False])
 @pytest.mark.parametrize("drop_last", [True, False])
-def test_sampler_gives_the_order_of_torch_distributed_sampler(
-    length, num_replicas, shuffle, drop_last
-):
+def test_sampler_gives_the_order_of_torch_distributed_sampler(length, num_replicas, shuffle, drop_last):
     for rank in range(num_replicas):
-        theirs = DistributedSampler(
-            Ids(length), num_replicas, rank, shuffle=shuffle, seed=3, drop_last=drop_last
-        )
-        ours = ResumableDistributedSampler(
-            length, num_replicas, rank, shuffle=shuffle, seed=3, drop_last=drop_last
-        )
+        theirs = DistributedSampler(Ids(length), num_replicas, rank, shuffle=shuffle, seed=3, drop_last=drop_last)
+        ours = ResumableDistributedSampler(length, num_replicas, rank, shuffle=shuffle, seed=3, drop_last=drop_last)
         assert len(ours) == len(theirs)
         for epoch in range(3):
             theirs.set_epoch(epoch)
@@ -96,10 +90,7 @@ def test_sampler_gives_the_order_of_torch_distributed_sampler(
 def test_every_epoch_the_ranks_cover_the_dataset_once(drop_last):
     length, num_replicas = 10, 4
     for epoch in range(4):
-        shares = [
-            rank_epoch(length, num_replicas, r, epoch, drop_last=drop_last)
-            for r in range(num_replicas)
-        ]
+        shares = [rank_epoch(length, num_replicas, r, epoch, drop_last=drop_last) for r in range(num_replicas)]
         assert len({len(share) for share in shares}) == 1, "ranks must get equal shares"
         counts = Counter(i for share in shares for i in share)
         if drop_last:
@@ -165,9 +156,7 @@ def test_resume_right_after_the_last_batch_of_an_epoch(num_workers):
     max_steps = 3 * per_epoch
     reference, ref_ends, _ = run_loop(make_loader(num_workers=num_workers), max_steps)
 
-    first, ends_1, state = run_loop(
-        make_loader(num_workers=num_workers), max_steps, stop_after=per_epoch
-    )
+    first, ends_1, state = run_loop(make_loader(num_workers=num_workers), max_steps, stop_after=per_epoch)
     assert (state["epoch"], state["global_samples_consumed"]) == (0, per_epoch * 4)
     assert ends_1 == [], "saved before the per-epoch hook ran"
     loader = make_loader(num_workers=num_workers)
@@ -183,7 +172,11 @@ def test_resume_right_after_the_last_batch_of_an_epoch(num_workers):
 def test_field_case_c01_preempt_inside_epoch_1(num_workers):
     def loader():
         return ResumableDataLoader(
-            Ids(10), batch_size=2, shuffle=True, seed=1234, num_workers=num_workers,
+            Ids(10),
+            batch_size=2,
+            shuffle=True,
+            seed=1234,
+            num_workers=num_workers,
             **({"multiprocessing_context": "fork"} if num_workers else {}),
         )
 
@@ -230,9 +223,7 @@ def world_loaders(world, length=37, **kwargs):
     if kwargs.get("num_workers"):
         kwargs.setdefault("multiprocessing_context", "fork")
     return [
-        ResumableDataLoader(
-            Ids(length), global_batch_size=GLOBAL_BATCH, num_replicas=world, rank=rank, **kwargs
-        )
+        ResumableDataLoader(Ids(length), global_batch_size=GLOBAL_BATCH, num_replicas=world, rank=rank, **kwargs)
         for rank in range(world)
     ]
 
@@ -394,16 +385,21 @@ def test_a_world_size_change_is_logged_in_one_line(caplog):
         world_loaders(4)[0].load_state_dict(state)
         assert caplog.messages == []
         world_loaders(2)[1].load_state_dict(state)
-    assert caplog.messages == [
-        "data order: resuming epoch 1 at global sample 24, saved at world size 4, now 2"
-    ]
+    assert caplog.messages == ["data order: resuming epoch 1 at global sample 24, saved at world size 4, now 2"]
 
 
 def version_1_state(**changes):
     """A state as spotrun's first data order saved it (per-rank batches consumed)."""
     state = {
-        "version": 1, "epoch": 1, "batches_consumed": 2, "seed": 11, "num_replicas": 4,
-        "batch_size": 3, "dataset_len": 37, "shuffle": True, "drop_last": False,
+        "version": 1,
+        "epoch": 1,
+        "batches_consumed": 2,
+        "seed": 11,
+        "num_replicas": 4,
+        "batch_size": 3,
+        "dataset_len": 37,
+        "shuffle": True,
+        "drop_last": False,
     }
     return {**state, **changes}
 
@@ -414,8 +410,14 @@ def test_version_1_state_still_loads(new_world):
     loader = world_loaders(new_world)[0]
     loader.load_state_dict(version_1_state())
     assert loader.state_dict() == {
-        "version": 2, "epoch": 1, "global_samples_consumed": 24, "seed": 11,
-        "global_batch_size": 12, "dataset_len": 37, "shuffle": True, "drop_last": False,
+        "version": 2,
+        "epoch": 1,
+        "global_samples_consumed": 24,
+        "seed": 11,
+        "global_batch_size": 12,
+        "dataset_len": 37,
+        "shuffle": True,
+        "drop_last": False,
         "world_size": new_world,
     }
     rest, _, _ = run_world(new_world, 12, state=version_1_state(), step=6)
@@ -477,9 +479,7 @@ def test_iterating_leaves_the_global_rngs_untouched(num_workers):
 
 def test_worker_random_streams_depend_only_on_seed_and_epoch():
     def two_epochs():
-        loader = ResumableDataLoader(
-            NoisyIds(12), 3, seed=4, num_workers=2, multiprocessing_context="fork"
-        )
+        loader = ResumableDataLoader(NoisyIds(12), 3, seed=4, num_workers=2, multiprocessing_context="fork")
         return [[b for b in loader] for _ in range(2)]
 
     torch.manual_seed(1)
@@ -491,9 +491,7 @@ def test_worker_random_streams_depend_only_on_seed_and_epoch():
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not torch.equal(first[0][0][1], first[1][0][1])
 
-    resumed = ResumableDataLoader(
-        NoisyIds(12), 3, seed=4, num_workers=2, multiprocessing_context="fork"
-    )
+    resumed = ResumableDataLoader(NoisyIds(12), 3, seed=4, num_workers=2, multiprocessing_context="fork")
     resumed.load_state_dict({**resumed.state_dict(), "epoch": 1})
     for a, b in zip(resumed, first[1]):
         assert torch.equal(a[1], b[1])

@@ -11,7 +11,7 @@ import torch
 
 import spotrun
 from spotrun.errors import StorageError
-from spotrun.eventlog.records import EventLog, read_events, rank_key
+from spotrun.eventlog.records import EventLog, rank_key, read_events
 from spotrun.storage import LocalStorage, open_storage
 from spotrun.supervisor.event_log import EventLogObserver
 
@@ -68,7 +68,8 @@ def test_a_failing_store_never_reaches_the_caller_and_the_log_catches_up(tmp_pat
     assert not storage.exists("events/x.jsonl")
     assert [r.message for r in caplog.records].count(
         f"cannot write the event log {storage.uri}/events/x.jsonl: injected: the store is down "
-        "(tried again at the next record)") == 1
+        "(tried again at the next record)"
+    ) == 1
     storage.failing = False
     log.append("exit", step=3)
     log.close()
@@ -85,12 +86,29 @@ def test_rank_0_records_its_start_saves_and_exit_and_the_next_start_its_resume_p
     ckpt.close()
     records = stored(storage, rank_key(0, 0))
     assert [(r["event"], r.get("step")) for r in records] == [
-        ("start", None), ("save", 2), ("save", 4), ("exit", 5), ("progress", 5)]
+        ("start", None),
+        ("save", 2),
+        ("save", 4),
+        ("exit", 5),
+        ("progress", 5),
+    ]
     start = records[0]
-    assert (start["incarnation"], start["resumed_step"], start["world_size"], start["interval_steps"],
-            start["launch_incarnation"]) == (0, None, 1, 2, None)
-    assert all(r["committed"] and r["background"] and r["reason"] == "periodic" and r["size_bytes"] > 0
-               and r["stall_s"] >= 0 and r["duration_s"] > 0 for r in records[1:3])
+    assert (
+        start["incarnation"],
+        start["resumed_step"],
+        start["world_size"],
+        start["interval_steps"],
+        start["launch_incarnation"],
+    ) == (0, None, 1, 2, None)
+    assert all(
+        r["committed"]
+        and r["background"]
+        and r["reason"] == "periodic"
+        and r["size_bytes"] > 0
+        and r["stall_s"] >= 0
+        and r["duration_s"] > 0
+        for r in records[1:3]
+    )
 
     again = spotrun.Checkpointer(state=state, storage=storage, interval_steps=2, handle_signals=False)
     assert again.restore() == 4
@@ -111,7 +129,9 @@ def test_the_supervisor_keeps_one_object_per_launch_with_its_start_in_the_first(
     observer.close()
     objects = read_events(storage)
     assert [(o.incarnation, o.rank, [r["event"] for r in o.records]) for o in objects] == [
-        (3, None, ["start", "launch", "command_exit", "restart"]), (4, None, ["launch", "exit"])]
+        (3, None, ["start", "launch", "command_exit", "restart"]),
+        (4, None, ["launch", "exit"]),
+    ]
     assert objects[0].writer == objects[1].writer and objects[0].writer.startswith("supervisor-node_a-")
     assert objects[0].records[0]["spotrun_started_unix_s"] == 0.5
 
@@ -120,15 +140,18 @@ def test_report_of_a_root_without_an_event_log_is_one_error_line_and_exit_2(tmp_
     (tmp_path / "ck").mkdir()
     done = spotrun_cli("report", str(tmp_path / "ck"))
     assert done.returncode == 2
-    assert done.stderr.splitlines() == [f"spotrun: error: no event log under {tmp_path / 'ck'} (nothing in events/: "
-                                        "spotrun run and the Checkpointer's rank 0 write it)"]
+    assert done.stderr.splitlines() == [
+        f"spotrun: error: no event log under {tmp_path / 'ck'} (nothing in events/: "
+        "spotrun run and the Checkpointer's rank 0 write it)"
+    ]
     assert spotrun_cli("report", str(tmp_path / "missing")).returncode == 2
 
 
 def test_report_reads_the_event_log_of_an_s3_root(s3_bucket):
     uri = f"{s3_bucket.uri}/job"
-    ckpt = spotrun.Checkpointer(state={"weights": {"w": torch.zeros(4)}}, storage=open_storage(uri),
-                                handle_signals=False)
+    ckpt = spotrun.Checkpointer(
+        state={"weights": {"w": torch.zeros(4)}}, storage=open_storage(uri), handle_signals=False
+    )
     ckpt.restore()
     for step in range(1, 4):
         ckpt.end_of_step(step)
@@ -138,6 +161,7 @@ def test_report_reads_the_event_log_of_an_s3_root(s3_bucket):
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert [(r["number"], r["resumed_step"], r["last_step"], r["ended"]) for r in report["incarnations"]] == [
-        (0, 0, 3, "exited")]
+        (0, 0, 3, "exited")
+    ]
     done = spotrun_cli("report", uri)  # the endpoint from AWS_ENDPOINT_URL
     assert done.returncode == 0 and "goodput" in done.stdout, done.stderr

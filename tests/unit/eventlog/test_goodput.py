@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from spotrun.eventlog.goodput import Accounting, Incarnation, Totals, account, launches
 from spotrun.eventlog.advice import advise, daly_interval_s, young_interval_s
+from spotrun.eventlog.goodput import Accounting, Incarnation, Totals, account, launches
 
 
 def rec(event, t, **fields):
@@ -14,8 +14,15 @@ def rec(event, t, **fields):
 
 
 def rank_start(t, restore_s, resumed, launch_incarnation, interval_steps=10, host="node-a"):
-    return rec("start", t, restore_s=restore_s, resumed_step=resumed, launch_incarnation=launch_incarnation,
-               host=host, interval_steps=interval_steps)
+    return rec(
+        "start",
+        t,
+        restore_s=restore_s,
+        resumed_step=resumed,
+        launch_incarnation=launch_incarnation,
+        host=host,
+        interval_steps=interval_steps,
+    )
 
 
 def save(t, step, stall_s, duration_s, reason="periodic"):
@@ -26,25 +33,54 @@ def three_starts():
     """Killed without notice after step 25 (saved 10, 20); resumed from 20, preempted with a
     notice and saved at 28; resumed from 28, finished at 40. One step takes 1 s throughout."""
     supervisors = [
-        ("supervisor-node-a-00000001", 0, [rec("start", 100, process_started_unix_s=98),
-                                           rec("launch", 101, incarnation=0)]),  # then SIGKILLed
-        ("supervisor-node-a-00000002", 1, [rec("start", 200, process_started_unix_s=199),
-                                           rec("launch", 201, incarnation=1),
-                                           rec("notice", 215, source="signal", kind="SIGTERM", stop=True),
-                                           rec("command_exit", 218, code=0),
-                                           rec("exit", 218.5, code=143, reason="preempted_saved", step=28)]),
-        ("supervisor-node-a-00000003", 2, [rec("start", 300, process_started_unix_s=299.5),
-                                           rec("launch", 301, incarnation=2),
-                                           rec("command_exit", 320, code=0),
-                                           rec("exit", 320.5, code=0, reason="finished")]),
+        (
+            "supervisor-node-a-00000001",
+            0,
+            [rec("start", 100, process_started_unix_s=98), rec("launch", 101, incarnation=0)],
+        ),  # then SIGKILLed
+        (
+            "supervisor-node-a-00000002",
+            1,
+            [
+                rec("start", 200, process_started_unix_s=199),
+                rec("launch", 201, incarnation=1),
+                rec("notice", 215, source="signal", kind="SIGTERM", stop=True),
+                rec("command_exit", 218, code=0),
+                rec("exit", 218.5, code=143, reason="preempted_saved", step=28),
+            ],
+        ),
+        (
+            "supervisor-node-a-00000003",
+            2,
+            [
+                rec("start", 300, process_started_unix_s=299.5),
+                rec("launch", 301, incarnation=2),
+                rec("command_exit", 320, code=0),
+                rec("exit", 320.5, code=0, reason="finished"),
+            ],
+        ),
     ]
     ranks = {
-        0: [rank_start(110, 2.0, None, 0), save(121, 10, 0.5, 1.0), save(131.5, 20, 0.5, 1.0),
-            rec("progress", 136, step=25)],
-        1: [rank_start(205, 1.0, 20, 1), save(216, 28, 2.0, 2.0, reason="emergency"),
-            rec("stop", 216.1, step=28, saved=True), rec("exit", 216.2, step=28), rec("progress", 213, step=28)],
-        2: [rank_start(303, 1.0, 28, 2), save(305.5, 30, 0.5, 1.0), save(316.5, 40, 0.5, 1.0, reason="final"),
-            rec("exit", 317, step=40), rec("progress", 315.5, step=40)],
+        0: [
+            rank_start(110, 2.0, None, 0),
+            save(121, 10, 0.5, 1.0),
+            save(131.5, 20, 0.5, 1.0),
+            rec("progress", 136, step=25),
+        ],
+        1: [
+            rank_start(205, 1.0, 20, 1),
+            save(216, 28, 2.0, 2.0, reason="emergency"),
+            rec("stop", 216.1, step=28, saved=True),
+            rec("exit", 216.2, step=28),
+            rec("progress", 213, step=28),
+        ],
+        2: [
+            rank_start(303, 1.0, 28, 2),
+            save(305.5, 30, 0.5, 1.0),
+            save(316.5, 40, 0.5, 1.0, reason="final"),
+            rec("exit", 317, step=40),
+            rec("progress", 315.5, step=40),
+        ],
     }
     return ranks, launches(supervisors)
 
@@ -93,22 +129,37 @@ def test_the_incarnation_records_resume_points_override_the_start_records():
 
 
 def test_a_library_only_start_counts_from_its_restore_to_its_last_record():
-    rows = account({0: [rank_start(10, 2.0, None, None), rec("progress", 20, step=8), rec("exit", 21, step=8)]},
-                   []).incarnations
+    rows = account(
+        {0: [rank_start(10, 2.0, None, None), rec("progress", 20, step=8), rec("exit", 21, step=8)]}, []
+    ).incarnations
     assert [(r.wall_s, r.startup_s, r.steps_trained, r.ended) for r in rows] == [(21 - 8, None, 8, "exited")]
 
 
 def test_two_supervisors_that_planned_the_same_incarnation_are_told_apart_by_time():
     """A pod restarted under the same name (same host, PID 1 both times): the first supervisor
     was killed before training claimed an incarnation, so the second planned the same number."""
-    sups = launches([
-        ("supervisor-pod-0-aaaaaaaa", 1, [rec("start", 100, process_started_unix_s=99),
-                                          rec("launch", 101, incarnation=1)]),
-        ("supervisor-pod-0-bbbbbbbb", 1, [rec("start", 200, process_started_unix_s=198),
-                                          rec("launch", 201, incarnation=1), rec("exit", 260, code=0, reason="finished")]),
-    ])
-    ranks = {0: [rank_start(50, 1.0, None, 0, host="pod-0"), rec("progress", 90, step=10)],
-             2: [rank_start(210, 1.0, 10, 1, host="pod-0"), rec("progress", 250, step=20)]}
+    sups = launches(
+        [
+            (
+                "supervisor-pod-0-aaaaaaaa",
+                1,
+                [rec("start", 100, process_started_unix_s=99), rec("launch", 101, incarnation=1)],
+            ),
+            (
+                "supervisor-pod-0-bbbbbbbb",
+                1,
+                [
+                    rec("start", 200, process_started_unix_s=198),
+                    rec("launch", 201, incarnation=1),
+                    rec("exit", 260, code=0, reason="finished"),
+                ],
+            ),
+        ]
+    )
+    ranks = {
+        0: [rank_start(50, 1.0, None, 0, host="pod-0"), rec("progress", 90, step=10)],
+        2: [rank_start(210, 1.0, 10, 1, host="pod-0"), rec("progress", 250, step=20)],
+    }
     rows = account(ranks, sups).incarnations
     assert [(r.number, r.began_unix_s, r.wall_s) for r in rows] == [(0, 49.0, 41.0), (None, 99, 2), (2, 198, 62)]
     assert [r.steps_lost for r in rows] == [0, 0, 0]
@@ -118,20 +169,54 @@ def test_young_and_daly_intervals_follow_their_formulas():
     assert young_interval_s(10.0, 9000.0) == pytest.approx(math.sqrt(2 * 10 * 9000))
     ratio = 10 / (2 * 9000)
     assert daly_interval_s(10.0, 9000.0) == pytest.approx(
-        math.sqrt(2 * 10 * 9000) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - 10)
+        math.sqrt(2 * 10 * 9000) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - 10
+    )
     assert daly_interval_s(50.0, 20.0) == 20.0  # C >= 2M: checkpoint once per MTBF
 
 
 def synthetic_accounting(unsaved: int) -> Accounting:
     """Ten hours of wall time, 30,000 steps of 1 s, saves every 100 steps stalling 10 s and
     taking 40 s, ``unsaved`` interruptions that lost work."""
-    row = Incarnation(number=0, host="h", began_unix_s=0, ended_unix_s=36000, wall_s=36000, resumed_step=0,
-                      last_step=30000, steps_trained=30000, steps_kept=29000, steps_lost=1000, startup_s=0,
-                      restore_s=0, save_stall_s=300, saves=30, training_s=30000, step_time_s=1.0, useful_s=28000,
-                      lost_s=1000, notice_to_exit_s=None, ended="finished", interval_steps=100)
-    totals = Totals(incarnations=1, wall_s=36000, elapsed_s=36000, steps_trained=30000, steps_lost=1000,
-                    useful_s=28000, lost_s=1000, startup_s=0, restore_s=0, save_stall_s=300, notice_to_exit_s=None,
-                    training_s=30000, goodput=28000 / 36000, interruptions=10, unsaved_interruptions=unsaved)
+    row = Incarnation(
+        number=0,
+        host="h",
+        began_unix_s=0,
+        ended_unix_s=36000,
+        wall_s=36000,
+        resumed_step=0,
+        last_step=30000,
+        steps_trained=30000,
+        steps_kept=29000,
+        steps_lost=1000,
+        startup_s=0,
+        restore_s=0,
+        save_stall_s=300,
+        saves=30,
+        training_s=30000,
+        step_time_s=1.0,
+        useful_s=28000,
+        lost_s=1000,
+        notice_to_exit_s=None,
+        ended="finished",
+        interval_steps=100,
+    )
+    totals = Totals(
+        incarnations=1,
+        wall_s=36000,
+        elapsed_s=36000,
+        steps_trained=30000,
+        steps_lost=1000,
+        useful_s=28000,
+        lost_s=1000,
+        startup_s=0,
+        restore_s=0,
+        save_stall_s=300,
+        notice_to_exit_s=None,
+        training_s=30000,
+        goodput=28000 / 36000,
+        interruptions=10,
+        unsaved_interruptions=unsaved,
+    )
     return Accounting((row,), totals, tuple(save(0, 100 * k, 10.0, 40.0) for k in range(1, 31)))
 
 
@@ -145,9 +230,11 @@ def test_interval_advice_uses_the_save_stall_and_the_rate_of_interruptions_that_
     assert advice.interruptions_per_hour == 1.0 and advice.unsaved_per_hour == 0.4
     # the model: observed stalls and lost time replaced by (T / tau) C + n (tau / 2 + D - C)
     assert advice.goodput_model_suggested == pytest.approx(
-        (28000 + 300 + 1000 - 30000 / 418 * 10 - 4 * (418 / 2 + 30)) / 36000)
+        (28000 + 300 + 1000 - 30000 / 418 * 10 - 4 * (418 / 2 + 30)) / 36000
+    )
     assert advice.goodput_model_current == pytest.approx(
-        (28000 + 300 + 1000 - 30000 / 100 * 10 - 4 * (100 / 2 + 30)) / 36000)
+        (28000 + 300 + 1000 - 30000 / 100 * 10 - 4 * (100 / 2 + 30)) / 36000
+    )
     assert advice.goodput_model_suggested > advice.goodput_model_current
 
 
@@ -168,11 +255,24 @@ def test_a_background_save_interval_is_never_shorter_than_a_whole_save():
 def test_starts_within_one_launch_split_its_wall_time():
     """torchrun restarting its workers (``--max-restarts``) inside one supervisor launch: each
     start owns the launch's time up to the next one's restore."""
-    sups = launches([("supervisor-node-a-00000001", 0, [
-        rec("start", 10, process_started_unix_s=9), rec("launch", 11, incarnation=0),
-        rec("command_exit", 80, code=0), rec("exit", 81, code=0, reason="finished")])])
-    ranks = {0: [rank_start(20, 1.0, None, 0), save(31, 10, 0.0, 1.0), rec("progress", 35, step=15)],
-             1: [rank_start(42, 2.0, 10, 0), rec("progress", 62, step=30), rec("exit", 63, step=30)]}
+    sups = launches(
+        [
+            (
+                "supervisor-node-a-00000001",
+                0,
+                [
+                    rec("start", 10, process_started_unix_s=9),
+                    rec("launch", 11, incarnation=0),
+                    rec("command_exit", 80, code=0),
+                    rec("exit", 81, code=0, reason="finished"),
+                ],
+            )
+        ]
+    )
+    ranks = {
+        0: [rank_start(20, 1.0, None, 0), save(31, 10, 0.0, 1.0), rec("progress", 35, step=15)],
+        1: [rank_start(42, 2.0, 10, 0), rec("progress", 62, step=30), rec("exit", 63, step=30)],
+    }
     rows = account(ranks, sups).incarnations
     assert [(r.began_unix_s, r.ended_unix_s, r.startup_s) for r in rows] == [(9, 40, 19 - 9), (40, 81, None)]
     assert [(r.steps_trained, r.steps_lost, r.steps_kept) for r in rows] == [(15, 5, 10), (20, 0, 20)]
@@ -185,12 +285,22 @@ def test_a_start_whose_rank_0_recorded_no_end_is_a_lower_bound():
     Rank 0 killed (an OOM, say) after its progress record of step 25, the supervisor records the
     command's exit and restarts it from step 20: the steps trained and lost are lower bounds."""
     ranks, _ = three_starts()
-    supervisors = [("supervisor-node-a-00000001", 0, [
-        rec("start", 100, process_started_unix_s=98), rec("launch", 101, incarnation=0),
-        rec("command_exit", 140, code=1), rec("restart", 140.1, attempt=1, code=1, delay_s=1.0),
-        rec("launch", 201, incarnation=1, attempt=1),
-        rec("notice", 215, source="signal", kind="SIGTERM", stop=True), rec("command_exit", 218, code=0),
-        rec("exit", 218.5, code=143, reason="preempted_saved", step=28)])]
+    supervisors = [
+        (
+            "supervisor-node-a-00000001",
+            0,
+            [
+                rec("start", 100, process_started_unix_s=98),
+                rec("launch", 101, incarnation=0),
+                rec("command_exit", 140, code=1),
+                rec("restart", 140.1, attempt=1, code=1, delay_s=1.0),
+                rec("launch", 201, incarnation=1, attempt=1),
+                rec("notice", 215, source="signal", kind="SIGTERM", stop=True),
+                rec("command_exit", 218, code=0),
+                rec("exit", 218.5, code=143, reason="preempted_saved", step=28),
+            ],
+        )
+    ]
     rows = account({0: ranks[0], 1: ranks[1]}, launches(supervisors)).incarnations
     assert [r.steps_lost for r in rows] == [5, 0]
     assert [r.end_recorded for r in rows] == [False, True]

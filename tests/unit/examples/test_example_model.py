@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
+from spotrun.checkpoint.tree import encode
 from spotrun.errors import ConfigError
-from spotrun.examples.gpt import VOCAB_SIZE, GPT, GPTConfig
+from spotrun.examples.gpt import GPT, VOCAB_SIZE, GPTConfig
 from spotrun.examples.stdlib_text import StdlibText, read_stdlib_bytes, stdlib_root, stdlib_source_files
 from spotrun.examples.train_gpt import build_optimizer, build_scheduler
-from spotrun.checkpoint.tree import encode
 
 TINY = GPTConfig(block_size=16, width=32, depth=2, heads=4)
 SMALL_TEXT_BYTES = 64 * 1024

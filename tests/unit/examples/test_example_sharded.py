@@ -17,19 +17,37 @@ import pytest
 import torch
 
 from spotrun.errors import ConfigError
-from spotrun.examples.gpt import VOCAB_SIZE, GPT, GPTConfig
+from spotrun.examples.gpt import GPT, VOCAB_SIZE, GPTConfig
 from spotrun.examples.keyed_dropout import SampleKeys
 from spotrun.examples.parallel import Layout
 from spotrun.examples.samples import IndexedSamples, samples_digest
 from spotrun.examples.train_gpt import parse_args
-from tests.support.trainrun import read_log
 from tests.support.paths import JOBS
+from tests.support.trainrun import read_log
 
 WORKER = str(JOBS / "sharded_gpt.py")
 TINY_ARGS = [
-    "--width", "32", "--depth", "1", "--heads", "2", "--block-size", "16", "--max-bytes", "20000",
-    "--steps", "6", "--warmup-steps", "1", "--batch-size", "4", "--log-interval", "1000",
-    "--intra-op-threads", "1", "--no-checkpoints",
+    "--width",
+    "32",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--block-size",
+    "16",
+    "--max-bytes",
+    "20000",
+    "--steps",
+    "6",
+    "--warmup-steps",
+    "1",
+    "--batch-size",
+    "4",
+    "--log-interval",
+    "1000",
+    "--intra-op-threads",
+    "1",
+    "--no-checkpoints",
 ]
 #: Relative tolerance between the losses of two layouts of one run. Layouts add the same
 #: numbers in another order (DDP all-reduces gradient buckets, FSDP2 reduce-scatters per
@@ -41,10 +59,17 @@ LOSS_RTOL = 1e-5
 
 def trainer(nproc: int, log_file, *extra: str) -> subprocess.CompletedProcess:
     """Run the example trainer on ``nproc`` ranks (1: without torchrun); returns the process."""
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-                if nproc > 1 else [sys.executable])
-    return subprocess.run([*launcher, "-m", "spotrun.examples.train_gpt", "--log-file", str(log_file),
-                           *TINY_ARGS, *extra], capture_output=True, text=True, timeout=600)
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        if nproc > 1
+        else [sys.executable]
+    )
+    return subprocess.run(
+        [*launcher, "-m", "spotrun.examples.train_gpt", "--log-file", str(log_file), *TINY_ARGS, *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def trained(nproc: int, log_file, *extra: str) -> list[dict]:
@@ -77,10 +102,14 @@ def test_5_a_global_batch_that_does_not_divide_is_refused_naming_both_numbers() 
         Layout(world_size=4, tp=2).per_rank_batch(3)
 
 
-@pytest.mark.parametrize("layout, message", [
-    (Layout(world_size=3, tp=2), "--tp 2 does not divide the world size 3"),
-    (Layout(world_size=4, tp=4), "--tp 4 does not divide --heads 2"),
-], ids=["world-3-tp-2", "heads-2-tp-4"])
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (Layout(world_size=3, tp=2), "--tp 2 does not divide the world size 3"),
+        (Layout(world_size=4, tp=4), "--tp 4 does not divide --heads 2"),
+    ],
+    ids=["world-3-tp-2", "heads-2-tp-4"],
+)
 def test_5_a_tensor_parallel_degree_that_does_not_divide_is_refused(layout: Layout, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         layout.check(heads=2, distributed=True)
@@ -98,7 +127,12 @@ def test_5_options_parse() -> None:
     args = parse_args(["--fsdp", "--tp", "2", "--batch-size", "8", "--sample-keyed-dropout"])
     assert (args.fsdp, args.tp, args.batch_size, args.sample_keyed_dropout) == (True, 2, 8, True)
     defaults = parse_args([])
-    assert (defaults.fsdp, defaults.tp, defaults.sample_keyed_dropout, defaults.no_checkpoints) == (False, 1, False, False)
+    assert (defaults.fsdp, defaults.tp, defaults.sample_keyed_dropout, defaults.no_checkpoints) == (
+        False,
+        1,
+        False,
+        False,
+    )
     with pytest.raises(SystemExit):
         parse_args(["--tp", "0"])
 
@@ -132,11 +166,11 @@ def test_5_sample_keyed_dropout_gives_each_sample_its_mask_wherever_it_is_in_the
     idx = torch.randint(0, VOCAB_SIZE, (4, 16))
     samples = [40, 7, 123, 9]
     whole, _ = model(idx, dropout_keys=SampleKeys(seed=1, step=5, sample_indices=samples))
-    halves = [model(idx[i:i + 2], dropout_keys=SampleKeys(1, 5, samples[i:i + 2]))[0] for i in (0, 2)]
+    halves = [model(idx[i : i + 2], dropout_keys=SampleKeys(1, 5, samples[i : i + 2]))[0] for i in (0, 2)]
     torch.testing.assert_close(torch.cat(halves), whole, rtol=1e-5, atol=1e-6)
     other_step, _ = model(idx, dropout_keys=SampleKeys(1, 6, samples))
     assert not torch.allclose(other_step, whole)  # masks change from step to step
-    ordinary_halves = [model(idx[i:i + 2])[0] for i in (0, 2)]
+    ordinary_halves = [model(idx[i : i + 2])[0] for i in (0, 2)]
     assert not torch.allclose(torch.cat(ordinary_halves), model(idx)[0])
 
 
@@ -151,10 +185,15 @@ def ddp_run(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, layout", [
-    (2, ["--fsdp"]), (2, ["--tp", "2"]),
-    (4, ["--fsdp", "--tp", "2"]),  # a (dp 2, tp 2) mesh (it also covers TP with dp > 1 and FSDP2 + TP)
-], ids=lambda v: " ".join(v) if isinstance(v, list) else f"{v}-ranks")
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (2, ["--fsdp"]),
+        (2, ["--tp", "2"]),
+        (4, ["--fsdp", "--tp", "2"]),  # a (dp 2, tp 2) mesh (it also covers TP with dp > 1 and FSDP2 + TP)
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else f"{v}-ranks",
+)
 def test_5_sharded_layouts_train_like_ddp(tmp_path, ddp_run, nproc: int, layout: list[str]) -> None:
     """FSDP2, tensor parallel, and both, on 2 ranks and on a 2 x 2 mesh: the same global
     batches as 2-rank DDP with the same seed and --batch-size, losses within LOSS_RTOL, and
@@ -185,8 +224,22 @@ def test_5_sharded_gpt_keeps_the_tied_head_and_trains_like_one_process(tmp_path,
     """The tied head under FSDP2 / TP stays one parameter with the token embedding, and 3
     optimizer steps give the parameters one process gets on the whole global batch: within
     1e-6 absolute (parameters are O(1); only the summation order differs, see LOSS_RTOL)."""
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           WORKER, mode, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            WORKER,
+            mode,
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["tied_before"] and result["tied_after"] and result["parameters_once"]

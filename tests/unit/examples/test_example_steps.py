@@ -16,8 +16,24 @@ from spotrun.examples.gpt import GPT, GPTConfig
 from spotrun.examples.train_gpt import FixedLengthSchedule, build_optimizer, build_scheduler
 from tests.support.trainrun import ls_json
 
-TINY_ARGS = ["--width", "16", "--depth", "1", "--heads", "2", "--block-size", "16", "--batch-size", "4",
-             "--max-bytes", "20000", "--save-interval", "4", "--log-interval", "1000"]
+TINY_ARGS = [
+    "--width",
+    "16",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--block-size",
+    "16",
+    "--batch-size",
+    "4",
+    "--max-bytes",
+    "20000",
+    "--save-interval",
+    "4",
+    "--log-interval",
+    "1000",
+]
 
 
 def schedule(kind: str, steps: int, warmup_steps: int) -> FixedLengthSchedule:
@@ -43,8 +59,21 @@ def test_a_constant_schedule_extends_and_another_kind_is_refused():
 
 
 def train(root, steps: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spotrun.examples.train_gpt", "--steps", str(steps),
-                           "--checkpoint-uri", str(root), *TINY_ARGS], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spotrun.examples.train_gpt",
+            "--steps",
+            str(steps),
+            "--checkpoint-uri",
+            str(root),
+            *TINY_ARGS,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow

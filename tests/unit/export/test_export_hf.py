@@ -24,15 +24,15 @@ from safetensors import safe_open
 
 import spotrun
 from spotrun.checkpoint import catalog
+from spotrun.checkpoint.manifest import Manifest, TensorRecord
 from spotrun.checkpoint.restore import load_committed
 from spotrun.cli import main
 from spotrun.examples.gpt import GPT, GPTConfig
 from spotrun.examples.train_gpt import parse_args
 from spotrun.export.plan import parse_size, plan_export
-from spotrun.checkpoint.manifest import Manifest, TensorRecord
 from spotrun.storage import open_storage
-from tests.support.trainrun import REFERENCE_STEPS, TRAIN_ARGS
 from tests.support.paths import GOLDEN, JOBS, REPO
+from tests.support.trainrun import REFERENCE_STEPS, TRAIN_ARGS
 
 ROOT = REPO
 WORKERS = JOBS
@@ -42,8 +42,13 @@ import sharded_job  # noqa: E402  (its digest of a full tensor)
 
 def spotrun_export(*args: object) -> subprocess.CompletedProcess:
     """``spotrun export ARGS...`` as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "spotrun", "export", *map(str, args)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "spotrun", "export", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 def fresh_gpt() -> GPT:
@@ -54,8 +59,13 @@ def fresh_gpt() -> GPT:
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal dtype, shape and bytes (NaN payloads and -0.0 count)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8)
+        )
+    )
 
 
 def tensors_in(directory: pathlib.Path) -> dict[str, tuple[str, torch.Tensor]]:
@@ -121,9 +131,24 @@ def sharded(tmp_path_factory) -> dict[str, tuple[pathlib.Path, dict]]:
     layouts = ["fsdp", "tp"]
     jobs = [{"layout": k, "ckpt": str(base / k), "steps": 3} for k in layouts]
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(WORKERS / "sharded_job.py"), "--jobs", json.dumps(jobs), "--out", str(base / "out.json")],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(WORKERS / "sharded_job.py"),
+            "--jobs",
+            json.dumps(jobs),
+            "--out",
+            str(base / "out.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {k: (base / k, r) for k, r in zip(layouts, json.loads((base / "out.json").read_text()))}
 
@@ -152,8 +177,9 @@ def test_checkpoints_of_earlier_formats_export_their_model(golden, tmp_path):
     assert all(same_bits(exported[k], saved[k]) for k in saved)
     if golden.startswith("golden-v3"):  # full tensors digested by the job that wrote it
         digests = json.loads((GOLDEN / "golden-v3-sharded" / "digests.json").read_text())
-        assert {k: sharded_job.digest(t) for k, t in exported.items()} == \
-            {k.removeprefix("model/"): d for k, d in digests.items() if k.startswith("model/")}
+        assert {k: sharded_job.digest(t) for k, t in exported.items()} == {
+            k.removeprefix("model/"): d for k, d in digests.items() if k.startswith("model/")
+        }
 
 
 def save_one_step(root: pathlib.Path, state: dict, step: int = 1) -> None:
@@ -167,11 +193,18 @@ def test_every_dtype_safetensors_holds_is_exported_bit_for_bit(tmp_path):
     f32 = torch.tensor([1.5, -0.0, float("inf"), 3e-45])  # -0.0 and a subnormal
     f32 = torch.cat([f32, torch.tensor([0x7FC12345], dtype=torch.int32).view(torch.float32)])  # a NaN payload
     weights = {
-        "f32": f32, "bf16": torch.randn(3, 5).to(torch.bfloat16), "f16": torch.randn(7).to(torch.float16),
-        "f64": torch.randn(2, 2, dtype=torch.float64), "i64": torch.arange(5), "i8": torch.tensor([-128, 127], dtype=torch.int8),
-        "u8": torch.tensor([0, 255], dtype=torch.uint8), "bool": torch.tensor([True, False]),
-        "f8_e4m3": torch.randn(4).to(torch.float8_e4m3fn), "f8_e5m2": torch.randn(4).to(torch.float8_e5m2),
-        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+        "f32": f32,
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "f16": torch.randn(7).to(torch.float16),
+        "f64": torch.randn(2, 2, dtype=torch.float64),
+        "i64": torch.arange(5),
+        "i8": torch.tensor([-128, 127], dtype=torch.int8),
+        "u8": torch.tensor([0, 255], dtype=torch.uint8),
+        "bool": torch.tensor([True, False]),
+        "f8_e4m3": torch.randn(4).to(torch.float8_e4m3fn),
+        "f8_e5m2": torch.randn(4).to(torch.float8_e5m2),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
     }
     save_one_step(tmp_path / "ck", {"model": weights})
     assert main(["export", str(tmp_path / "ck"), str(tmp_path / "hf")]) == 0
@@ -190,13 +223,13 @@ def refused(capsys, *args: str) -> str:
 
 def test_export_refuses_clearly_and_writes_nothing(tmp_path, capsys):
     root, out = tmp_path / "ck", tmp_path / "hf"
-    save_one_step(root, {"model": {"w": torch.ones(2)}, "extra": {"z": torch.ones(2, dtype=torch.complex64)}},
-                  step=4)
+    save_one_step(root, {"model": {"w": torch.ones(2)}, "extra": {"z": torch.ones(2, dtype=torch.complex64)}}, step=4)
     (root / "step-000000006").mkdir()
     (root / "step-000000006" / "rank-00000.i000000001.safetensors").write_bytes(b"cut")  # a save that never committed
 
-    assert "step 4 has no state 'modle'; its states are extra, model" in \
-        refused(capsys, str(root), str(out), "--state", "modle")
+    assert "step 4 has no state 'modle'; its states are extra, model" in refused(
+        capsys, str(root), str(out), "--state", "modle"
+    )
     assert "step 6 under" in (line := refused(capsys, str(root), str(out), "--step", "6"))
     assert "not complete (incomplete: no manifest" in line and "complete steps: 4" in line
     line = refused(capsys, str(root), str(out), "--state", "extra")
@@ -220,13 +253,20 @@ def test_an_earlier_export_is_replaced_only_with_overwrite_and_other_files_stay(
     out.mkdir()
     (out / "config.json").write_text("{}")  # files of the model besides its weights do not block an export
     assert main(["export", str(root), str(out), "--max-shard-size", "400B"]) == 0
-    assert sorted(os.listdir(out)) == ["config.json", "model-00001-of-00002.safetensors",
-                                       "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert sorted(os.listdir(out)) == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
     line = refused(capsys, str(root), str(out))
     assert "already holds exported weights (model-00001-of-00002.safetensors" in line and "--overwrite" in line
     assert main(["export", str(root), str(out), "--overwrite"]) == 0
-    assert sorted(os.listdir(out)) == ["config.json", "model-00001-of-00001.safetensors",
-                                       "model.safetensors.index.json"]  # the stale shards are gone
+    assert sorted(os.listdir(out)) == [
+        "config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]  # the stale shards are gone
     assert "removed model-00001-of-00002.safetensors" in capsys.readouterr().out
 
 
@@ -237,8 +277,20 @@ def test_export_from_and_to_s3_writes_the_same_files_as_a_local_export(reference
     for path in checkpoint.rglob("*"):
         if path.is_file():
             source.put(path.relative_to(checkpoint).as_posix(), path.read_bytes())
-    assert main(["export", f"{s3_bucket.uri}/ck", f"{s3_bucket.uri}/hf", "--max-shard-size", "40KB",
-                 "--s3-endpoint-url", s3_bucket.endpoint_url]) == 0
+    assert (
+        main(
+            [
+                "export",
+                f"{s3_bucket.uri}/ck",
+                f"{s3_bucket.uri}/hf",
+                "--max-shard-size",
+                "40KB",
+                "--s3-endpoint-url",
+                s3_bucket.endpoint_url,
+            ]
+        )
+        == 0
+    )
     local = tmp_path / "hf"
     assert main(["export", str(checkpoint), str(local), "--max-shard-size", "40KB"]) == 0
     out = open_storage(f"{s3_bucket.uri}/hf")
@@ -256,9 +308,22 @@ def test_export_holds_one_output_file_and_bounded_buffers_not_the_model(tmp_path
     from tests.support.memory_probe import EXPORT_SHARD_BYTES, MIB
 
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.memory_probe", "spotrun-export-hf", "--state-mib", "288", "--root", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPOTRUN_")})
+        [
+            sys.executable,
+            "-m",
+            "tests.support.memory_probe",
+            "spotrun-export-hf",
+            "--state-mib",
+            "288",
+            "--root",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPOTRUN_")},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.splitlines()[-1])
     model_bytes = result["state_bytes"] / 3  # parameters, of parameters + AdamW's two moments
@@ -268,19 +333,33 @@ def test_export_holds_one_output_file_and_bounded_buffers_not_the_model(tmp_path
     assert result["extra_bytes"] <= bound
 
 
-@pytest.mark.parametrize("text, size_bytes", [
-    ("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("40KB", 40_000), ("2GiB", 2 * 2**30), ("1.5MiB", 3 * 2**19),
-    ("123", 123), ("7 gb", 7 * 10**9), ("64B", 64),
-])
+@pytest.mark.parametrize(
+    "text, size_bytes",
+    [
+        ("5GB", 5 * 10**9),
+        ("500MB", 500 * 10**6),
+        ("40KB", 40_000),
+        ("2GiB", 2 * 2**30),
+        ("1.5MiB", 3 * 2**19),
+        ("123", 123),
+        ("7 gb", 7 * 10**9),
+        ("64B", 64),
+    ],
+)
 def test_shard_sizes_count_as_hugging_face_counts_them(text, size_bytes):
     assert parse_size(text) == size_bytes
 
 
 def test_files_are_cut_as_hugging_face_cuts_them_a_tensor_over_the_limit_alone():
     sizes = {"a": 30, "b": 30, "big": 500, "c": 50, "d": 10}  # float32 elements; the limit is 100 floats
-    manifest = Manifest(step=7, world_size=1, files=[], rank_state=[{}],
-                        tensors={f"model/{k}": TensorRecord(file="f", dtype="float32", shape=[n]) for k, n in sizes.items()},
-                        state={"model": {k: {"__tensor__": f"model/{k}"} for k in sizes}, "step": 7})
+    manifest = Manifest(
+        step=7,
+        world_size=1,
+        files=[],
+        rank_state=[{}],
+        tensors={f"model/{k}": TensorRecord(file="f", dtype="float32", shape=[n]) for k, n in sizes.items()},
+        state={"model": {k: {"__tensor__": f"model/{k}"} for k in sizes}, "step": 7},
+    )
     plan = plan_export(manifest, "model", max_shard_size_bytes=400)
     # as huggingface_hub.split_torch_state_dict_into_shards: the big tensor's file is closed at once
     assert [[t.key for t in s.tensors] for s in plan.shards] == [["big"], ["a", "b"], ["c", "d"]]

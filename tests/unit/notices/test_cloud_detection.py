@@ -13,8 +13,8 @@ import ast
 import contextlib
 import json
 import os
-import re
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -22,11 +22,10 @@ import sys
 
 import pytest
 
-from spotrun.notices import DMI_ROOT_ENV, NoticeOptions, cloud_from_dmi, plan_detection, read_dmi
-from spotrun.notices import aws, azure, gcp
 from spotrun.drill.clouds.aws import FakeAws
 from spotrun.drill.clouds.azure import FakeAzure
 from spotrun.drill.clouds.gcp import FakeGcp
+from spotrun.notices import DMI_ROOT_ENV, NoticeOptions, aws, azure, cloud_from_dmi, gcp, plan_detection, read_dmi
 from tests.support.socket_audit import audited_env, read_audit, socket_events
 
 #: Generous bound for one short `spotrun run` on a loaded machine, seconds.
@@ -35,25 +34,64 @@ RUN_TIMEOUT_S = 120
 WAIT_S = 60
 
 # DMI files as real machines show them (field -> text; fields left out do not exist).
-AWS_NITRO = {"sys_vendor": "Amazon EC2", "product_name": "m5.large", "board_vendor": "Amazon EC2",
-             "bios_vendor": "Amazon EC2", "bios_version": "1.0", "chassis_asset_tag": "Amazon EC2"}
-AWS_XEN = {"sys_vendor": "Xen", "product_name": "HVM domU", "product_version": "4.2.amazon",
-           "bios_vendor": "Xen", "bios_version": "4.2.amazon", "chassis_asset_tag": ""}
-AWS_XEN_UUID_ONLY = {"sys_vendor": "Xen", "product_name": "HVM domU", "product_version": "4.11",
-                     "product_uuid": "EC2CEFAC-DCE1-EED5-4E48-83AD3EF51BFB",
-                     "product_serial": "ec2cefac-dce1-eed5-4e48-83ad3ef51bfb"}
-GCP = {"sys_vendor": "Google", "product_name": "Google Compute Engine", "board_vendor": "Google",
-       "bios_vendor": "Google", "bios_version": "Google", "chassis_asset_tag": ""}
+AWS_NITRO = {
+    "sys_vendor": "Amazon EC2",
+    "product_name": "m5.large",
+    "board_vendor": "Amazon EC2",
+    "bios_vendor": "Amazon EC2",
+    "bios_version": "1.0",
+    "chassis_asset_tag": "Amazon EC2",
+}
+AWS_XEN = {
+    "sys_vendor": "Xen",
+    "product_name": "HVM domU",
+    "product_version": "4.2.amazon",
+    "bios_vendor": "Xen",
+    "bios_version": "4.2.amazon",
+    "chassis_asset_tag": "",
+}
+AWS_XEN_UUID_ONLY = {
+    "sys_vendor": "Xen",
+    "product_name": "HVM domU",
+    "product_version": "4.11",
+    "product_uuid": "EC2CEFAC-DCE1-EED5-4E48-83AD3EF51BFB",
+    "product_serial": "ec2cefac-dce1-eed5-4e48-83ad3ef51bfb",
+}
+GCP = {
+    "sys_vendor": "Google",
+    "product_name": "Google Compute Engine",
+    "board_vendor": "Google",
+    "bios_vendor": "Google",
+    "bios_version": "Google",
+    "chassis_asset_tag": "",
+}
 GCP_SERIAL_ONLY = {"sys_vendor": "", "product_name": "", "product_serial": "GoogleCloud-5A2E1F0C9D8B7A6F"}
-AZURE = {"sys_vendor": "Microsoft Corporation", "product_name": "Virtual Machine", "product_version": "7.0",
-         "board_vendor": "Microsoft Corporation", "bios_vendor": "Microsoft Corporation",
-         "bios_version": "Hyper-V UEFI Release v4.1", "chassis_asset_tag": "7783-7084-3265-9085-8269-3286-77"}
+AZURE = {
+    "sys_vendor": "Microsoft Corporation",
+    "product_name": "Virtual Machine",
+    "product_version": "7.0",
+    "board_vendor": "Microsoft Corporation",
+    "bios_vendor": "Microsoft Corporation",
+    "bios_version": "Hyper-V UEFI Release v4.1",
+    "chassis_asset_tag": "7783-7084-3265-9085-8269-3286-77",
+}
 HYPER_V_DESKTOP = {**AZURE, "chassis_asset_tag": "0291-4458-9427-1539-1703-8420-55"}
-LAPTOP = {"sys_vendor": "LENOVO", "product_name": "20XW004GUS", "product_version": "ThinkPad X1 Carbon Gen 9",
-          "board_vendor": "LENOVO", "bios_vendor": "LENOVO", "bios_version": "N32ET75W (1.51 )",
-          "chassis_asset_tag": "No Asset Information"}
-KVM = {"sys_vendor": "QEMU", "product_name": "Standard PC (Q35 + ICH9, 2009)", "bios_vendor": "SeaBIOS",
-       "bios_version": "1.16.2-debian-1.16.2-1", "chassis_asset_tag": ""}
+LAPTOP = {
+    "sys_vendor": "LENOVO",
+    "product_name": "20XW004GUS",
+    "product_version": "ThinkPad X1 Carbon Gen 9",
+    "board_vendor": "LENOVO",
+    "bios_vendor": "LENOVO",
+    "bios_version": "N32ET75W (1.51 )",
+    "chassis_asset_tag": "No Asset Information",
+}
+KVM = {
+    "sys_vendor": "QEMU",
+    "product_name": "Standard PC (Q35 + ICH9, 2009)",
+    "bios_vendor": "SeaBIOS",
+    "bios_version": "1.16.2-debian-1.16.2-1",
+    "chassis_asset_tag": "",
+}
 
 DEFAULT_URLS = {"aws": aws.DEFAULT_ENDPOINT, "gcp": "http://" + gcp.DEFAULT_HOST, "azure": azure.DEFAULT_ENDPOINT}
 FAKES = {"aws": FakeAws, "gcp": FakeGcp, "azure": FakeAzure}
@@ -104,19 +142,25 @@ def spotrun_run(checkpoint_uri: str, command: list[str], *options: str) -> list[
 # --- DMI facts, read from files, name the cloud -------------------------------------------------
 
 
-@pytest.mark.parametrize("fields, cloud", [
-    pytest.param(AWS_NITRO, "aws", id="aws-nitro"),
-    pytest.param(AWS_XEN, "aws", id="aws-xen"),
-    pytest.param(AWS_XEN_UUID_ONLY, "aws", id="aws-xen-uuid-and-serial"),
-    pytest.param(GCP, "gcp", id="gcp"),
-    pytest.param(GCP_SERIAL_ONLY, "gcp", id="gcp-serial-only"),
-    pytest.param(AZURE, "azure", id="azure"),
-    pytest.param(HYPER_V_DESKTOP, None, id="hyper-v-desktop-is-not-azure"),
-    pytest.param(LAPTOP, None, id="laptop"),
-    pytest.param(KVM, None, id="kvm"),
-    pytest.param({**KVM, "product_uuid": "ec2aa5e6-0000-4000-8000-000000000001"}, None,
-                 id="uuid-starting-ec2-alone-is-not-aws"),
-])
+@pytest.mark.parametrize(
+    "fields, cloud",
+    [
+        pytest.param(AWS_NITRO, "aws", id="aws-nitro"),
+        pytest.param(AWS_XEN, "aws", id="aws-xen"),
+        pytest.param(AWS_XEN_UUID_ONLY, "aws", id="aws-xen-uuid-and-serial"),
+        pytest.param(GCP, "gcp", id="gcp"),
+        pytest.param(GCP_SERIAL_ONLY, "gcp", id="gcp-serial-only"),
+        pytest.param(AZURE, "azure", id="azure"),
+        pytest.param(HYPER_V_DESKTOP, None, id="hyper-v-desktop-is-not-azure"),
+        pytest.param(LAPTOP, None, id="laptop"),
+        pytest.param(KVM, None, id="kvm"),
+        pytest.param(
+            {**KVM, "product_uuid": "ec2aa5e6-0000-4000-8000-000000000001"},
+            None,
+            id="uuid-starting-ec2-alone-is-not-aws",
+        ),
+    ],
+)
 def test_8_dmi_facts_name_the_cloud(tmp_path, fields, cloud):
     facts = read_dmi(str(write_dmi(tmp_path / "dmi", fields)))
     assert facts.available
@@ -132,21 +176,45 @@ def test_8_missing_or_unreadable_dmi_is_hidden(tmp_path):
     assert not facts.available and cloud_from_dmi(facts) is None
 
 
-@pytest.mark.parametrize("fields, options, environ, expected", [
-    pytest.param(LAPTOP, {}, {}, {}, id="laptop-nothing-set"),
-    pytest.param(None, {}, {}, {}, id="dmi-hidden-nothing-set"),
-    pytest.param(None, {}, {"AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:9"},
-                 {"aws": "http://127.0.0.1:9"}, id="dmi-hidden-aws-variable"),
-    pytest.param(LAPTOP, {}, {"GCE_METADATA_HOST": "127.0.0.1:9"}, {"gcp": "http://127.0.0.1:9"},
-                 id="laptop-gcp-variable"),
-    pytest.param(LAPTOP, {"azure_endpoint": "http://127.0.0.1:9"}, {}, {"azure": "http://127.0.0.1:9"},
-                 id="laptop-azure-option"),
-    pytest.param(LAPTOP, {"aws_endpoint": "http://127.0.0.1:8"}, {"AWS_EC2_METADATA_SERVICE_ENDPOINT": ""},
-                 {"aws": "http://127.0.0.1:8"}, id="laptop-aws-option-empty-variable"),
-    pytest.param(AZURE, {"gcp_host": "127.0.0.1:9"}, {}, {"gcp": "http://127.0.0.1:9", "azure": DEFAULT_URLS["azure"]},
-                 id="azure-and-gcp-option"),
-    pytest.param(GCP, {}, {}, {"gcp": DEFAULT_URLS["gcp"]}, id="gcp"),
-])
+@pytest.mark.parametrize(
+    "fields, options, environ, expected",
+    [
+        pytest.param(LAPTOP, {}, {}, {}, id="laptop-nothing-set"),
+        pytest.param(None, {}, {}, {}, id="dmi-hidden-nothing-set"),
+        pytest.param(
+            None,
+            {},
+            {"AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:9"},
+            {"aws": "http://127.0.0.1:9"},
+            id="dmi-hidden-aws-variable",
+        ),
+        pytest.param(
+            LAPTOP, {}, {"GCE_METADATA_HOST": "127.0.0.1:9"}, {"gcp": "http://127.0.0.1:9"}, id="laptop-gcp-variable"
+        ),
+        pytest.param(
+            LAPTOP,
+            {"azure_endpoint": "http://127.0.0.1:9"},
+            {},
+            {"azure": "http://127.0.0.1:9"},
+            id="laptop-azure-option",
+        ),
+        pytest.param(
+            LAPTOP,
+            {"aws_endpoint": "http://127.0.0.1:8"},
+            {"AWS_EC2_METADATA_SERVICE_ENDPOINT": ""},
+            {"aws": "http://127.0.0.1:8"},
+            id="laptop-aws-option-empty-variable",
+        ),
+        pytest.param(
+            AZURE,
+            {"gcp_host": "127.0.0.1:9"},
+            {},
+            {"gcp": "http://127.0.0.1:9", "azure": DEFAULT_URLS["azure"]},
+            id="azure-and-gcp-option",
+        ),
+        pytest.param(GCP, {}, {}, {"gcp": DEFAULT_URLS["gcp"]}, id="gcp"),
+    ],
+)
 def test_8_candidates_are_the_dmi_cloud_and_the_named_endpoints(tmp_path, fields, options, environ, expected):
     root = write_dmi(tmp_path / "dmi", fields) if fields is not None else tmp_path / "absent"
     plan = plan_detection(NoticeOptions(dmi_root=str(root), **options), environ=environ)
@@ -170,8 +238,9 @@ def test_8_each_cloud_is_detected_from_dmi_with_no_network_traffic(tmp_path, clo
     """``auto``'s decision, in a process whose every socket use is recorded: the cloud is
     named from the fake DMI files alone, and only that cloud's metadata server is a candidate."""
     env, audit = audited_env(tmp_path, clean_env(write_dmi(tmp_path / "dmi", fields)))
-    result = subprocess.run([sys.executable, "-c", _PLAN], env=env, capture_output=True, text=True,
-                            timeout=RUN_TIMEOUT_S)
+    result = subprocess.run(
+        [sys.executable, "-c", _PLAN], env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"dmi_cloud": cloud, "probes": {cloud: DEFAULT_URLS[cloud]}}
     events = read_audit(audit)
@@ -189,8 +258,13 @@ def _off_cloud_dmi(tmp_path: pathlib.Path, dmi: str) -> pathlib.Path:
 def test_8_off_cloud_spotrun_run_opens_no_socket(tmp_path, dmi):
     """The default ``--notice auto`` with a local checkpoint root: no DNS query, no socket at all."""
     env, audit = audited_env(tmp_path, clean_env(_off_cloud_dmi(tmp_path, dmi)))
-    result = subprocess.run(spotrun_run(str(tmp_path / "ck"), [shutil.which("true")]), env=env,
-                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    result = subprocess.run(
+        spotrun_run(str(tmp_path / "ck"), [shutil.which("true")]),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stderr
     assert "--notice auto: " in result.stderr and "no metadata server probed" in result.stderr, result.stderr
     events = read_audit(audit)
@@ -201,8 +275,13 @@ def test_8_off_cloud_spotrun_run_opens_no_socket(tmp_path, dmi):
 def test_8_off_cloud_spotrun_run_with_s3_talks_only_to_the_store(tmp_path, s3_bucket):
     """With an S3 checkpoint store, the store's address is the only one looked up or connected to."""
     env, audit = audited_env(tmp_path, clean_env(_off_cloud_dmi(tmp_path, "generic")))
-    result = subprocess.run(spotrun_run(s3_bucket.uri, [shutil.which("true")]), env=env,
-                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    result = subprocess.run(
+        spotrun_run(s3_bucket.uri, [shutil.which("true")]),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stderr
     store = s3_bucket.endpoint_url.removeprefix("http://").split(":")
     events = socket_events(read_audit(audit))
@@ -245,9 +324,11 @@ def _network_syscalls(trace: str) -> list[str]:
 @pytest.mark.parametrize("pid", ["123", "1102 ", "15957", "4194304"])
 def test_8_strace_lines_are_read_whatever_the_pid_width(pid):
     """strace pads pids to 5 columns ("1102  socket(...)"): a 4-digit pid must not hide a call."""
-    trace = (f"{pid} socket(AF_INET, SOCK_STREAM|SOCK_CLOEXEC, IPPROTO_IP) = 3\n"
-             f"{pid} socket(AF_UNIX, SOCK_STREAM, 0) = 4\n"
-             f"{pid} connect(3, {{sa_family=AF_INET, sin_port=htons(9)}}, 16) = -1 ECONNREFUSED\n")
+    trace = (
+        f"{pid} socket(AF_INET, SOCK_STREAM|SOCK_CLOEXEC, IPPROTO_IP) = 3\n"
+        f"{pid} socket(AF_UNIX, SOCK_STREAM, 0) = 4\n"
+        f"{pid} connect(3, {{sa_family=AF_INET, sin_port=htons(9)}}, 16) = -1 ECONNREFUSED\n"
+    )
     assert len(_network_syscalls(trace)) == 2
 
 
@@ -258,10 +339,19 @@ def test_8_off_cloud_spotrun_run_makes_no_network_syscall(tmp_path, dmi):
     if why_not:
         pytest.skip(why_not)
     trace_path = tmp_path / "strace.txt"
-    command = [shutil.which("strace"), "-f", "-qq", "-e", "trace=socket,connect,sendto,sendmsg",
-               "-o", str(trace_path), *spotrun_run(str(tmp_path / "ck"), [shutil.which("true")])]
-    result = subprocess.run(command, env=clean_env(_off_cloud_dmi(tmp_path, dmi)), capture_output=True,
-                            text=True, timeout=RUN_TIMEOUT_S)
+    command = [
+        shutil.which("strace"),
+        "-f",
+        "-qq",
+        "-e",
+        "trace=socket,connect,sendto,sendmsg",
+        "-o",
+        str(trace_path),
+        *spotrun_run(str(tmp_path / "ck"), [shutil.which("true")]),
+    ]
+    result = subprocess.run(
+        command, env=clean_env(_off_cloud_dmi(tmp_path, dmi)), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
     assert result.returncode == 0, result.stderr
     assert "no metadata server probed" in result.stderr, result.stderr
     assert _network_syscalls(trace_path.read_text()) == []
@@ -279,9 +369,23 @@ def test_8_the_observers_see_a_connection_attempt(tmp_path):
         assert ("127.0.0.1", port) in targets(socket_events(read_audit(audit)))
         if _strace_works() is None:
             trace_path = tmp_path / "strace.txt"
-            subprocess.run([shutil.which("strace"), "-f", "-qq", "-e", "trace=socket,connect,sendto,sendmsg",
-                            "-o", str(trace_path), sys.executable, "-c", _CONNECT, str(port)],
-                           check=True, timeout=RUN_TIMEOUT_S)
+            subprocess.run(
+                [
+                    shutil.which("strace"),
+                    "-f",
+                    "-qq",
+                    "-e",
+                    "trace=socket,connect,sendto,sendmsg",
+                    "-o",
+                    str(trace_path),
+                    sys.executable,
+                    "-c",
+                    _CONNECT,
+                    str(port),
+                ],
+                check=True,
+                timeout=RUN_TIMEOUT_S,
+            )
             flagged = _network_syscalls(trace_path.read_text())
             assert any(_STRACE_PID.sub("", line, count=1).startswith("socket(AF_INET") for line in flagged), flagged
             assert any(f"sin_port=htons({port})" in line for line in flagged), flagged
@@ -326,11 +430,17 @@ def test_8_named_source_is_probed_off_cloud_and_nothing_else(tmp_path, processes
             env, audit = audited_env(tmp_path, base)
             log_path = tmp_path / "supervisor.log"
             with open(log_path, "wb") as log:
-                proc = subprocess.Popen(spotrun_run(str(tmp_path / "ck"), ["head", "-c", "1", str(fifo)], *options),
-                                        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                proc = subprocess.Popen(
+                    spotrun_run(str(tmp_path / "ck"), ["head", "-c", "1", str(fifo)], *options),
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             processes.append(proc)
-            assert fake.wait_for(lambda: any(r.path == _POLL_PATH[cloud] for r in fake.requests), WAIT_S), \
+            assert fake.wait_for(lambda: any(r.path == _POLL_PATH[cloud] for r in fake.requests), WAIT_S), (
                 log_path.read_text()
+            )
             os.write(hold, b"x")
             assert proc.wait(timeout=RUN_TIMEOUT_S) == 0, log_path.read_text()
     finally:

@@ -96,8 +96,9 @@ def poll(source: PolledSource, times: int = 3) -> list[Notice]:
 
 
 def warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name.startswith("spotrun.notices") and r.levelno >= logging.WARNING]
+    return [
+        r.getMessage() for r in caplog.records if r.name.startswith("spotrun.notices") and r.levelno >= logging.WARNING
+    ]
 
 
 # --- AWS -------------------------------------------------------------------------------
@@ -372,16 +373,26 @@ MISBEHAVIOURS = {
     "dropped connection": {"drop": True},
 }
 BAD_BODIES = {
-    "aws": [b"{not json", b"[1, 2]", json.dumps({"action": 5, "time": []}).encode(),
-            json.dumps({"action": "explode", "time": "2020-01-01T00:00:00Z"}).encode(),
-            json.dumps({"action": "terminate", "time": "yesterday"}).encode(), b"\xff\xfe"],
+    "aws": [
+        b"{not json",
+        b"[1, 2]",
+        json.dumps({"action": 5, "time": []}).encode(),
+        json.dumps({"action": "explode", "time": "2020-01-01T00:00:00Z"}).encode(),
+        json.dumps({"action": "terminate", "time": "yesterday"}).encode(),
+        b"\xff\xfe",
+    ],
     "gcp": [b"MAYBE", b"\xff\xfe", b""],
-    "azure": [b"{not json", b"null", json.dumps({"Events": "x"}).encode(),
-              json.dumps({"Events": [5]}).encode(),
-              json.dumps({"Events": [{"EventType": "Preempt", "EventId": "e", "Resources": "vm-1"}]}).encode(),
-              json.dumps({"Events": [{"EventType": "Preempt", "EventId": "e", "Resources": ["vm-1"],
-                                      "NotBefore": "tomorrow"}]}).encode(),
-              json.dumps({"Events": [{"EventType": "Preempt", "EventId": ["e"], "Resources": ["vm-1"]}]}).encode()],
+    "azure": [
+        b"{not json",
+        b"null",
+        json.dumps({"Events": "x"}).encode(),
+        json.dumps({"Events": [5]}).encode(),
+        json.dumps({"Events": [{"EventType": "Preempt", "EventId": "e", "Resources": "vm-1"}]}).encode(),
+        json.dumps(
+            {"Events": [{"EventType": "Preempt", "EventId": "e", "Resources": ["vm-1"], "NotBefore": "tomorrow"}]}
+        ).encode(),
+        json.dumps({"Events": [{"EventType": "Preempt", "EventId": ["e"], "Resources": ["vm-1"]}]}).encode(),
+    ],
 }
 
 
@@ -526,17 +537,28 @@ def test_file_source_needs_a_path():
         build_sources(parse_notice_option("file"), NoticeOptions())
 
 
-@pytest.mark.parametrize("bad", [{"aws_endpoint": "https://x"}, {"aws_endpoint": "169.254.169.254"},
-                                 {"azure_endpoint": "http://h/path"}, {"gcp_host": "h:notaport"}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"aws_endpoint": "https://x"},
+        {"aws_endpoint": "169.254.169.254"},
+        {"azure_endpoint": "http://h/path"},
+        {"gcp_host": "h:notaport"},
+    ],
+)
 def test_bad_endpoints_are_config_errors(bad):
     with pytest.raises(ConfigError):
         build_sources(parse_notice_option("aws,gcp,azure"), NoticeOptions(**bad), environ={})
 
 
 def test_build_sources_for_a_list(tmp_path):
-    options = NoticeOptions(aws_endpoint="http://127.0.0.1:1", gcp_host="127.0.0.1:1",
-                            azure_endpoint="http://127.0.0.1:1", notice_file=str(tmp_path / "n"),
-                            poll_period_s=FAST)
+    options = NoticeOptions(
+        aws_endpoint="http://127.0.0.1:1",
+        gcp_host="127.0.0.1:1",
+        azure_endpoint="http://127.0.0.1:1",
+        notice_file=str(tmp_path / "n"),
+        poll_period_s=FAST,
+    )
     sources = build_sources(parse_notice_option("aws,gcp,azure,file,signal"), options, environ={})
     assert sorted(s.name for s in sources) == ["aws", "azure", "file", "gcp", "gcp"]
     assert all(s.poll_period_s == FAST for s in sources)
@@ -547,8 +569,12 @@ def test_auto_detects_the_cloud(cloud, closed_url, tmp_path):
     fake_type = {"aws": FakeAws, "gcp": FakeGcp, "azure": FakeAzure}[cloud]
     with fake_type() as fake:
         urls = {c: (fake.url if c == cloud else closed_url) for c in ("aws", "gcp", "azure")}
-        options = NoticeOptions(aws_endpoint=urls["aws"], gcp_host=urls["gcp"].removeprefix("http://"),
-                                azure_endpoint=urls["azure"], notice_file=str(tmp_path / "n"))
+        options = NoticeOptions(
+            aws_endpoint=urls["aws"],
+            gcp_host=urls["gcp"].removeprefix("http://"),
+            azure_endpoint=urls["azure"],
+            notice_file=str(tmp_path / "n"),
+        )
         assert detect_cloud(options, environ={}) == cloud
         sources = build_sources(parse_notice_option("auto"), options, environ={})
     assert {s.name for s in sources} == {cloud, "file"}
@@ -558,14 +584,19 @@ def test_auto_detects_the_cloud(cloud, closed_url, tmp_path):
 def test_auto_tells_aws_from_azure_on_the_same_address(cloud, closed_url):
     fake_type = {"aws": FakeAws, "azure": FakeAzure}[cloud]
     with fake_type() as fake:  # both clouds use 169.254.169.254
-        options = NoticeOptions(aws_endpoint=fake.url, azure_endpoint=fake.url,
-                                gcp_host=closed_url.removeprefix("http://"))
+        options = NoticeOptions(
+            aws_endpoint=fake.url, azure_endpoint=fake.url, gcp_host=closed_url.removeprefix("http://")
+        )
         assert detect_cloud(options, environ={}) == cloud
 
 
 def test_auto_off_cloud_gives_up_quickly(closed_url, silent_url):
-    options = NoticeOptions(aws_endpoint=silent_url, gcp_host=closed_url.removeprefix("http://"),
-                            azure_endpoint=silent_url, detect_timeout_s=2.0)
+    options = NoticeOptions(
+        aws_endpoint=silent_url,
+        gcp_host=closed_url.removeprefix("http://"),
+        azure_endpoint=silent_url,
+        detect_timeout_s=2.0,
+    )
     started = time.monotonic()
     sources = build_sources(parse_notice_option("auto"), options, environ={})
     elapsed_s = time.monotonic() - started

@@ -28,8 +28,9 @@ def train_and_save(path, compile_whole: bool, compile_block: bool, old_format: b
     wrapped, model, opt = build(compile_whole, compile_block)
     # old_format: the keys a compiled model was saved under before spotrun dropped "_orig_mod."
     saved = dict(wrapped.state_dict()) if old_format else wrapped
-    ckpt = spotrun.Checkpointer({"model": saved, "optimizer": opt},
-                                storage=LocalStorage(str(path), fsync=False), handle_signals=False)
+    ckpt = spotrun.Checkpointer(
+        {"model": saved, "optimizer": opt}, storage=LocalStorage(str(path), fsync=False), handle_signals=False
+    )
     model(torch.ones(4, 3)).sum().backward()  # the plain module: no compile time
     opt.step()
     ckpt.save(1, reason="final")
@@ -43,12 +44,17 @@ def test_compiled_model_checkpoint_loads_compiled_or_not(tmp_path, saved, restor
     """Issue 20 (compile shape): a checkpoint saved from a model compiled whole, compiled in part
     or not at all (or with "_orig_mod." keys, as before) restores into any of the three,
     parameters and Adam state equal."""
-    flags = {"plain": (False, False), "compiled": (True, False), "block-compiled": (False, True),
-             "old-format-compiled": (True, True, True)}
+    flags = {
+        "plain": (False, False),
+        "compiled": (True, False),
+        "block-compiled": (False, True),
+        "old-format-compiled": (True, True, True),
+    }
     expected, saved_opt = train_and_save(tmp_path, *flags[saved])
     wrapped, model, opt = build(*flags[restored])
-    ckpt = spotrun.Checkpointer({"model": wrapped, "optimizer": opt},
-                                storage=LocalStorage(str(tmp_path), fsync=False), handle_signals=False)
+    ckpt = spotrun.Checkpointer(
+        {"model": wrapped, "optimizer": opt}, storage=LocalStorage(str(tmp_path), fsync=False), handle_signals=False
+    )
     assert ckpt.restore() == 1
     got = {k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()}
     assert sorted(got) == sorted(expected)

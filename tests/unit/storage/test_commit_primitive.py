@@ -40,7 +40,6 @@ from spotrun.storage.s3 import MAX_SINGLE_PUT_BYTES
 from spotrun.supervisor.preflight import PROBE_PREFIX, check_storage
 from tests.support.fault_proxy import IGNORE_CONDITION, NOT_IMPLEMENTED, FaultRule, conditional_put
 from tests.support.s3_server import make_client
-from tests.support.trainrun import ls_json
 
 MIB = 1024 * 1024
 #: Above the backend's default multipart threshold, where ``put`` uses multipart uploads.
@@ -49,8 +48,9 @@ RGW_SETUP_TIMEOUT_S = 1200
 
 
 def spotrun_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spotrun", *args], capture_output=True, text=True,
-                          timeout=120, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "spotrun", *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
 
 
 def error_line(stderr: str) -> str:
@@ -78,8 +78,9 @@ def visible_files(root) -> list[str]:
 # --- 3: a local root without hard links ---------------------------------------------
 
 
-@pytest.mark.parametrize("error_number", [errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP],
-                         ids=["ENOSYS", "EPERM", "EOPNOTSUPP"])
+@pytest.mark.parametrize(
+    "error_number", [errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP], ids=["ENOSYS", "EPERM", "EOPNOTSUPP"]
+)
 def test_3_local_root_without_hard_links_commits_with_rename_noreplace(tmp_path, monkeypatch, error_number):
     monkeypatch.setattr(os, "link", no_hard_links(error_number))
     root = tmp_path / "ck"
@@ -132,8 +133,9 @@ def test_3_local_root_without_hard_links_saves_and_restores_checkpoints(tmp_path
     restored = {"w": torch.zeros(8)}
     step = spotrun.Checkpointer(state={"weights": restored}, uri=uri, handle_signals=False).restore()
     assert step == 2 and torch.equal(restored["w"], torch.full((8,), 2.0))
-    listed = subprocess.run([sys.executable, "-m", "spotrun", "ls", uri, "--json"], capture_output=True,
-                            text=True, timeout=120, check=True).stdout
+    listed = subprocess.run(
+        [sys.executable, "-m", "spotrun", "ls", uri, "--json"], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     assert '"status": "complete"' in listed
 
 
@@ -167,8 +169,19 @@ def test_3_s3_store_answering_501_to_conditional_put_fails_preflight(s3_bucket, 
     assert "Upgrade the store" in message
 
     marker = tmp_path / "launched"
-    done = spotrun_cli("run", "--checkpoint-uri", uri, "--s3-endpoint-url", proxy.url, "--notice", "none",
-                       "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+    done = spotrun_cli(
+        "run",
+        "--checkpoint-uri",
+        uri,
+        "--s3-endpoint-url",
+        proxy.url,
+        "--notice",
+        "none",
+        "--",
+        sys.executable,
+        "-c",
+        f"open({str(marker)!r}, 'w')",
+    )
     assert done.returncode == 2, done.stderr
     assert "501 NotImplemented" in error_line(done.stderr) and "Traceback" not in done.stderr
     assert not marker.exists(), "the job must not start on a store that cannot commit"
@@ -201,8 +214,13 @@ def test_3_store_that_cannot_commit_stops_periodic_saves_at_the_first_failure(s3
     cannot commit at all fails the same way every time, so the first one stops training."""
     proxy.set_rule(FaultRule(fraction=1.0, kinds=(NOT_IMPLEMENTED,), match=conditional_put))
     storage = open_storage(f"{s3_bucket.uri}/job", endpoint_url=proxy.url)
-    ckpt = spotrun.Checkpointer(state={"weights": {"w": torch.ones(4)}}, storage=storage, handle_signals=False,
-                                interval_steps=1, max_failed_periodic_saves=3)
+    ckpt = spotrun.Checkpointer(
+        state={"weights": {"w": torch.ones(4)}},
+        storage=storage,
+        handle_signals=False,
+        interval_steps=1,
+        max_failed_periodic_saves=3,
+    )
     with pytest.raises(spotrun.CheckpointSaveError, match="does not support conditional writes") as caught:
         ckpt.end_of_step(1)
     assert not caught.value.retryable
@@ -228,8 +246,19 @@ def test_3_s3_store_ignoring_the_condition_fails_preflight(s3_bucket, proxy, tmp
     assert "two writers could both believe they committed" in message
 
     marker = tmp_path / "launched"
-    done = spotrun_cli("run", "--checkpoint-uri", uri, "--s3-endpoint-url", proxy.url, "--notice", "none",
-                       "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+    done = spotrun_cli(
+        "run",
+        "--checkpoint-uri",
+        uri,
+        "--s3-endpoint-url",
+        proxy.url,
+        "--notice",
+        "none",
+        "--",
+        sys.executable,
+        "-c",
+        f"open({str(marker)!r}, 'w')",
+    )
     assert done.returncode == 2, done.stderr
     assert "ignores conditional writes" in error_line(done.stderr)
     assert not marker.exists()

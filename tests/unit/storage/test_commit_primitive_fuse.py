@@ -56,8 +56,9 @@ def _fuse_unavailable() -> str | None:
             return f"libfuse 3 missing and no apt-get to install {LIBFUSE3_PACKAGE}"
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         for command in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", LIBFUSE3_PACKAGE]):
-            done = subprocess.run(command, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL,
-                                  timeout=INSTALL_TIMEOUT_S)
+            done = subprocess.run(
+                command, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=INSTALL_TIMEOUT_S
+            )
             if done.returncode != 0:
                 return f"{' '.join(command)} failed: {(done.stdout + done.stderr).strip()[-800:]}"
         if _libfuse3() is None:
@@ -73,9 +74,18 @@ def nolink_mount(backing, mountpoint, rename_flags: str) -> Iterator[str]:
     log_path = mountpoint.parent / f"nolink-fs-{rename_flags}.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.nolink_fs", str(backing), str(mountpoint),
-             "--rename-flags", rename_flags],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "tests.support.nolink_fs",
+                str(backing),
+                str(mountpoint),
+                "--rename-flags",
+                rename_flags,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             env={**os.environ, "FUSE_LIBRARY_PATH": _libfuse3()},
         )
     try:
@@ -117,7 +127,8 @@ def test_3_fuse_mount_really_has_no_hard_links(fuse_available, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_3_local_root_on_fuse_without_hard_links_commits_with_rename_noreplace(
-        fuse_available, reference, tmp_path, processes):
+    fuse_available, reference, tmp_path, processes
+):
     with nolink_mount(tmp_path / "backing", tmp_path / "mnt", "honour") as mnt:
         root = os.path.join(mnt, "ck")
         assert check_storage(parse_location(root)).commit_primitive == local_backend.RENAME_NOREPLACE
@@ -131,8 +142,17 @@ def test_3_local_root_on_fuse_without_rename_noreplace_fails_preflight(fuse_avai
     with nolink_mount(tmp_path / "backing", tmp_path / "mnt", "refuse") as mnt:
         root = os.path.join(mnt, "ck")
         marker = tmp_path / "launched"
-        done = spotrun_cli("run", "--checkpoint-uri", root, "--notice", "none", "--",
-                           sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+        done = spotrun_cli(
+            "run",
+            "--checkpoint-uri",
+            root,
+            "--notice",
+            "none",
+            "--",
+            sys.executable,
+            "-c",
+            f"open({str(marker)!r}, 'w')",
+        )
         assert done.returncode == 2, done.stderr
         line = error_line(done.stderr)
         assert "preflight" in line and "no hard links (link: Operation not permitted)" in line

@@ -17,9 +17,9 @@ import sys
 import pytest
 
 from spotrun.checkpoint import catalog
-from tests.support.ckpt_files import has_manifest
 from spotrun.checkpoint.restore import load_committed
 from spotrun.storage import open_storage
+from tests.support.ckpt_files import has_manifest
 from tests.support.fault_proxy import ALL_KINDS, LOST_RESPONSE, SLOW_DOWN, FaultProxy, FaultRule, upload_of
 from tests.support.paths import JOBS
 
@@ -38,22 +38,38 @@ def uri(s3_bucket) -> str:
     return f"{s3_bucket.uri}/job"
 
 
-def torchrun(proxy: FaultProxy, uri: str, out_dir: pathlib.Path, *args: str,
-             env: dict[str, str] | None = None) -> list[dict]:
+def torchrun(
+    proxy: FaultProxy, uri: str, out_dir: pathlib.Path, *args: str, env: dict[str, str] | None = None
+) -> list[dict]:
     """Run the worker on 2 ranks through ``proxy``; each rank's report, by rank."""
     out_dir.mkdir(parents=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(WORKER), "--uri", uri, "--out-dir", str(out_dir), *args],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(WORKER),
+            "--uri",
+            uri,
+            "--out-dir",
+            str(out_dir),
+            *args,
+        ],
         env={**os.environ, "AWS_ENDPOINT_URL": proxy.url, **(env or {})},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         output, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        raise AssertionError(f"workers hung for {TORCHRUN_TIMEOUT_S} s:\n{output[-4000:]}")
+        raise AssertionError(f"workers hung for {TORCHRUN_TIMEOUT_S} s:\n{output[-4000:]}") from None
     assert proc.returncode == 0, output[-4000:]
     return [json.loads((out_dir / f"rank-{r}.json").read_text()) for r in range(2)]
 
@@ -90,8 +106,7 @@ def test_save_fails_within_its_deadline_on_every_rank_when_every_request_fails(p
     # Step 1 saves cleanly; every request of the step-2 save fails, in every way.
     proxy.set_rule(FaultRule(fraction=1.0, match=lambda r: "/step-000000002/" in r.path))
     timeout_s = 8.0
-    saved = torchrun(proxy, uri, tmp_path / "save", "--save-steps", "1", "2",
-                     "--save-timeout-s", str(timeout_s))
+    saved = torchrun(proxy, uri, tmp_path / "save", "--save-steps", "1", "2", "--save-timeout-s", str(timeout_s))
     print(json.dumps(saved, indent=1))
     assert {i.kind for i in proxy.injected} == set(ALL_KINDS)
     for rank in range(2):
@@ -124,8 +139,16 @@ def test_slowdowns_on_one_rank_are_retried_until_the_emergency_deadline(proxy, u
     proxy.set_rule(FaultRule(count=failures, kinds=(SLOW_DOWN,), match=upload_of("rank-00001.")))
     control_dir = tmp_path / "control"
     control_dir.mkdir()
-    saved = torchrun(proxy, uri, tmp_path / "save", "--save-steps", "1", "--emergency-deadline-s", "25",
-                     env={"SPOTRUN_CONTROL_DIR": str(control_dir)})
+    saved = torchrun(
+        proxy,
+        uri,
+        tmp_path / "save",
+        "--save-steps",
+        "1",
+        "--emergency-deadline-s",
+        "25",
+        env={"SPOTRUN_CONTROL_DIR": str(control_dir)},
+    )
     injected = proxy.injected
     reports = [saved[rank]["saves"][0] for rank in range(2)]
     print(f"{len(injected)} SlowDowns injected; reports:", json.dumps(reports, indent=1))

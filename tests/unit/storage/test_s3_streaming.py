@@ -31,14 +31,19 @@ from tests.unit.storage.test_storage_contract import (
 PART_BYTES = 5 * MIB
 
 
-def storage_at(endpoint_url: str, bucket: str, *, wrap: dict[str, Any] | None = None,
-               **options: Any) -> S3Storage:
+def storage_at(endpoint_url: str, bucket: str, *, wrap: dict[str, Any] | None = None, **options: Any) -> S3Storage:
     """S3Storage under prefix ``p``, 5 MiB parts from 6 MiB on, retries that never wait."""
     fake = FakeTime()
-    opts = S3Options(**{
-        "endpoint_url": endpoint_url, "multipart_threshold_bytes": 6 * MIB,
-        "part_size_bytes": PART_BYTES, "sleep": fake.sleep, "clock": fake.clock, **options,
-    })
+    opts = S3Options(
+        **{
+            "endpoint_url": endpoint_url,
+            "multipart_threshold_bytes": 6 * MIB,
+            "part_size_bytes": PART_BYTES,
+            "sleep": fake.sleep,
+            "clock": fake.clock,
+            **options,
+        }
+    )
     client = make_client(opts)
     if wrap is not None:
         client = WrappedClient(client, **{name: make(client) for name, make in wrap.items()})
@@ -54,7 +59,7 @@ def storage_at(endpoint_url: str, bucket: str, *, wrap: dict[str, Any] | None = 
         (100 * MIB, 16 * MIB, 4 * MIB, 16 * MIB),  # already a multiple
         (100 * MIB, 16 * MIB, 3 * MIB, 18 * MIB),  # rounded up to a multiple of the chunk
         (100 * MIB, 5 * MIB, 64 * 1024, 5 * MIB),
-        (100 * MIB, 5 * MIB, 7 * MIB, 7 * MIB),    # a chunk larger than the part
+        (100 * MIB, 5 * MIB, 7 * MIB, 7 * MIB),  # a chunk larger than the part
         (MAX_PARTS * 16 * MIB + 1, 16 * MIB, MIB, 17 * MIB),  # grown to stay within 10,000 parts
     ],
     ids=["multiple", "rounded-up", "small-chunks", "large-chunk", "10000-parts"],
@@ -86,8 +91,11 @@ def test_put_stream_parts_are_whole_chunks(s3_bucket):
 def test_small_put_stream_is_one_put_object(s3_bucket):
     puts: list[dict] = []
     parts: list[dict] = []
-    storage = storage_at(s3_bucket.endpoint_url, s3_bucket.name, wrap={
-        "put_object": recording("put_object", puts), "upload_part": recording("upload_part", parts)})
+    storage = storage_at(
+        s3_bucket.endpoint_url,
+        s3_bucket.name,
+        wrap={"put_object": recording("put_object", puts), "upload_part": recording("upload_part", parts)},
+    )
     data = payload(6 * MIB - 1, seed=2)
     storage.put_stream("obj", BytesSource(data), chunk_bytes=MIB)
     assert storage.get("obj") == data
@@ -140,8 +148,9 @@ class CountingSource(BytesSource):
 @pytest.mark.parametrize("max_concurrency", [1, 3])
 def test_put_stream_holds_at_most_max_concurrency_parts(s3_bucket, max_concurrency):
     parts = PartsHeld(PART_BYTES)
-    storage = storage_at(s3_bucket.endpoint_url, s3_bucket.name, max_concurrency=max_concurrency,
-                         wrap={"upload_part": parts.wrap})
+    storage = storage_at(
+        s3_bucket.endpoint_url, s3_bucket.name, max_concurrency=max_concurrency, wrap={"upload_part": parts.wrap}
+    )
     size_bytes = 8 * PART_BYTES + 3
     data = payload(size_bytes, seed=3)
     source = CountingSource(data, parts)
@@ -151,8 +160,9 @@ def test_put_stream_holds_at_most_max_concurrency_parts(s3_bucket, max_concurren
         _, peak_bytes = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    print(f"most parts held {parts.most}, peak traced {peak_bytes / MIB:.1f} MiB "
-          f"for a {size_bytes / MIB:.0f} MiB object")
+    print(
+        f"most parts held {parts.most}, peak traced {peak_bytes / MIB:.1f} MiB for a {size_bytes / MIB:.0f} MiB object"
+    )
     assert sum(length for _, length in source.reads) == size_bytes
     assert parts.most <= max_concurrency
     assert peak_bytes < (max_concurrency + 1) * PART_BYTES
@@ -185,8 +195,7 @@ def test_ctrl_c_during_put_stream_aborts_the_upload(s3_bucket):
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         with pytest.raises(KeyboardInterrupt):
-            storage.put_stream("obj", InterruptingSource(payload(4 * PART_BYTES), interrupted),
-                               chunk_bytes=MIB)
+            storage.put_stream("obj", InterruptingSource(payload(4 * PART_BYTES), interrupted), chunk_bytes=MIB)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert interrupted.is_set()
@@ -199,8 +208,7 @@ def test_ctrl_c_during_put_stream_aborts_the_upload(s3_bucket):
 
 def test_read_into_of_one_part_is_one_get_and_more_are_pinned_ranges(s3_bucket):
     gets: list[dict] = []
-    storage = storage_at(s3_bucket.endpoint_url, s3_bucket.name,
-                         wrap={"get_object": recording("get_object", gets)})
+    storage = storage_at(s3_bucket.endpoint_url, s3_bucket.name, wrap={"get_object": recording("get_object", gets)})
     data = payload(3 * PART_BYTES, seed=4)
     storage.put("obj", data)
     small = bytearray(PART_BYTES)
@@ -231,8 +239,7 @@ def test_object_replaced_during_read_into_is_reported(s3_bucket):
 
         return get_object
 
-    storage = storage_at(s3_bucket.endpoint_url, s3_bucket.name, max_concurrency=1,
-                         wrap={"get_object": make})
+    storage = storage_at(s3_bucket.endpoint_url, s3_bucket.name, max_concurrency=1, wrap={"get_object": make})
     storage.put("obj", payload(3 * PART_BYTES, seed=5))
     with pytest.raises(StorageError, match="replaced"):
         storage.read_into("obj", 0, [bytearray(3 * PART_BYTES)])
@@ -256,8 +263,9 @@ def part_upload(number: int):
 
 def ranged_get(first_byte: int):
     """Predicate: a GET of a range that starts at ``first_byte``."""
-    return lambda request: (request.method == "GET"
-                            and request.headers.get("range", "").startswith(f"bytes={first_byte}-"))
+    return lambda request: (
+        request.method == "GET" and request.headers.get("range", "").startswith(f"bytes={first_byte}-")
+    )
 
 
 def test_part_cut_mid_upload_is_retried_and_the_object_is_exact(s3_bucket, proxy):

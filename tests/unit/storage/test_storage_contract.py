@@ -27,10 +27,10 @@ from botocore.exceptions import (
 )
 
 from spotrun.errors import (
-    ObjectTooShortError,
     ConfigError,
     ObjectExistsError,
     ObjectNotFoundError,
+    ObjectTooShortError,
     SaveAbortedError,
     StorageError,
     StoragePermissionError,
@@ -93,8 +93,9 @@ def client_error(code: str, status: int, operation: str = "PutObject") -> Client
 RGW_SETUP_TIMEOUT_S = 1200
 
 
-@pytest.fixture(params=["local", "s3-prefix", "s3-root",
-                        pytest.param("rgw", marks=pytest.mark.timeout(RGW_SETUP_TIMEOUT_S))])
+@pytest.fixture(
+    params=["local", "s3-prefix", "s3-root", pytest.param("rgw", marks=pytest.mark.timeout(RGW_SETUP_TIMEOUT_S))]
+)
 def storage(request: pytest.FixtureRequest, tmp_path) -> Any:
     if request.param == "local":
         return LocalStorage(str(tmp_path / "store"), fsync=False)
@@ -103,9 +104,7 @@ def storage(request: pytest.FixtureRequest, tmp_path) -> Any:
         return open_storage(f"{bucket.uri}/runs/exp1", **SMALL_TRANSFER)
     bucket = request.getfixturevalue("s3_bucket")
     if request.param == "s3-prefix":
-        return open_storage(
-            f"{bucket.uri}/runs/exp1/", endpoint_url=bucket.endpoint_url, **SMALL_TRANSFER
-        )
+        return open_storage(f"{bucket.uri}/runs/exp1/", endpoint_url=bucket.endpoint_url, **SMALL_TRANSFER)
     return open_storage(bucket.uri, **SMALL_TRANSFER)  # endpoint from AWS_ENDPOINT_URL
 
 
@@ -216,8 +215,7 @@ class TestStorageContract:
         [(0, 64), (1000, 64), (LARGE_BYTES, MIB), (LARGE_BYTES, 3 * MIB + 1)],
         ids=["empty", "small", "large", "large-odd-chunks"],
     )
-    def test_put_stream_stores_the_source_and_shows_every_chunk_once(
-            self, storage, size_bytes, chunk_bytes):
+    def test_put_stream_stores_the_source_and_shows_every_chunk_once(self, storage, size_bytes, chunk_bytes):
         data = payload(size_bytes, seed=3)
         chunks = ChunkRecorder()
         storage.put_stream("step-1/shard", BytesSource(data), chunk_bytes=chunk_bytes, on_chunk=chunks)
@@ -231,8 +229,7 @@ class TestStorageContract:
         assert storage.get("k") == b"new"
 
     @pytest.mark.parametrize("size_bytes", [1000, LARGE_BYTES], ids=["small", "large"])
-    @pytest.mark.parametrize("failure", ["source-save-aborted", "source-keyboard-interrupt",
-                                         "on-chunk-error"])
+    @pytest.mark.parametrize("failure", ["source-save-aborted", "source-keyboard-interrupt", "on-chunk-error"])
     def test_put_stream_failure_leaves_nothing(self, storage, failure, size_bytes):
         """A source or on_chunk that raises in the middle: the old object stays, a new key
         stays absent, no multipart upload is left open, and the error is the caller's own."""
@@ -281,8 +278,11 @@ class TestStorageContract:
         storage.read_into("small", 7, [last])
         assert last == b"789"
 
-    @pytest.mark.parametrize(("offset", "length"), [(990, 11), (1001, 1), (0, 1001), (2000, 0)],
-                             ids=["crossing-the-end", "after-the-end", "whole-plus-one", "empty-after-the-end"])
+    @pytest.mark.parametrize(
+        ("offset", "length"),
+        [(990, 11), (1001, 1), (0, 1001), (2000, 0)],
+        ids=["crossing-the-end", "after-the-end", "whole-plus-one", "empty-after-the-end"],
+    )
     def test_read_into_past_the_end_is_an_error(self, storage, offset, length):
         storage.put("obj", payload(1000))
         with pytest.raises(ObjectTooShortError):  # the reader reports a short shard as corrupt
@@ -452,10 +452,13 @@ def test_large_put_if_absent_is_one_conditional_put(s3_bucket):
     a conditional multipart completion is not enforced everywhere (RGW overwrites)."""
     puts: list[dict] = []
     multipart: list[dict] = []
-    storage = s3_storage(s3_bucket, wrap={
-        "put_object": recording("put_object", puts),
-        "create_multipart_upload": recording("create_multipart_upload", multipart),
-    })
+    storage = s3_storage(
+        s3_bucket,
+        wrap={
+            "put_object": recording("put_object", puts),
+            "create_multipart_upload": recording("create_multipart_upload", multipart),
+        },
+    )
     first = payload(LARGE_BYTES, seed=1)
     storage.put_if_absent("big", first)
     with pytest.raises(ObjectExistsError):
@@ -484,9 +487,7 @@ def test_object_replaced_during_ranged_read_is_reported(s3_bucket):
     assert not isinstance(info.value, ObjectNotFoundError)
 
 
-@pytest.mark.parametrize(
-    ("uri", "raw_key"), [("s3://{b}/pre/fix/", "pre/fix/x/y"), ("s3://{b}", "x/y")]
-)
+@pytest.mark.parametrize(("uri", "raw_key"), [("s3://{b}/pre/fix/", "pre/fix/x/y"), ("s3://{b}", "x/y")])
 def test_keys_are_prefix_slash_key(s3_bucket, uri, raw_key):
     storage = open_storage(uri.format(b=s3_bucket.name))
     assert storage.uri == uri.format(b=s3_bucket.name).rstrip("/")
@@ -554,9 +555,7 @@ def test_no_credentials_is_a_permission_error(s3_bucket, monkeypatch):
 def test_endpoint_not_listening_fails_within_deadline(s3_bucket):
     endpoint = f"http://127.0.0.1:{free_loopback_port()}"
     fake = FakeTime()
-    storage = open_storage(
-        "s3://b-1/p", endpoint_url=endpoint, retry_deadline_s=5, sleep=fake.sleep, clock=fake.clock
-    )
+    storage = open_storage("s3://b-1/p", endpoint_url=endpoint, retry_deadline_s=5, sleep=fake.sleep, clock=fake.clock)
     with pytest.raises(StorageError, match=endpoint) as info:
         storage.put("k", b"1")
     assert not isinstance(info.value, (ObjectNotFoundError, StoragePermissionError))
@@ -599,8 +598,10 @@ def test_translation_by_error_code(code, status, expected):
 
 def test_translation_ignores_message_text():
     exc = ClientError(
-        {"Error": {"Code": "AccessDenied", "Message": "NoSuchKey NoSuchBucket"},
-         "ResponseMetadata": {"HTTPStatusCode": 403}},
+        {
+            "Error": {"Code": "AccessDenied", "Message": "NoSuchKey NoSuchBucket"},
+            "ResponseMetadata": {"HTTPStatusCode": 403},
+        },
         "GetObject",
     )
     assert type(translate(exc, what="get", bucket="b")) is StoragePermissionError
@@ -714,9 +715,7 @@ def test_deadline_block_bounds_retries(s3_bucket):
         return put_object
 
     fake = FakeTime()
-    storage = s3_storage(
-        s3_bucket, retry_deadline_s=100, sleep=fake.sleep, clock=fake.clock, wrap={"put_object": make}
-    )
+    storage = s3_storage(s3_bucket, retry_deadline_s=100, sleep=fake.sleep, clock=fake.clock, wrap={"put_object": make})
     with storage.deadline(1.0), pytest.raises(StorageError):
         storage.put("k", b"1")
     assert fake.now_s < 1.0

@@ -37,23 +37,34 @@ def test_a_path_or_file_uri_is_a_local_directory(tmp_path, monkeypatch, given):
 def test_an_s3_uri_is_remote_and_passes_its_endpoint_to_the_workers():
     location = parse_location("s3://bucket/jobs/a/", endpoint_url="http://minio:9000")
     assert location.is_remote and location.uri == "s3://bucket/jobs/a"
-    assert location.worker_env() == {spotrun_env.CHECKPOINT_URI: "s3://bucket/jobs/a/",
-                                     S3_ENDPOINT_URL: "http://minio:9000"}
+    assert location.worker_env() == {
+        spotrun_env.CHECKPOINT_URI: "s3://bucket/jobs/a/",
+        S3_ENDPOINT_URL: "http://minio:9000",
+    }
     assert S3_ENDPOINT_URL not in parse_location("s3://bucket/jobs/a").worker_env()
 
 
 def test_parsing_an_s3_uri_imports_no_boto3():
-    code = ("import sys; from spotrun.storage import parse_location; "
-            "assert parse_location('s3://bucket/job').is_remote; assert 'boto3' not in sys.modules")
+    code = (
+        "import sys; from spotrun.storage import parse_location; "
+        "assert parse_location('s3://bucket/job').is_remote; assert 'boto3' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-@pytest.mark.parametrize(("uri", "endpoint", "message"), [
-    ("", None, "checkpoint URI is empty"),
-    ("gs://bucket/job", None, r"unsupported checkpoint URI scheme in 'gs://bucket/job': use a local path, "
-                              r"file:// or s3://"),
-    ("./ck", "minio:9000", "--s3-endpoint-url must be an http:// or https:// URL"),
-])
+@pytest.mark.parametrize(
+    ("uri", "endpoint", "message"),
+    [
+        ("", None, "checkpoint URI is empty"),
+        (
+            "gs://bucket/job",
+            None,
+            r"unsupported checkpoint URI scheme in 'gs://bucket/job': use a local path, "
+            r"file:// or s3://",
+        ),
+        ("./ck", "minio:9000", "--s3-endpoint-url must be an http:// or https:// URL"),
+    ],
+)
 def test_bad_uri_or_endpoint_is_a_config_error(uri, endpoint, message):
     with pytest.raises(ConfigError, match=message):
         parse_location(uri, endpoint_url=endpoint)

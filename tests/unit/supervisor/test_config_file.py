@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spotrun.supervisor.config_file import load_run_config
 from spotrun.errors import ConfigError
 from spotrun.supervisor.config import SupervisorConfig, option_specs
+from spotrun.supervisor.config_file import load_run_config
 from tests.support.paths import REPO
 
 ROOT = REPO
@@ -30,7 +30,9 @@ def write(tmp_path: Path, text: str, name: str = "spotrun.yaml") -> Path:
 
 
 def test_valid_file_gives_typed_defaults(tmp_path):
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         checkpoint_uri: s3://bucket/run-1
         grace_period_s: 110        # an integer is accepted for a number
         safety_margin_s: 12.5
@@ -41,13 +43,20 @@ def test_valid_file_gives_typed_defaults(tmp_path):
         notice: aws
         notice_file: /run/spotrun/notice
         log_level: debug
-        """)
+        """,
+    )
     cfg = load_run_config(path, environ={})
     assert cfg == {
-        "checkpoint_uri": "s3://bucket/run-1", "grace_period_s": 110.0, "safety_margin_s": 12.5,
-        "stop_timeout_s": 10.0, "max_restarts": 3, "restart_backoff_s": 0.0,
-        "s3_endpoint_url": "http://127.0.0.1:9000", "notice": "aws",
-        "notice_file": "/run/spotrun/notice", "log_level": "debug",
+        "checkpoint_uri": "s3://bucket/run-1",
+        "grace_period_s": 110.0,
+        "safety_margin_s": 12.5,
+        "stop_timeout_s": 10.0,
+        "max_restarts": 3,
+        "restart_backoff_s": 0.0,
+        "s3_endpoint_url": "http://127.0.0.1:9000",
+        "notice": "aws",
+        "notice_file": "/run/spotrun/notice",
+        "log_level": "debug",
     }
     assert isinstance(cfg["grace_period_s"], float) and isinstance(cfg["max_restarts"], int)
 
@@ -79,21 +88,24 @@ def test_unknown_key_names_it_and_lists_the_valid_ones(tmp_path):
     assert all(spec.name in message for spec in option_specs())
 
 
-@pytest.mark.parametrize(("line", "expected"), [
-    ("grace_period_s: thirty", "grace_period_s must be a number"),
-    ("grace_period_s: '30'", "grace_period_s must be a number"),
-    ("grace_period_s: true", "grace_period_s must be a number"),
-    ("grace_period_s: .inf", "grace_period_s must be a finite number"),
-    ("max_restarts: 2.5", "max_restarts must be an integer"),
-    ("checkpoint_uri: 42", "checkpoint_uri must be a string"),
-    ("checkpoint_uri: [a, b]", "checkpoint_uri must be a string"),
-    ("checkpoint_uri: ''", "checkpoint_uri must not be empty"),
-    ("checkpoint_uri: null", "checkpoint_uri must be a string"),
-    ("notice: gce", "notice must be auto, none or a comma-separated list of aws, gcp, azure, signal, file"),
-    ("notice: auto,aws", "notice must be auto, none or a comma-separated list"),
-    ("notice: [aws, 3]", "notice must be a string"),
-    ("log_level: loud", "log_level must be one of debug, info, warning, error"),
-])
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("grace_period_s: thirty", "grace_period_s must be a number"),
+        ("grace_period_s: '30'", "grace_period_s must be a number"),
+        ("grace_period_s: true", "grace_period_s must be a number"),
+        ("grace_period_s: .inf", "grace_period_s must be a finite number"),
+        ("max_restarts: 2.5", "max_restarts must be an integer"),
+        ("checkpoint_uri: 42", "checkpoint_uri must be a string"),
+        ("checkpoint_uri: [a, b]", "checkpoint_uri must be a string"),
+        ("checkpoint_uri: ''", "checkpoint_uri must not be empty"),
+        ("checkpoint_uri: null", "checkpoint_uri must be a string"),
+        ("notice: gce", "notice must be auto, none or a comma-separated list of aws, gcp, azure, signal, file"),
+        ("notice: auto,aws", "notice must be auto, none or a comma-separated list"),
+        ("notice: [aws, 3]", "notice must be a string"),
+        ("log_level: loud", "log_level must be one of debug, info, warning, error"),
+    ],
+)
 def test_wrong_type_or_value_names_key_and_expected_type(tmp_path, line, expected):
     path = write(tmp_path, line + "\n")
     with pytest.raises(ConfigError, match=expected) as err:
@@ -101,11 +113,14 @@ def test_wrong_type_or_value_names_key_and_expected_type(tmp_path, line, expecte
     assert str(path) in str(err.value)
 
 
-@pytest.mark.parametrize(("line", "expected"), [
-    ("notice: none", "none"),
-    ("notice: azure,signal", "azure,signal"),
-    ("notice: [aws, signal]", "aws,signal"),   # a YAML list is joined as on the command line
-])
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("notice: none", "none"),
+        ("notice: azure,signal", "azure,signal"),
+        ("notice: [aws, signal]", "aws,signal"),  # a YAML list is joined as on the command line
+    ],
+)
 def test_notice_values(tmp_path, line, expected):
     assert load_run_config(write(tmp_path, line + "\n"), environ={}) == {"notice": expected}
 
@@ -138,21 +153,28 @@ def test_missing_file(tmp_path):
 
 
 def test_env_expansion(tmp_path):
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         checkpoint_uri: s3://${BUCKET}/${PREFIX:-default-prefix}/ckpt-$$HOME
         s3_endpoint_url: ${ENDPOINT:-}
         grace_period_s: ${GRACE_S:-25}
         max_restarts: ${RESTARTS}
         notice: ${NOTICE:-auto}
-        """)
+        """,
+    )
     cfg = load_run_config(path, environ={"BUCKET": "b1", "PREFIX": "", "RESTARTS": "4", "NOTICE": "aws"})
     assert cfg == {
         "checkpoint_uri": "s3://b1/default-prefix/ckpt-$HOME",  # empty PREFIX -> default, $$ -> $
-        "s3_endpoint_url": None,                                # empty -> standard AWS settings
-        "grace_period_s": 25.0, "max_restarts": 4, "notice": "aws",
+        "s3_endpoint_url": None,  # empty -> standard AWS settings
+        "grace_period_s": 25.0,
+        "max_restarts": 4,
+        "notice": "aws",
     }
-    cfg = load_run_config(path, environ={"BUCKET": "b2", "PREFIX": "p", "ENDPOINT": "http://minio:9000",
-                                         "GRACE_S": "12.5", "RESTARTS": "0"})
+    cfg = load_run_config(
+        path,
+        environ={"BUCKET": "b2", "PREFIX": "p", "ENDPOINT": "http://minio:9000", "GRACE_S": "12.5", "RESTARTS": "0"},
+    )
     assert cfg["checkpoint_uri"] == "s3://b2/p/ckpt-$HOME"
     assert cfg["s3_endpoint_url"] == "http://minio:9000"
     assert (cfg["grace_period_s"], cfg["max_restarts"], cfg["notice"]) == (12.5, 0, "auto")
@@ -164,14 +186,17 @@ def test_env_expansion_uses_os_environ_by_default(tmp_path, monkeypatch):
     assert cfg["checkpoint_uri"] == "s3://from-env/x"
 
 
-@pytest.mark.parametrize(("line", "env", "expected"), [
-    ("checkpoint_uri: s3://${BUCKET}/x", {}, "checkpoint_uri: environment variable BUCKET is not set"),
-    ("checkpoint_uri: s3://${BUCKET/x", {}, "unterminated"),
-    ("checkpoint_uri: s3://${1BUCKET}/x", {}, "bad variable reference"),
-    ("grace_period_s: ${GRACE_S}", {"GRACE_S": "soon"}, "grace_period_s must be a number"),
-    ("max_restarts: ${N}", {"N": "1.5"}, "max_restarts must be an integer"),
-    ("notice: ${NOTICE}", {"NOTICE": "gce"}, "notice must be auto, none or a comma-separated list"),
-])
+@pytest.mark.parametrize(
+    ("line", "env", "expected"),
+    [
+        ("checkpoint_uri: s3://${BUCKET}/x", {}, "checkpoint_uri: environment variable BUCKET is not set"),
+        ("checkpoint_uri: s3://${BUCKET/x", {}, "unterminated"),
+        ("checkpoint_uri: s3://${1BUCKET}/x", {}, "bad variable reference"),
+        ("grace_period_s: ${GRACE_S}", {"GRACE_S": "soon"}, "grace_period_s must be a number"),
+        ("max_restarts: ${N}", {"N": "1.5"}, "max_restarts must be an integer"),
+        ("notice: ${NOTICE}", {"NOTICE": "gce"}, "notice must be auto, none or a comma-separated list"),
+    ],
+)
 def test_env_expansion_errors(tmp_path, line, env, expected):
     path = write(tmp_path, line + "\n")
     with pytest.raises(ConfigError, match=expected) as err:
@@ -231,8 +256,14 @@ def test_kubernetes_job_fits_spotrun(tmp_path):
     assert cfg == load_run_config(ROOT / "configs" / "gke-spot.yaml", environ=EXAMPLE_ENV)
     assert pod["terminationGracePeriodSeconds"] >= cfg["grace_period_s"]
     rules = job["spec"]["podFailurePolicy"]["rules"]
-    preempted = [r for r in rules if r.get("onExitCodes", {}).get("operator") == "In"
-                 and {142, 143} & set(r["onExitCodes"]["values"])]
+    preempted = [
+        r
+        for r in rules
+        if r.get("onExitCodes", {}).get("operator") == "In" and {142, 143} & set(r["onExitCodes"]["values"])
+    ]
     assert {c for r in preempted for c in r["onExitCodes"]["values"]} >= {142, 143}
-    assert any(c.get("type") == "DisruptionTarget" and r["action"] == "Ignore"
-               for r in rules for c in r.get("onPodConditions", []))
+    assert any(
+        c.get("type") == "DisruptionTarget" and r["action"] == "Ignore"
+        for r in rules
+        for c in r.get("onPodConditions", [])
+    )

@@ -49,9 +49,12 @@ def slow_store(s3_bucket):
 
 def launch(uri: str, proxy: FaultProxy, log_file, supervisor_log, grace_period_s: float, processes, *extra: str):
     proc = start_supervised(
-        uri, torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", "0.1", *extra),
-        grace_period_s=grace_period_s, extra_options=["--s3-endpoint-url", proxy.url, "--notice", "none"],
-        log_path=supervisor_log, drop_env=("AWS_ENDPOINT_URL",),
+        uri,
+        torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", "0.1", *extra),
+        grace_period_s=grace_period_s,
+        extra_options=["--s3-endpoint-url", proxy.url, "--notice", "none"],
+        log_path=supervisor_log,
+        drop_env=("AWS_ENDPOINT_URL",),
     )
     processes.append(proc)
     return proc

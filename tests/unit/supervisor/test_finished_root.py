@@ -18,15 +18,34 @@ from tests.support.trainrun import ls_json
 NOISY_JOB = str(JOBS / "noisy_job.py")
 
 
-def run(root: pathlib.Path, launches: pathlib.Path, steps: int, *options: str, named_file: pathlib.Path | None = None
-        ) -> subprocess.CompletedProcess:
+def run(
+    root: pathlib.Path, launches: pathlib.Path, steps: int, *options: str, named_file: pathlib.Path | None = None
+) -> subprocess.CompletedProcess:
     """``spotrun run`` of a one-process Checkpointer job that counts its launches in ``launches``
     (through a shell, so that the count is kept even when the job is not a spotrun job)."""
-    script = (f"echo launched >> {shlex.quote(str(launches))} && "
-              f"exec {shlex.quote(sys.executable)} {shlex.quote(NOISY_JOB)} --steps {steps} --noise torch")
+    script = (
+        f"echo launched >> {shlex.quote(str(launches))} && "
+        f"exec {shlex.quote(sys.executable)} {shlex.quote(NOISY_JOB)} --steps {steps} --noise torch"
+    )
     command = ["sh", "-c", script, "sh", *([str(named_file)] if named_file else [])]
-    return subprocess.run([sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", str(root), "--notice", "none",
-                           *options, "--", *command], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spotrun",
+            "run",
+            "--checkpoint-uri",
+            str(root),
+            "--notice",
+            "none",
+            *options,
+            "--",
+            *command,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def launch_count(launches: pathlib.Path) -> int:
@@ -100,8 +119,12 @@ def test_a_command_that_saved_nothing_is_always_launched(tmp_path):
     """No complete checkpoint, no record: spotrun cannot tell a finished job from a new one."""
     root = tmp_path / "ck"
     for _ in range(2):
-        result = subprocess.run([sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", str(root), "--notice",
-                                 "none", "--", "true"], capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", str(root), "--notice", "none", "--", "true"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 0 and "started pid" in result.stderr, result.stderr[-3000:]
     assert not (root / "finished").exists()
 

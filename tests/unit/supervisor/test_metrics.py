@@ -11,12 +11,11 @@ import sys
 import urllib.request
 
 import pytest
-
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from spotrun.control import files as control
 from spotrun.checkpoint import catalog
+from spotrun.control import files as control
 from spotrun.storage import LocalStorage
 from spotrun.supervisor.metrics import SupervisorMetrics
 from tests.support.fake_launch import FAST, Spotrun
@@ -30,7 +29,8 @@ SAVE_INTERVAL = 25
 
 @pytest.fixture
 def spotrun_run(tmp_path):
-    """Starts `spotrun run` processes (tests/unit/supervisor/test_supervisor.py's Spotrun); kills what is left at the end."""
+    """Starts `spotrun run` processes (tests/support/fake_launch.py's Spotrun); kills what is
+    left at the end."""
     started: list[Spotrun] = []
 
     def start(options, command) -> Spotrun:
@@ -59,18 +59,33 @@ def complete_steps(ckpt: pathlib.Path) -> list[catalog.StepInfo]:
 def start_job(spotrun_run, tmp_path, options: list[str], job_options: list[str] = ()) -> Spotrun:
     out = tmp_path / "out"
     out.mkdir()
-    return spotrun_run(["--checkpoint-uri", str(tmp_path / "ck"), "--notice", "none", *FAST, *options],
-                       [sys.executable, JOB, out, "--interval", str(SAVE_INTERVAL), *job_options])
+    return spotrun_run(
+        ["--checkpoint-uri", str(tmp_path / "ck"), "--notice", "none", *FAST, *options],
+        [sys.executable, JOB, out, "--interval", str(SAVE_INTERVAL), *job_options],
+    )
 
 
 def test_metrics_while_running_and_the_textfile_after_a_notice(spotrun_run, tmp_path):
     """Scraped while running, the metrics show the newest step and the restart; after a notice
     the textfile names the exit, the source and the saves."""
     textfile = tmp_path / "spotrun.prom"
-    run = start_job(spotrun_run, tmp_path, ["--metrics-port", "0", "--metrics-address", "127.0.0.1",
-                                            "--metrics-textfile", str(textfile),
-                                            "--max-restarts", "1", "--restart-backoff-s", "0"],
-                    ["--crash-after-save"])  # saves step 25, exits 3, is restarted from step 25
+    run = start_job(
+        spotrun_run,
+        tmp_path,
+        [
+            "--metrics-port",
+            "0",
+            "--metrics-address",
+            "127.0.0.1",
+            "--metrics-textfile",
+            str(textfile),
+            "--max-restarts",
+            "1",
+            "--restart-backoff-s",
+            "0",
+        ],
+        ["--crash-after-save"],
+    )  # saves step 25, exits 3, is restarted from step 25
     run.wait_until(lambda: re.search(r"metrics: http://127\.0\.0\.1:(\d+)/metrics", run.log()), "the endpoint")
     url = re.search(r"metrics: (http://127\.0\.0\.1:\d+/metrics)", run.log()).group(1)
     scraped: dict[str, float] = {}
@@ -112,17 +127,29 @@ def test_metrics_while_running_and_the_textfile_after_a_notice(spotrun_run, tmp_
 
 def test_each_save_is_counted_once_however_often_the_measurements_are_read(tmp_path):
     metrics = SupervisorMetrics(clock=lambda: 1000.0)
-    metrics.event("launch", {"attempt": 0, "incarnation": 0, "resumed_step": None, "control_dir": str(tmp_path),
-                             "time_unix_s": 900.0})
-    first = control.SaveRecord(step=10, reason="periodic", size_bytes=100, duration_s=2.0, committed_unix_s=990.0,
-                               stall_s=0.5, background=True)
-    second = control.SaveRecord(step=20, reason="periodic", size_bytes=100, duration_s=3.0, committed_unix_s=995.0,
-                                stall_s=0.25, background=True)
+    metrics.event(
+        "launch",
+        {"attempt": 0, "incarnation": 0, "resumed_step": None, "control_dir": str(tmp_path), "time_unix_s": 900.0},
+    )
+    first = control.SaveRecord(
+        step=10, reason="periodic", size_bytes=100, duration_s=2.0, committed_unix_s=990.0, stall_s=0.5, background=True
+    )
+    second = control.SaveRecord(
+        step=20,
+        reason="periodic",
+        size_bytes=100,
+        duration_s=3.0,
+        committed_unix_s=995.0,
+        stall_s=0.25,
+        background=True,
+    )
     scrape = lambda: samples(generate_latest(metrics.registry).decode())  # noqa: E731
     assert "spotrun_newest_complete_step" not in scrape()  # none known yet, not "step 0"
     control.write_save_stats(str(tmp_path), control.SaveStats(in_progress=None, recent=(first,), step_time_s=0.1))
     scrape()
-    control.write_save_stats(str(tmp_path), control.SaveStats(in_progress=None, recent=(first, second), step_time_s=0.1))
+    control.write_save_stats(
+        str(tmp_path), control.SaveStats(in_progress=None, recent=(first, second), step_time_s=0.1)
+    )
     found = scrape()
     assert found['spotrun_saves_total{reason="periodic"}'] == 2
     assert (found["spotrun_save_duration_seconds_count"], found["spotrun_save_duration_seconds_sum"]) == (2, 5.0)

@@ -45,8 +45,9 @@ from spotrun.supervisor.foreign import (
     ],
 )
 def test_choose_delivery_table(kinds, forced, age_s, decide_in_s, expected):
-    choice = choose_delivery(kinds, signal_forced=forced, oldest_worker_age_s=age_s, announce_timeout_s=10.0,
-                             decide_in_s=decide_in_s)
+    choice = choose_delivery(
+        kinds, signal_forced=forced, oldest_worker_age_s=age_s, announce_timeout_s=10.0, decide_in_s=decide_in_s
+    )
     assert choice.delivery is expected
     assert choice.foreign == (expected in (Delivery.POLL, Delivery.SIGNAL))
     if expected is Delivery.UNDECIDED:
@@ -61,8 +62,8 @@ def test_choose_delivery_table(kinds, forced, age_s, decide_in_s, expected):
 FAKE_TORCHRUN = (
     "import subprocess, sys\n"
     "worker = 'import os, signal, sys, time\\n"
-    "signal.signal(signal.SIGUSR1, lambda s, f: (os.write(1, b\"got %d\\\\n\" % s), sys.exit(0)))\\n"
-    "os.write(1, b\"ready\\\\n\")\\n"
+    'signal.signal(signal.SIGUSR1, lambda s, f: (os.write(1, b"got %d\\\\n" % s), sys.exit(0)))\\n'
+    'os.write(1, b"ready\\\\n")\\n'
     "time.sleep(60)\\n'\n"
     "children = [subprocess.Popen([sys.executable, '-c', worker]) for _ in range(2)]\n"
     "sys.exit(max(c.wait() for c in children))\n"
@@ -88,8 +89,9 @@ def test_a_silent_job_gets_the_notify_signal_on_its_workers_not_its_launcher(tmp
         workers = worker_processes(launcher.pid)
         assert len(workers) == 2 and all(info.ppid == launcher.pid for info in workers)
         assert oldest_age_s(workers) >= 0.0
-        delivery = NoticeDelivery(str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1,
-                                  forced=False, announce_timeout_s=0.0)
+        delivery = NoticeDelivery(
+            str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1, forced=False, announce_timeout_s=0.0
+        )
         assert delivery.deliver(time.time() + 20) is None and delivery.choice.delivery is Delivery.SIGNAL
         assert launcher.wait(timeout=30) == 0  # the launcher was not signalled: its workers exited 0
         assert sorted(launcher.stdout.read().split()) == ["10", "10", "got", "got"]
@@ -107,8 +109,9 @@ def test_torchrun_behind_a_shell_wrapper_is_found_and_not_signalled(tmp_path, wr
     try:
         workers = worker_processes(launcher.pid)
         assert len(workers) == 2 and all(info.pid != launcher.pid for info in workers)
-        delivery = NoticeDelivery(str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1,
-                                  forced=True, announce_timeout_s=10.0)
+        delivery = NoticeDelivery(
+            str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1, forced=True, announce_timeout_s=10.0
+        )
         assert delivery.deliver(time.time() + 20) is None and len(delivery.signalled) == 2
         assert launcher.wait(timeout=30) == 0  # torchrun (and the shell) were not signalled
         assert sorted(launcher.stdout.read().split()) == ["10", "10", "got", "got"]
@@ -118,8 +121,11 @@ def test_torchrun_behind_a_shell_wrapper_is_found_and_not_signalled(tmp_path, wr
 
 
 def test_a_plain_command_is_signalled_itself(tmp_path):
-    command = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
-                               stdout=subprocess.PIPE, text=True)
+    command = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert command.stdout.readline() == "ready\n"
         assert [info.pid for info in worker_processes(command.pid)] == [command.pid]
@@ -159,8 +165,14 @@ os.write(1, b"ready rank %d\\n" % os.getpid())
 time.sleep(60)
 """
 #: Another agent's worker environment: spotrun itself run inside an elastic worker.
-OUTER_WORKER_ENV = {"TORCHELASTIC_RUN_ID": "outer", "TORCHELASTIC_RESTART_COUNT": "0", "LOCAL_RANK": "0",
-                    "RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
+OUTER_WORKER_ENV = {
+    "TORCHELASTIC_RUN_ID": "outer",
+    "TORCHELASTIC_RESTART_COUNT": "0",
+    "LOCAL_RANK": "0",
+    "RANK": "0",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29400",
+}
 
 
 @pytest.mark.parametrize(
@@ -174,7 +186,8 @@ OUTER_WORKER_ENV = {"TORCHELASTIC_RUN_ID": "outer", "TORCHELASTIC_RESTART_COUNT"
     ids=["launcher", "behind-sh", "launcher-with-LOCAL_RANK", "inside-an-outer-elastic-worker"],
 )
 def test_the_ranks_of_any_elastic_launcher_are_signalled_not_it_nor_their_loaders(
-        tmp_path, monkeypatch, wrapper, supervisor_env, launcher_env):
+    tmp_path, monkeypatch, wrapper, supervisor_env, launcher_env
+):
     """C19: the workers are found by the environment torch's elastic agent gives them, not by
     the launcher's name: each rank gets the notify signal; the launcher, a wrapper and the
     loaders each rank forked (same environment as their rank) do not."""
@@ -185,16 +198,18 @@ def test_the_ranks_of_any_elastic_launcher_are_signalled_not_it_nor_their_loader
     command = [sys.executable, str(tmp_path / "launch.py")]
     if wrapper:
         command = [*wrapper[:-1], f"{wrapper[-1]} {shlex.join(command)}"]
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True,
-                                env={**os.environ, **launcher_env})
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, **launcher_env}
+    )
     try:
         ready = [launcher.stdout.readline().split() for _ in range(4)]
         ranks = sorted(int(pid) for _, role, pid in ready if role == "rank")
         loaders = sorted(int(pid) for _, role, pid in ready if role == "loader")
         assert len(ranks) == 2 and len(loaders) == 2, ready
         assert sorted(info.pid for info in worker_processes(launcher.pid)) == ranks
-        delivery = NoticeDelivery(str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1,
-                                  forced=True, announce_timeout_s=10.0)
+        delivery = NoticeDelivery(
+            str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1, forced=True, announce_timeout_s=10.0
+        )
         assert delivery.deliver(time.time() + 20) is None
         assert sorted(info.pid for info in delivery.signalled) == ranks
         assert launcher.wait(timeout=30) == 0  # neither the launcher nor a wrapper was signalled
@@ -207,8 +222,12 @@ def test_the_ranks_of_any_elastic_launcher_are_signalled_not_it_nor_their_loader
 
 def test_a_process_that_is_gone_is_no_worker_and_no_error():
     """A process that exits while the tree is read has no environment to read: it is skipped."""
-    gone = subprocess.Popen([sys.executable, "-c", "print('up', flush=True); import sys; sys.stdin.read()"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, **OUTER_WORKER_ENV})
+    gone = subprocess.Popen(
+        [sys.executable, "-c", "print('up', flush=True); import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, **OUTER_WORKER_ENV},
+    )
     # Until its exec has finished (Popen may return before: vfork), /proc shows no environment.
     assert gone.stdout.readline() == b"up\n"
     info = process.proc_info(gone.pid)
@@ -225,8 +244,9 @@ def test_a_job_that_announced_itself_gets_no_signal(tmp_path, monkeypatch):
         monkeypatch.setenv("SPOTRUN_CONTROL_DIR", str(tmp_path))
         listeners.announce("checkpointer")
         for forced in (False, True):  # --notify-signal does not change it: the signal would kill it
-            delivery = NoticeDelivery(str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1,
-                                      forced=forced, announce_timeout_s=0.0)
+            delivery = NoticeDelivery(
+                str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1, forced=forced, announce_timeout_s=0.0
+            )
             assert delivery.deliver(time.time() + 20) is None and delivery.choice.delivery is Delivery.REQUEST_FILE
         time.sleep(0.5)
         assert launcher.poll() is None and delivery.signalled == []
@@ -238,8 +258,9 @@ def test_a_job_that_announced_itself_gets_no_signal(tmp_path, monkeypatch):
 def test_a_young_silent_job_is_undecided_until_it_announces(tmp_path, monkeypatch):
     launcher = _launcher(tmp_path)
     try:
-        delivery = NoticeDelivery(str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1,
-                                  forced=False, announce_timeout_s=3600.0)
+        delivery = NoticeDelivery(
+            str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1, forced=False, announce_timeout_s=3600.0
+        )
         recheck_unix_s = delivery.deliver(time.time() + 1e5)
         assert recheck_unix_s is not None and recheck_unix_s > time.time() + 3000
         monkeypatch.setenv("SPOTRUN_CONTROL_DIR", str(tmp_path))
@@ -257,8 +278,9 @@ def test_a_notice_waits_for_an_announcement_at_most_a_share_of_the_time_left(tmp
     the workers get the signal, however young."""
     launcher = _launcher(tmp_path)
     try:
-        delivery = NoticeDelivery(str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1,
-                                  forced=False, announce_timeout_s=3600.0)
+        delivery = NoticeDelivery(
+            str(tmp_path), launcher.pid, notify_signal=signal.SIGUSR1, forced=False, announce_timeout_s=3600.0
+        )
         notice_unix_s = time.time()
         recheck_unix_s = delivery.deliver(notice_unix_s + 8.0)
         assert recheck_unix_s == pytest.approx(notice_unix_s + ANNOUNCE_WAIT_SHARE * 8.0, abs=0.5)

@@ -59,8 +59,24 @@ def test_supervisor_as_pid1_saves_reaps_and_exits_cleanly(tmp_path):
     # kernel re-parents to PID 1: spotrun must reap them or they stay zombies.
     launch = f"(sleep 0.5 &); (sleep 1 &); exec {train}"
     unshare = subprocess.Popen(
-        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "spotrun", "run",
-         "--checkpoint-uri", str(ck), "--grace-period-s", "60", "--", "sh", "-c", launch],
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            sys.executable,
+            "-m",
+            "spotrun",
+            "run",
+            "--checkpoint-uri",
+            str(ck),
+            "--grace-period-s",
+            "60",
+            "--",
+            "sh",
+            "-c",
+            launch,
+        ],
         start_new_session=True,
     )
     try:
@@ -80,8 +96,11 @@ def test_supervisor_as_pid1_saves_reaps_and_exits_cleanly(tmp_path):
     finally:
         if unshare.poll() is None:
             os.killpg(unshare.pid, signal.SIGKILL)
-    listed = json.loads(subprocess.run([sys.executable, "-m", "spotrun", "ls", str(ck), "--json"],
-                                       capture_output=True, text=True, check=True).stdout)
+    listed = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "spotrun", "ls", str(ck), "--json"], capture_output=True, text=True, check=True
+        ).stdout
+    )
     emergency = [row for row in listed if row["reason"] == "emergency"]
     assert len(emergency) == 1 and emergency[0]["status"] == "complete"
     assert emergency[0]["step"] >= read_log(log_file)[0]["step"]

@@ -12,8 +12,8 @@ import pytest
 
 from spotrun.errors import ConfigError, ObjectNotFoundError, StorageError, StoragePermissionError
 from spotrun.storage import open_storage, parse_location
-from spotrun.supervisor.config import SupervisorConfig
 from spotrun.storage.s3_location import S3_ENDPOINT_URL
+from spotrun.supervisor.config import SupervisorConfig
 from spotrun.supervisor.launch import plan_launch
 from spotrun.supervisor.preflight import PROBE_PREFIX, check_storage
 from tests.support.s3_server import free_loopback_port, make_client
@@ -23,8 +23,9 @@ QUICK_S = 30.0
 
 
 def spotrun(*args: str, env: dict[str, str] | None = None, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spotrun", *args], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "spotrun", *args], capture_output=True, text=True, timeout=120, env=env, cwd=cwd
+    )
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -94,8 +95,15 @@ def test_probe_is_not_a_checkpoint_step(s3_bucket):
 
 def test_run_fails_before_launching_anything(s3_bucket, tmp_path):
     marker = tmp_path / "launched"
-    done = spotrun("run", "--checkpoint-uri", f"{s3_bucket.uri}-gone/job", "--",
-                   sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+    done = spotrun(
+        "run",
+        "--checkpoint-uri",
+        f"{s3_bucket.uri}-gone/job",
+        "--",
+        sys.executable,
+        "-c",
+        f"open({str(marker)!r}, 'w')",
+    )
     assert done.returncode == 2
     [line] = error_lines(done.stderr)
     assert "preflight" in line and f"bucket '{s3_bucket.name}-gone' does not exist" in line
@@ -128,10 +136,12 @@ def test_malformed_endpoint_is_a_config_error(url):
 
 def test_workers_get_the_endpoint_for_s3_only(s3_bucket, tmp_path):
     s3_root = parse_location(f"{s3_bucket.uri}/job", endpoint_url="http://minio:9000")
-    s3 = plan_launch(open_storage(f"{s3_bucket.uri}/job"), s3_root, control_dir=str(tmp_path),
-                     grace_period_s=30, base_env={})
+    s3 = plan_launch(
+        open_storage(f"{s3_bucket.uri}/job"), s3_root, control_dir=str(tmp_path), grace_period_s=30, base_env={}
+    )
     assert s3.env[S3_ENDPOINT_URL] == "http://minio:9000"
     local_root = parse_location(str(tmp_path / "ck"), endpoint_url="http://minio:9000")
-    local = plan_launch(open_storage(str(tmp_path / "ck")), local_root, control_dir=str(tmp_path),
-                        grace_period_s=30, base_env={})
+    local = plan_launch(
+        open_storage(str(tmp_path / "ck")), local_root, control_dir=str(tmp_path), grace_period_s=30, base_env={}
+    )
     assert S3_ENDPOINT_URL not in local.env

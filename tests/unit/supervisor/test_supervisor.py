@@ -32,7 +32,9 @@ def launches(state: pathlib.Path) -> list[dict]:
 
 def test_command_that_finishes_exits_0(spotrun_run, tmp_path, state):
     ckpt = tmp_path / "ckpt"
-    run = spotrun_run(["--checkpoint-uri", str(ckpt), *FAST], [sys.executable, FAKE / "saver.py", state, "--max-steps", "3"])
+    run = spotrun_run(
+        ["--checkpoint-uri", str(ckpt), *FAST], [sys.executable, FAKE / "saver.py", state, "--max-steps", "3"]
+    )
     assert run.wait() == 0, run.log()
     assert steps_on(ckpt) == []
     assert not (state / "request.json").exists()
@@ -117,34 +119,45 @@ def test_workers_stopped_without_a_save_by_another_node_exit_142(spotrun_run, tm
     supervisor found no time for a save: preempted, not finished; the resume point is named."""
     ckpt = tmp_path / "ckpt"
     write_step(str(ckpt), 7, commit=True)
-    run = spotrun_run(["--checkpoint-uri", str(ckpt), *FAST],
-                      [sys.executable, FAKE / "saver.py", state, "--stopped-without-save-at", "12"])
+    run = spotrun_run(
+        ["--checkpoint-uri", str(ckpt), *FAST],
+        [sys.executable, FAKE / "saver.py", state, "--stopped-without-save-at", "12"],
+    )
     assert run.wait() == 142, run.log()
     assert "the workers stopped after step 12 without saving" in run.log()
     assert "the newest complete checkpoint is step 7" in run.log()
 
 
-@pytest.mark.parametrize(("worker_options", "notice"), [
-    (["--fenced-at", "3", "--fenced-exit-code", "1"], False),  # the FencedError ended the script
-    (["--fenced-at", "3", "--fenced-exit-code", "0"], False),  # a script that caught it: not "finished"
-    (["--fenced-at", "3", "--fenced-exit-code", "137"], False),  # killed after reporting: not a crash
-    (["--fenced-on-request", "--fenced-exit-code", "1"], True),  # the emergency save was fenced: not 142
-    (["--fenced-on-request", "--fenced-exit-code", "0"], True),  # nor 0 after a notice
-], ids=["exit-1", "exit-0", "exit-137", "notice-exit-1", "notice-exit-0"])
+@pytest.mark.parametrize(
+    ("worker_options", "notice"),
+    [
+        (["--fenced-at", "3", "--fenced-exit-code", "1"], False),  # the FencedError ended the script
+        (["--fenced-at", "3", "--fenced-exit-code", "0"], False),  # a script that caught it: not "finished"
+        (["--fenced-at", "3", "--fenced-exit-code", "137"], False),  # killed after reporting: not a crash
+        (["--fenced-on-request", "--fenced-exit-code", "1"], True),  # the emergency save was fenced: not 142
+        (["--fenced-on-request", "--fenced-exit-code", "0"], True),  # nor 0 after a notice
+    ],
+    ids=["exit-1", "exit-0", "exit-137", "notice-exit-1", "notice-exit-0"],
+)
 def test_fenced_workers_are_never_restarted_and_exit_86_naming_the_newer_incarnation(
-        spotrun_run, tmp_path, state, worker_options, notice):
+    spotrun_run, tmp_path, state, worker_options, notice
+):
     """C20: whatever the command's exit code, and during a notice too, a launch whose workers
     report a fence (a newer start of the job owns the root) ends spotrun with exit 86 and a
     line naming the newer incarnation, though restarts are left."""
-    run = spotrun_run(["--checkpoint-uri", str(tmp_path / "ckpt"), *FAST, "--max-restarts", "2",
-                       "--restart-backoff-s", "0"], [sys.executable, FAKE / "saver.py", state, *worker_options])
+    run = spotrun_run(
+        ["--checkpoint-uri", str(tmp_path / "ckpt"), *FAST, "--max-restarts", "2", "--restart-backoff-s", "0"],
+        [sys.executable, FAKE / "saver.py", state, *worker_options],
+    )
     if notice:
         run.wait_until(lambda: (state / "ready").exists(), "the worker started")
         run.proc.send_signal(signal.SIGTERM)
     assert run.wait() == 86, run.log()
     assert len((state / "launches").read_text().splitlines()) == 1, run.log()
-    assert ("was fenced: incarnation 7 (host other-host, pid 1234, spotrun run pid 99) of this job started "
-            "on the same checkpoint root") in run.log()
+    assert (
+        "was fenced: incarnation 7 (host other-host, pid 1234, spotrun run pid 99) of this job started "
+        "on the same checkpoint root"
+    ) in run.log()
     assert "exiting 86" in run.log() and "restart 1 of 2" not in run.log()
 
 
@@ -154,18 +167,46 @@ def test_signals_blocked_by_the_parent_are_unblocked(tmp_path, state):
     blocked = {signal.SIGCHLD, signal.SIGTERM}
     ckpt = str(tmp_path / "ckpt")
     finished = subprocess.run(
-        [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", ckpt, *FAST, "--",
-         sys.executable, FAKE / "saver.py", state, "--max-steps", "3"],
-        preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked), timeout=WAIT_S,
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "spotrun",
+            "run",
+            "--checkpoint-uri",
+            ckpt,
+            *FAST,
+            "--",
+            sys.executable,
+            FAKE / "saver.py",
+            state,
+            "--max-steps",
+            "3",
+        ],
+        preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked),
+        timeout=WAIT_S,
+        capture_output=True,
+        text=True,
     )
     assert finished.returncode == 0, finished.stderr
     state = tmp_path / "second"
     state.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", ckpt, *FAST, "--",
-         sys.executable, FAKE / "saver.py", state],
-        preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked), stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "spotrun",
+            "run",
+            "--checkpoint-uri",
+            ckpt,
+            *FAST,
+            "--",
+            sys.executable,
+            FAKE / "saver.py",
+            state,
+        ],
+        preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked),
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + WAIT_S
@@ -181,7 +222,9 @@ def test_signals_blocked_by_the_parent_are_unblocked(tmp_path, state):
 
 
 def test_failing_command_passes_its_exit_code_through(spotrun_run, tmp_path, state):
-    run = spotrun_run(["--checkpoint-uri", str(tmp_path / "ckpt"), *FAST], [sys.executable, FAKE / "flaky.py", state, 99, 3])
+    run = spotrun_run(
+        ["--checkpoint-uri", str(tmp_path / "ckpt"), *FAST], [sys.executable, FAKE / "flaky.py", state, 99, 3]
+    )
     assert run.wait() == 3, run.log()
     assert len(launches(state)) == 1
 
@@ -195,7 +238,15 @@ def test_command_killed_by_a_signal_exits_128_plus_the_signal(spotrun_run, tmp_p
 def test_crash_restarts_with_growing_backoff_then_success(spotrun_run, tmp_path, state):
     backoff_s = 0.2
     run = spotrun_run(
-        ["--checkpoint-uri", str(tmp_path / "ckpt"), *FAST, "--max-restarts", "3", "--restart-backoff-s", str(backoff_s)],
+        [
+            "--checkpoint-uri",
+            str(tmp_path / "ckpt"),
+            *FAST,
+            "--max-restarts",
+            "3",
+            "--restart-backoff-s",
+            str(backoff_s),
+        ],
         [sys.executable, FAKE / "flaky.py", state, 2, 3],
     )
     assert run.wait() == 0, run.log()
@@ -218,7 +269,15 @@ def test_restarts_run_out_and_the_exit_code_is_passed_through(spotrun_run, tmp_p
 def test_notice_during_restart_backoff_exits_142_at_once(spotrun_run, tmp_path, state):
     backoff_s = 60.0
     run = spotrun_run(
-        ["--checkpoint-uri", str(tmp_path / "ckpt"), *FAST, "--max-restarts", "1", "--restart-backoff-s", str(backoff_s)],
+        [
+            "--checkpoint-uri",
+            str(tmp_path / "ckpt"),
+            *FAST,
+            "--max-restarts",
+            "1",
+            "--restart-backoff-s",
+            str(backoff_s),
+        ],
         [sys.executable, FAKE / "flaky.py", state, 99, 3],
     )
     run.wait_until(lambda: "restart 1 of 1" in run.log(), "the restart backoff began")
@@ -269,7 +328,9 @@ def test_environment_of_a_fresh_start(spotrun_run, tmp_path):
     out = tmp_path / "env.json"
     parent_env = {**os.environ, "SPOTRUN_RESUME_STEP": "99", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}
     run = spotrun_run(
-        ["--checkpoint-uri", str(tmp_path / "empty"), *FAST], [sys.executable, FAKE / "print_env.py", out], env=parent_env
+        ["--checkpoint-uri", str(tmp_path / "empty"), *FAST],
+        [sys.executable, FAKE / "print_env.py", out],
+        env=parent_env,
     )
     assert run.wait() == 0, run.log()
 
@@ -292,7 +353,10 @@ def test_environment_of_a_fresh_start(spotrun_run, tmp_path):
 def test_bad_options_give_one_error_line_and_exit_2(tmp_path, options):
     done = subprocess.run(
         [sys.executable, "-m", "spotrun", "run", *options, "--", sys.executable, "-c", "pass"],
-        capture_output=True, text=True, timeout=WAIT_S, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        cwd=tmp_path,
     )
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if "error" in line]
@@ -303,7 +367,10 @@ def test_bad_options_give_one_error_line_and_exit_2(tmp_path, options):
 def test_missing_command_is_a_clear_error(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "spotrun", "run", "--", str(tmp_path / "no-such-program")],
-        capture_output=True, text=True, timeout=WAIT_S, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        cwd=tmp_path,
     )
     assert done.returncode == 2
     assert "spotrun: error: cannot start" in done.stderr and "Traceback" not in done.stderr

@@ -52,8 +52,9 @@ def test_2_other_terminating_signals_leave_the_supervisor_running(spotrun_run, t
     for signum in others:
         run.proc.send_signal(signum)
     for signum in others:
-        run.wait_until(lambda: f"ignoring {signal_name(signum)}: not a notice signal" in run.log(),
-                       f"{signal_name(signum)} logged")
+        run.wait_until(
+            lambda: f"ignoring {signal_name(signum)}: not a notice signal" in run.log(), f"{signal_name(signum)} logged"
+        )
     run.proc.send_signal(signal.SIGALRM)  # again: not logged a second time
     assert run.proc.poll() is None, run.log()
     assert not (state / "request.json").exists(), "an ignored signal must not ask for a save"
@@ -68,8 +69,10 @@ def test_2_other_terminating_signals_leave_the_supervisor_running(spotrun_run, t
 def test_2_notice_signals_option_chooses_the_notices(spotrun_run, tmp_path, state):
     """`--notice-signals TERM,RTMIN+2`: SIGUSR1 is then only logged; SIGRTMIN+2 is a notice."""
     ckpt = tmp_path / "ckpt"
-    run = spotrun_run(["--checkpoint-uri", str(ckpt), *FAST, "--notice-signals", "TERM,RTMIN+2"],
-                      [sys.executable, FAKE / "saver.py", state])
+    run = spotrun_run(
+        ["--checkpoint-uri", str(ckpt), *FAST, "--notice-signals", "TERM,RTMIN+2"],
+        [sys.executable, FAKE / "saver.py", state],
+    )
     run.wait_until(lambda: (state / "ready").exists(), "the worker started")
     run.proc.send_signal(signal.SIGUSR1)
     run.wait_until(lambda: "ignoring SIGUSR1: not a notice signal" in run.log(), "SIGUSR1 logged")
@@ -83,8 +86,10 @@ def test_2_notice_signals_config_key(spotrun_run, tmp_path, state):
     """`notice_signals: [TERM, INT]` in the config file: SIGUSR2 is then only logged."""
     config = tmp_path / "spotrun.yaml"
     config.write_text("notice_signals: [TERM, INT]\n")
-    run = spotrun_run(["--config", str(config), "--checkpoint-uri", str(tmp_path / "ckpt"), *FAST],
-                      [sys.executable, FAKE / "saver.py", state])
+    run = spotrun_run(
+        ["--config", str(config), "--checkpoint-uri", str(tmp_path / "ckpt"), *FAST],
+        [sys.executable, FAKE / "saver.py", state],
+    )
     run.wait_until(lambda: (state / "ready").exists(), "the worker started")
     run.proc.send_signal(signal.SIGUSR2)
     run.wait_until(lambda: "ignoring SIGUSR2: not a notice signal" in run.log(), "SIGUSR2 logged")
@@ -97,7 +102,10 @@ def test_2_notice_signals_config_key(spotrun_run, tmp_path, state):
 def test_2_bad_notice_signals_are_one_error_line_and_exit_2(tmp_path, value):
     done = subprocess.run(
         [sys.executable, "-m", "spotrun", "run", "--notice-signals", value, "--", sys.executable, "-c", "pass"],
-        capture_output=True, text=True, timeout=WAIT_S, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        cwd=tmp_path,
     )
     assert done.returncode == 2
     [line] = done.stderr.splitlines()
@@ -111,8 +119,9 @@ def test_2_usr1_to_supervisor_is_a_notice(reference, tmp_path, processes):
     step = random.Random().randint(3, trainrun.REFERENCE_STEPS - 4)
     print(f"SIGUSR1 at step {step}")
     ck, log_file = str(tmp_path / "ck"), tmp_path / "train.jsonl"
-    command = torchrun_command(trainrun.REFERENCE_STEPS, trainrun.REFERENCE_SAVE_INTERVAL, log_file,
-                               "--step-sleep-s", "0.05")
+    command = torchrun_command(
+        trainrun.REFERENCE_STEPS, trainrun.REFERENCE_SAVE_INTERVAL, log_file, "--step-sleep-s", "0.05"
+    )
     proc = start_supervised(ck, command, log_path=tmp_path / "first.log")
     processes.append(proc)
     wait_for_step(log_file, step, proc)

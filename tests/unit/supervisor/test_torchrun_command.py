@@ -62,14 +62,17 @@ def test_the_common_spellings_read_as_torchruns_parser_reads_them(args, monkeypa
     assert {f: str(getattr(fast, f)) for f in FIELDS} == {f: str(getattr(exact, f)) for f in FIELDS}
 
 
-@pytest.mark.parametrize("args", [
-    ["--nproc-per", "2", "train.py"],  # an abbreviation: argparse's rules decide
-    ["--nnodes", "2"],  # no training script: torchrun's parser reports it
-    ["--standalone=1", "train.py"],
-    ["--no-such-option", "train.py"],
-    ["-mpkg.train"],
-    ["--", "train.py"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--nproc-per", "2", "train.py"],  # an abbreviation: argparse's rules decide
+        ["--nnodes", "2"],  # no training script: torchrun's parser reports it
+        ["--standalone=1", "train.py"],
+        ["--no-such-option", "train.py"],
+        ["-mpkg.train"],
+        ["--", "train.py"],
+    ],
+)
 def test_anything_else_goes_to_torchruns_parser(args):
     assert torchrun_command._parse_common(args) is None
 
@@ -89,10 +92,12 @@ def test_an_abbreviation_is_read_by_torchruns_parser():
 def test_reading_a_plain_torchrun_command_does_not_import_torch():
     """The supervisor reads the launch command before starting it: importing torch there
     took over 2 s and hundreds of MiB."""
-    code = ("import sys; from spotrun.supervisor.torchrun_command import read_torchrun_command as r\n"
-            "launch = r(['torchrun', '--standalone', '--nproc-per-node', '2', 'train.py'])\n"
-            "assert (launch.min_nodes, launch.nproc_per_node, launch.standalone) == (1, 2, True), launch\n"
-            "print('torch' in sys.modules)\n")
+    code = (
+        "import sys; from spotrun.supervisor.torchrun_command import read_torchrun_command as r\n"
+        "launch = r(['torchrun', '--standalone', '--nproc-per-node', '2', 'train.py'])\n"
+        "assert (launch.min_nodes, launch.nproc_per_node, launch.standalone) == (1, 2, True), launch\n"
+        "print('torch' in sys.modules)\n"
+    )
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("PET_")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "False", out.stderr

@@ -15,15 +15,17 @@ import time
 
 import pytest
 
-from spotrun.supervisor.config_file import load_run_config
 from spotrun.errors import ConfigError
+from spotrun.supervisor.config_file import load_run_config
 from spotrun.tools.logs import JsonFormatter
 
 UTC_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 #: A launch command that logs one line the way the example trainer does, then exits 0.
-WORKER = ("import logging; from spotrun.tools.logs import configure_logging; "
-          "configure_logging(logging.INFO, prefix='[rank 0]', fields={'rank': 0}); "
-          "logging.getLogger('spotrun.worker').info('hello from the worker', extra={'step': 7})")
+WORKER = (
+    "import logging; from spotrun.tools.logs import configure_logging; "
+    "configure_logging(logging.INFO, prefix='[rank 0]', fields={'rank': 0}); "
+    "logging.getLogger('spotrun.worker').info('hello from the worker', extra={'step': 7})"
+)
 
 
 def json_lines(stderr: str) -> list[dict]:
@@ -55,7 +57,12 @@ def test_json_lines_carry_utc_time_level_logger_message_extra_fields_and_the_tra
     first, second = json_lines(stream.getvalue())
     assert first["message"] == "saved step 5"
     assert (first["level"], first["logger"], first["rank"], first["step"], first["path"]) == (
-        "WARNING", "spotrun.test_log_format", 3, 5, "/ck")
+        "WARNING",
+        "spotrun.test_log_format",
+        3,
+        5,
+        "/ck",
+    )
     assert first["time"] >= time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(int(before_s)))
     assert second["level"] == "ERROR"
     assert "ValueError: bad byte" in second["exception"]
@@ -63,9 +70,25 @@ def test_json_lines_carry_utc_time_level_logger_message_extra_fields_and_the_tra
 
 def test_every_stderr_line_of_spotrun_run_is_json_and_so_are_the_workers_lines(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "spotrun", "run", "--log-format", "json", "--notice", "none",
-         "--checkpoint-uri", str(tmp_path / "ck"), "--", sys.executable, "-c", WORKER],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "spotrun",
+            "run",
+            "--log-format",
+            "json",
+            "--notice",
+            "none",
+            "--checkpoint-uri",
+            str(tmp_path / "ck"),
+            "--",
+            sys.executable,
+            "-c",
+            WORKER,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     records = json_lines(done.stderr)
@@ -76,8 +99,13 @@ def test_every_stderr_line_of_spotrun_run_is_json_and_so_are_the_workers_lines(t
 
 def test_a_spotrun_error_is_a_json_line_too_when_the_environment_asks_for_json(tmp_path):
     missing = tmp_path / "missing"
-    done = subprocess.run([sys.executable, "-m", "spotrun", "ls", str(missing)], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "SPOTRUN_LOG_FORMAT": "json"})
+    done = subprocess.run(
+        [sys.executable, "-m", "spotrun", "ls", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SPOTRUN_LOG_FORMAT": "json"},
+    )
     assert done.returncode == 2
     [record] = json_lines(done.stderr)
     assert record["level"] == "ERROR" and str(missing) in record["message"]
@@ -85,10 +113,16 @@ def test_a_spotrun_error_is_a_json_line_too_when_the_environment_asks_for_json(t
 
 def test_config_file_takes_the_log_format_and_the_metrics_options(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text("log_format: json\nmetrics_port: 9464\nmetrics_address: 127.0.0.1\n"
-                      "metrics_textfile: /var/lib/node_exporter/spotrun.prom\n")
-    assert load_run_config(config) == {"log_format": "json", "metrics_port": 9464, "metrics_address": "127.0.0.1",
-                                       "metrics_textfile": "/var/lib/node_exporter/spotrun.prom"}
+    config.write_text(
+        "log_format: json\nmetrics_port: 9464\nmetrics_address: 127.0.0.1\n"
+        "metrics_textfile: /var/lib/node_exporter/spotrun.prom\n"
+    )
+    assert load_run_config(config) == {
+        "log_format": "json",
+        "metrics_port": 9464,
+        "metrics_address": "127.0.0.1",
+        "metrics_textfile": "/var/lib/node_exporter/spotrun.prom",
+    }
     config.write_text("log_format: xml\n")
     with pytest.raises(ConfigError, match="log_format must be one of text, json"):
         load_run_config(config)

@@ -25,16 +25,16 @@ import torch
 from safetensors.torch import load_file
 
 import spotrun
-from spotrun.control import files as control
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.in_flight import Choice, choose
 from spotrun.checkpoint.layout import step_dir
 from spotrun.checkpoint.save import SaveProgress
+from spotrun.control import files as control
 from spotrun.errors import CheckpointSaveError, ConfigError, FencedError, StorageError
-from spotrun.train.meter import SaveMeter
 from spotrun.storage import LocalStorage, open_storage
-from tests.support.trainrun import kill_tree, start_supervised
+from spotrun.train.meter import SaveMeter
 from tests.support.paths import JOBS
+from tests.support.trainrun import kill_tree, start_supervised
 
 WORKER = str(JOBS / "bg_job.py")
 #: Upper bound of any wait in these tests (a hang fails instead of blocking the suite).
@@ -93,10 +93,15 @@ def snapshot(model, opt) -> dict:
 
 
 def same(a: dict, b: dict) -> bool:
-    return (a["tensors"].keys() == b["tensors"].keys()
-            and all(torch.equal(a["tensors"][k].reshape(-1).view(torch.uint8), b["tensors"][k].reshape(-1).view(torch.uint8))
-                    for k in a["tensors"])
-            and torch.equal(a["torch_rng"], b["torch_rng"]) and a["python_rng"] == b["python_rng"])
+    return (
+        a["tensors"].keys() == b["tensors"].keys()
+        and all(
+            torch.equal(a["tensors"][k].reshape(-1).view(torch.uint8), b["tensors"][k].reshape(-1).view(torch.uint8))
+            for k in a["tensors"]
+        )
+        and torch.equal(a["torch_rng"], b["torch_rng"])
+        and a["python_rng"] == b["python_rng"]
+    )
 
 
 def checkpointer(storage, model, opt, **options) -> spotrun.Checkpointer:
@@ -174,8 +179,7 @@ def test_staging_buffers_are_allocated_once_and_reused(tmp_path):
 # --- failures, policies, close ------------------------------------------------------------
 
 
-def test_a_failed_background_save_is_reported_at_the_next_end_of_step(
-        tmp_path, caplog):
+def test_a_failed_background_save_is_reported_at_the_next_end_of_step(tmp_path, caplog):
     """A failed background save is reported at the next end of step and counts as a failed
     periodic save."""
     storage = GatedStorage(tmp_path)
@@ -299,9 +303,11 @@ def test_a_script_that_exits_without_close_still_commits_the_save_in_flight(tmp_
         "model = torch.nn.Linear(1024, 4096)  # 16 MiB: a shard of several chunks\n"
         "ckpt = spotrun.Checkpointer({'model': model}, storage=WritesDuringExit(sys.argv[1]), interval_steps=1)\n"
         "ckpt.restore()\n"
-        "ckpt.end_of_step(1)\n")
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], capture_output=True, text=True,
-                          timeout=WAIT_S)
+        "ckpt.end_of_step(1)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ck")], capture_output=True, text=True, timeout=WAIT_S
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "still being written: waiting for it (call Checkpointer.close() before exiting)" in done.stderr
     assert statuses(tmp_path / "ck") == {1: "complete"}
@@ -387,19 +393,48 @@ def _gate_opens_on_the_decision(storage: GatedStorage):
     [
         (None, None, 600, True, "finishing it, then saving step 3", {1: "complete", 2: "complete", 3: "complete"}, 3),
         (100.0, 50.0, 120, True, "finishing it; step 3 is NOT saved", {1: "complete", 2: "complete"}, 2),
-        (1e6, None, 600, True, "abandoning it (it would not commit in time) and saving step 3",
-         {1: "complete", 2: "incomplete", 3: "complete"}, 3),
-        (1e6, 1e6, 600, True, "neither fits; finishing it anyway: step 3 is NOT saved",
-         {1: "complete", 2: "complete"}, 2),
-        (None, None, 600, False, "finishing it, then stopping without a save of step 3",
-         {1: "complete", 2: "complete"}, 2),
-        (1e6, None, 600, False, "abandoning it (it would not commit in time) and stopping without a save",
-         {1: "complete", 2: "incomplete"}, 1),
+        (
+            1e6,
+            None,
+            600,
+            True,
+            "abandoning it (it would not commit in time) and saving step 3",
+            {1: "complete", 2: "incomplete", 3: "complete"},
+            3,
+        ),
+        (
+            1e6,
+            1e6,
+            600,
+            True,
+            "neither fits; finishing it anyway: step 3 is NOT saved",
+            {1: "complete", 2: "complete"},
+            2,
+        ),
+        (
+            None,
+            None,
+            600,
+            False,
+            "finishing it, then stopping without a save of step 3",
+            {1: "complete", 2: "complete"},
+            2,
+        ),
+        (
+            1e6,
+            None,
+            600,
+            False,
+            "abandoning it (it would not commit in time) and stopping without a save",
+            {1: "complete", 2: "incomplete"},
+            1,
+        ),
     ],
     ids=["finish-then-save", "finish-only", "abandon-and-save", "finish-anyway", "no-save-finish", "no-save-abandon"],
 )
 def test_emergency_request_with_a_background_save_in_flight(
-        tmp_path, monkeypatch, caplog, remaining_s, full_save_s, left_s, save, choice, expected, resume_step):
+    tmp_path, monkeypatch, caplog, remaining_s, full_save_s, left_s, save, choice, expected, resume_step
+):
     control_dir = tmp_path / "control"
     control_dir.mkdir()
     monkeypatch.setenv("SPOTRUN_CONTROL_DIR", str(control_dir))
@@ -480,9 +515,27 @@ def test_sigkill_mid_background_write_leaves_the_previous_step_as_the_resume_poi
     """SIGKILL in the middle of a background write leaves the previous step as the resume point."""
     out, ck = _out_dir(tmp_path, 1), tmp_path / "ck"
     # small files: every save writes many parts; the first of step 4 is written, the second held
-    proc = subprocess.Popen([sys.executable, WORKER, str(ck), str(out), "--steps", "1000", "--interval", "2",
-                             "--gate-from", "4", "--gate-parts-from", "1", "--max-file-bytes", "4096",
-                             "--dump-at", "2"], stderr=open(tmp_path / "job.log", "wb"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            WORKER,
+            str(ck),
+            str(out),
+            "--steps",
+            "1000",
+            "--interval",
+            "2",
+            "--gate-from",
+            "4",
+            "--gate-parts-from",
+            "1",
+            "--max-file-bytes",
+            "4096",
+            "--dump-at",
+            "2",
+        ],
+        stderr=open(tmp_path / "job.log", "wb"),
+    )
     try:
         _wait_for(out / "blocked-rank-0", proc, "the held write of step 4")
         assert (out / "blocked-rank-0").read_text() == "4"
@@ -511,15 +564,19 @@ def _torchrun(*args: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_sigterm_during_a_background_write_under_spotrun_run_ends_with_the_logged_decision(
-        tmp_path, processes, backend, request):
+    tmp_path, processes, backend, request
+):
     """The save of step 6 is held on both ranks while training goes on to step 7, where the
     workers wait for the supervisor's request (so every rank sees it at step 7). On S3 the
     held write is the background upload of the step's shards (moto on 127.0.0.1)."""
     out, log_path = _out_dir(tmp_path, 2), tmp_path / "supervisor.log"
     ck = f"{request.getfixturevalue('s3_bucket').uri}/ck" if backend == "s3" else tmp_path / "ck"
-    proc = start_supervised(str(ck), _torchrun(str(ck), str(out), "--steps", "1000", "--interval", "3",
-                                               "--gate-from", "6", "--hold-at", "7"),
-                            extra_options=["--notice", "none"], log_path=log_path)
+    proc = start_supervised(
+        str(ck),
+        _torchrun(str(ck), str(out), "--steps", "1000", "--interval", "3", "--gate-from", "6", "--hold-at", "7"),
+        extra_options=["--notice", "none"],
+        log_path=log_path,
+    )
     processes.append(proc)
     for rank in (0, 1):
         _wait_for(out / f"blocked-rank-{rank}", proc, f"rank {rank}'s held write of step 6")
@@ -547,10 +604,24 @@ def test_abandoned_background_save_on_two_ranks_commits_nothing_and_the_current_
     control_dir.mkdir()
     log_path = tmp_path / "job.log"
     proc = subprocess.Popen(
-        _torchrun(str(ck), str(out), "--steps", "1000", "--interval", "3", "--gate-from", "6", "--hold-at", "7",
-                  "--slow-progress"),
-        env={**os.environ, "SPOTRUN_CONTROL_DIR": str(control_dir)}, stdout=open(log_path, "wb"),
-        stderr=subprocess.STDOUT, start_new_session=True)
+        _torchrun(
+            str(ck),
+            str(out),
+            "--steps",
+            "1000",
+            "--interval",
+            "3",
+            "--gate-from",
+            "6",
+            "--hold-at",
+            "7",
+            "--slow-progress",
+        ),
+        env={**os.environ, "SPOTRUN_CONTROL_DIR": str(control_dir)},
+        stdout=open(log_path, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         for rank in (0, 1):
             _wait_for(out / f"blocked-rank-{rank}", proc, f"rank {rank}'s held write of step 6")

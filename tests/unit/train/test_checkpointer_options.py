@@ -41,24 +41,33 @@ def test_every_option_has_one_line_under_it():
             assert "\n" not in following.value.value.strip(), name
 
 
-@pytest.mark.parametrize(("settings", "message"), [
-    ({"interval_steps": -1}, "interval_steps must be >= 0 and check_interval_steps >= 1"),
-    ({"check_interval_steps": 0}, "interval_steps must be >= 0 and check_interval_steps >= 1"),
-    ({"save_timeout_s": 0}, "save_timeout_s must be > 0, got 0"),
-    ({"save_timeout_s": math.nan}, "save_timeout_s must be > 0, got nan"),
-    ({"on_save_in_flight": "queue"}, "on_save_in_flight must be one of \\('wait', 'skip'\\), got 'queue'"),
-])
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"interval_steps": -1}, "interval_steps must be >= 0 and check_interval_steps >= 1"),
+        ({"check_interval_steps": 0}, "interval_steps must be >= 0 and check_interval_steps >= 1"),
+        ({"save_timeout_s": 0}, "save_timeout_s must be > 0, got 0"),
+        ({"save_timeout_s": math.nan}, "save_timeout_s must be > 0, got nan"),
+        ({"on_save_in_flight": "queue"}, "on_save_in_flight must be one of \\('wait', 'skip'\\), got 'queue'"),
+    ],
+)
 def test_bad_settings_are_refused_by_the_options_and_the_checkpointer_alike(tmp_path, settings, message):
     with pytest.raises(ConfigError, match=message):
         CheckpointerOptions(**settings)
     with pytest.raises(ConfigError, match=message):
-        spotrun.Checkpointer({"w": torch.zeros(2)}, storage=LocalStorage(str(tmp_path)), handle_signals=False,
-                             **settings)
+        spotrun.Checkpointer(
+            {"w": torch.zeros(2)}, storage=LocalStorage(str(tmp_path)), handle_signals=False, **settings
+        )
 
 
 def test_the_settings_stay_attributes_and_setting_one_checks_it(tmp_path):
-    ckpt = spotrun.Checkpointer({"w": torch.zeros(2)}, storage=LocalStorage(str(tmp_path)), handle_signals=False,
-                                interval_steps=5, on_save_in_flight="skip")
+    ckpt = spotrun.Checkpointer(
+        {"w": torch.zeros(2)},
+        storage=LocalStorage(str(tmp_path)),
+        handle_signals=False,
+        interval_steps=5,
+        on_save_in_flight="skip",
+    )
     try:
         assert ckpt.options == CheckpointerOptions(interval_steps=5, on_save_in_flight="skip", handle_signals=False)
         assert (ckpt.interval_steps, ckpt.on_save_in_flight) == (5, "skip")

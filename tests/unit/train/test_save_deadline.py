@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import spotrun
-from spotrun.control import files as control
 from spotrun.checkpoint import catalog
+from spotrun.control import files as control
 from spotrun.errors import CheckpointSaveError, ConfigError
 from spotrun.storage import LocalStorage, open_storage
 from tests.support.fault_proxy import FaultProxy, FaultRule

@@ -9,15 +9,19 @@ import pytest
 import torch
 
 import spotrun
-from spotrun.control import files as control
 from spotrun.checkpoint import catalog
+from spotrun.control import files as control
 from spotrun.control.env import WorkerEnv
+from spotrun.storage import LocalStorage
 from spotrun.train.decision import Action, Decision, StepContext, decide, emergency_timeout_s
 from spotrun.train.requests import Asked, StopRequests
-from spotrun.storage import LocalStorage
 
 CONTINUE, SAVE, SAVE_AND_STOP, STOP_WITHOUT_SAVE = (
-    Action.CONTINUE, Action.SAVE, Action.SAVE_AND_STOP, Action.STOP_WITHOUT_SAVE)
+    Action.CONTINUE,
+    Action.SAVE,
+    Action.SAVE_AND_STOP,
+    Action.STOP_WITHOUT_SAVE,
+)
 
 # (name, StepContext fields, expected Decision)
 DECISIONS = [
@@ -25,32 +29,71 @@ DECISIONS = [
     ("interval 0 never saves", dict(step=100, interval_steps=0), Decision(CONTINUE)),
     ("periodic save at a multiple of the interval", dict(step=20, interval_steps=10), Decision(SAVE, "periodic")),
     ("no save between two periodic ones", dict(step=21, interval_steps=10), Decision(CONTINUE)),
-    ("a requested checkpoint at any step", dict(step=21, interval_steps=10, checkpoint_requested=True),
-     Decision(SAVE, "requested")),
-    ("a requested checkpoint at a periodic step is the requested one",
-     dict(step=20, interval_steps=10, checkpoint_requested=True), Decision(SAVE, "requested")),
-    ("notice with time to save: emergency checkpoint", dict(step=23, interval_steps=10, save_and_stop=True),
-     Decision(SAVE_AND_STOP)),
-    ("notice at a periodic step: the emergency checkpoint replaces the periodic one",
-     dict(step=20, interval_steps=10, save_and_stop=True), Decision(SAVE_AND_STOP)),
-    ("notice without time to commit before the deadline: stop without saving",
-     dict(step=23, interval_steps=10, stop_without_save=True), Decision(STOP_WITHOUT_SAVE)),
-    ("one node has no time, another asks for a save: nobody saves",
-     dict(step=23, save_and_stop=True, stop_without_save=True), Decision(STOP_WITHOUT_SAVE)),
-    ("stop without a save beats a requested checkpoint",
-     dict(step=23, stop_without_save=True, checkpoint_requested=True), Decision(STOP_WITHOUT_SAVE)),
-    ("final step: SPOTRUN_STOP_AT_STEP reached", dict(step=8, stop_at_step=8),
-     Decision(SAVE_AND_STOP, why="SPOTRUN_STOP_AT_STEP=8")),
-    ("SPOTRUN_STOP_AT_STEP already passed (resumed beyond it)", dict(step=12, stop_at_step=8),
-     Decision(SAVE_AND_STOP, why="SPOTRUN_STOP_AT_STEP=8")),
-    ("before SPOTRUN_STOP_AT_STEP training goes on", dict(step=7, interval_steps=7, stop_at_step=8),
-     Decision(SAVE, "periodic")),
-    ("a notice at the final step is logged as the notice", dict(step=8, stop_at_step=8, save_and_stop=True),
-     Decision(SAVE_AND_STOP)),
-    ("no time to save at the final step: stop without saving",
-     dict(step=8, stop_at_step=8, stop_without_save=True), Decision(STOP_WITHOUT_SAVE)),
-    ("the final step beats a requested checkpoint", dict(step=8, stop_at_step=8, checkpoint_requested=True),
-     Decision(SAVE_AND_STOP, why="SPOTRUN_STOP_AT_STEP=8")),
+    (
+        "a requested checkpoint at any step",
+        dict(step=21, interval_steps=10, checkpoint_requested=True),
+        Decision(SAVE, "requested"),
+    ),
+    (
+        "a requested checkpoint at a periodic step is the requested one",
+        dict(step=20, interval_steps=10, checkpoint_requested=True),
+        Decision(SAVE, "requested"),
+    ),
+    (
+        "notice with time to save: emergency checkpoint",
+        dict(step=23, interval_steps=10, save_and_stop=True),
+        Decision(SAVE_AND_STOP),
+    ),
+    (
+        "notice at a periodic step: the emergency checkpoint replaces the periodic one",
+        dict(step=20, interval_steps=10, save_and_stop=True),
+        Decision(SAVE_AND_STOP),
+    ),
+    (
+        "notice without time to commit before the deadline: stop without saving",
+        dict(step=23, interval_steps=10, stop_without_save=True),
+        Decision(STOP_WITHOUT_SAVE),
+    ),
+    (
+        "one node has no time, another asks for a save: nobody saves",
+        dict(step=23, save_and_stop=True, stop_without_save=True),
+        Decision(STOP_WITHOUT_SAVE),
+    ),
+    (
+        "stop without a save beats a requested checkpoint",
+        dict(step=23, stop_without_save=True, checkpoint_requested=True),
+        Decision(STOP_WITHOUT_SAVE),
+    ),
+    (
+        "final step: SPOTRUN_STOP_AT_STEP reached",
+        dict(step=8, stop_at_step=8),
+        Decision(SAVE_AND_STOP, why="SPOTRUN_STOP_AT_STEP=8"),
+    ),
+    (
+        "SPOTRUN_STOP_AT_STEP already passed (resumed beyond it)",
+        dict(step=12, stop_at_step=8),
+        Decision(SAVE_AND_STOP, why="SPOTRUN_STOP_AT_STEP=8"),
+    ),
+    (
+        "before SPOTRUN_STOP_AT_STEP training goes on",
+        dict(step=7, interval_steps=7, stop_at_step=8),
+        Decision(SAVE, "periodic"),
+    ),
+    (
+        "a notice at the final step is logged as the notice",
+        dict(step=8, stop_at_step=8, save_and_stop=True),
+        Decision(SAVE_AND_STOP),
+    ),
+    (
+        "no time to save at the final step: stop without saving",
+        dict(step=8, stop_at_step=8, stop_without_save=True),
+        Decision(STOP_WITHOUT_SAVE),
+    ),
+    (
+        "the final step beats a requested checkpoint",
+        dict(step=8, stop_at_step=8, checkpoint_requested=True),
+        Decision(SAVE_AND_STOP, why="SPOTRUN_STOP_AT_STEP=8"),
+    ),
 ]
 
 
@@ -68,10 +111,16 @@ TIMEOUTS = [
     ("a deadline later than save_timeout_s", dict(deadline_unix_s=NOW + 900), 300.0),
     ("the request's deadline", dict(deadline_unix_s=NOW + 20), 20.0),
     ("a deadline already passed: no time", dict(deadline_unix_s=NOW - 1), -1.0),
-    ("supervisor gone: killed at the end of the grace period, less the margin",
-     dict(kill_unix_s=NOW + 30, safety_margin_s=5), 25.0),
-    ("the earlier of the deadline and the kill", dict(deadline_unix_s=NOW + 40, kill_unix_s=NOW + 30,
-                                                      safety_margin_s=5), 25.0),
+    (
+        "supervisor gone: killed at the end of the grace period, less the margin",
+        dict(kill_unix_s=NOW + 30, safety_margin_s=5),
+        25.0,
+    ),
+    (
+        "the earlier of the deadline and the kill",
+        dict(deadline_unix_s=NOW + 40, kill_unix_s=NOW + 30, safety_margin_s=5),
+        25.0,
+    ),
 ]
 
 
@@ -88,16 +137,27 @@ def request(save: bool) -> control.SaveRequest:
 ASKED = [
     ("nothing", Asked(), False, False, "another rank"),
     ("a signal", Asked(signal_name="SIGTERM"), True, False, "SIGTERM"),
-    ("the supervisor's request to save", Asked(request=request(True)), True, False,
-     "supervisor: aws spot instance-action"),
-    ("the supervisor's request to stop without a save outranks a signal",
-     Asked(request=request(False), signal_name="SIGTERM"), False, True, "SIGTERM"),
+    (
+        "the supervisor's request to save",
+        Asked(request=request(True)),
+        True,
+        False,
+        "supervisor: aws spot instance-action",
+    ),
+    (
+        "the supervisor's request to stop without a save outranks a signal",
+        Asked(request=request(False), signal_name="SIGTERM"),
+        False,
+        True,
+        "SIGTERM",
+    ),
     ("a supervisor that is gone", Asked(gone_supervisor_pid=42), True, False, "the supervisor (pid 42) is gone"),
 ]
 
 
-@pytest.mark.parametrize("asked, save_and_stop, stop_without_save, who", [case[1:] for case in ASKED],
-                         ids=[case[0] for case in ASKED])
+@pytest.mark.parametrize(
+    "asked, save_and_stop, stop_without_save, who", [case[1:] for case in ASKED], ids=[case[0] for case in ASKED]
+)
 def test_what_a_rank_was_asked(asked, save_and_stop, stop_without_save, who):
     assert (asked.save_and_stop, asked.stop_without_save, asked.describe()) == (save_and_stop, stop_without_save, who)
 
@@ -119,12 +179,14 @@ def test_a_check_that_stops_reads_the_request_file_once(tmp_path, monkeypatch, s
     control_dir = tmp_path / "control"
     control_dir.mkdir()
     monkeypatch.setenv("SPOTRUN_CONTROL_DIR", str(control_dir))
-    ckpt = spotrun.Checkpointer({"weights": {"w": torch.ones(4)}}, storage=LocalStorage(str(tmp_path / "ck")),
-                                handle_signals=False)
+    ckpt = spotrun.Checkpointer(
+        {"weights": {"w": torch.ones(4)}}, storage=LocalStorage(str(tmp_path / "ck")), handle_signals=False
+    )
     reads = count_request_reads(monkeypatch)
     assert ckpt.end_of_step(1) is False and reads[0] == 0  # no file: a stat, nothing read
-    control.write_save_request(str(control_dir), control.SaveRequest("SIGTERM", time.time(), time.time() + 60,
-                                                                     save=save))
+    control.write_save_request(
+        str(control_dir), control.SaveRequest("SIGTERM", time.time(), time.time() + 60, save=save)
+    )
     assert ckpt.end_of_step(2) is True and ckpt.preempted
     assert reads[0] == 1
     assert [s.step for s in catalog.list_steps(ckpt.storage)] == ([2] if save else [])
@@ -141,8 +203,9 @@ def test_a_damaged_request_file_is_taken_as_a_save_request_without_a_deadline(tm
     assert asked.save_and_stop and "unreadable" in asked.describe()
     assert requests.emergency_timeout_s(asked, 123.0) == 123.0
     assert "taking it as a save request" in caplog.text
-    ckpt = spotrun.Checkpointer({"weights": {"w": torch.ones(4)}}, storage=LocalStorage(str(tmp_path / "ck")),
-                                handle_signals=False)
+    ckpt = spotrun.Checkpointer(
+        {"weights": {"w": torch.ones(4)}}, storage=LocalStorage(str(tmp_path / "ck")), handle_signals=False
+    )
     assert ckpt.end_of_step(1) is True
     assert [s.step for s in catalog.list_steps(ckpt.storage)] == [1]
     assert control.read_commit_report(str(control_dir)).step == 1
