@@ -31,129 +31,14 @@ from spotrun.examples.gpt import GPT, GPTConfig
 from spotrun.examples.keyed_dropout import SampleKeys
 from spotrun.examples.parallel import Layout, Parallel
 from spotrun.examples.samples import IndexedSamples, global_batch, samples_digest
-from spotrun.examples.stdlib_text import DEFAULT_MAX_BYTES, StdlibText
+from spotrun.examples.stdlib_text import StdlibText
+from spotrun.examples.train_options import parse_args
 from spotrun.tools.logs import configure_logging
 
 log = logging.getLogger("spotrun.examples.train_gpt")
 
 #: Gradient-norm clipping threshold.
 GRAD_CLIP_NORM = 1.0
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options; see ``--help``."""
-    p = argparse.ArgumentParser(prog="python -m spotrun.examples.train_gpt", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=600, help="optimizer steps in total (default: %(default)s)")
-    p.add_argument("--width", type=int, default=128, help="embedding width (default: %(default)s)")
-    p.add_argument("--depth", type=int, default=2, help="transformer blocks (default: %(default)s)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=64, help="tokens per sample (default: %(default)s)")
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=16,
-        help="global batch: samples per step over all data-parallel ranks; must divide by "
-        "their number, world size / --tp (default: %(default)s)",
-    )
-    p.add_argument(
-        "--fsdp", action="store_true", help="shard parameters, gradients and optimizer state with FSDP2 instead of DDP"
-    )
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        help="tensor-parallel degree: ranks that split each block; divides the world size "
-        "and --heads (default: %(default)s)",
-    )
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
-    p.add_argument(
-        "--schedule",
-        choices=("onecycle", "cosine", "constant"),
-        default="onecycle",
-        help="learning-rate schedule (default: %(default)s)",
-    )
-    p.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=None,
-        help="steps of LR warm-up; for onecycle, the rising phase (default: 10%% of --steps)",
-    )
-    p.add_argument(
-        "--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default: %(default)s)"
-    )
-    p.add_argument("--dropout", type=float, default=0.1, help="dropout probability (default: %(default)s)")
-    p.add_argument(
-        "--sample-keyed-dropout",
-        action="store_true",
-        help="draw each dropout mask from (seed, sample index, layer, step) instead of the "
-        "rank's generator: the same masks at any world size or layout",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the model init and data order (default: %(default)s)")
-    p.add_argument(
-        "--save-interval",
-        type=int,
-        default=100,
-        help="save every this many steps; 0 = only on request and at the end (default: %(default)s)",
-    )
-    p.add_argument(
-        "--sync-saves",
-        action="store_true",
-        help="periodic saves block training until they commit (default: written in the background)",
-    )
-    p.add_argument(
-        "--no-checkpoints",
-        action="store_true",
-        help="train without spotrun: no restore, no saves, no save requests (comparisons only)",
-    )
-    p.add_argument(
-        "--checkpoint-uri",
-        default=None,
-        help="checkpoint root (directory or s3://...); default $SPOTRUN_CHECKPOINT_URI, else ./checkpoints",
-    )
-    p.add_argument("--log-file", default=None, help="append one JSON line per step here (rank 0)")
-    p.add_argument(
-        "--log-interval",
-        type=int,
-        default=25,
-        help="report loss and tokens/s to stderr every this many steps (default: %(default)s)",
-    )
-    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes (default: %(default)s)")
-    p.add_argument(
-        "--max-bytes",
-        type=int,
-        default=DEFAULT_MAX_BYTES,
-        help="cap on the training text, in bytes (default: %(default)s)",
-    )
-    p.add_argument(
-        "--step-sleep-s",
-        type=float,
-        default=0.0,
-        help="pause after every step, in seconds, to slow a run down for tests (default: %(default)s)",
-    )
-    p.add_argument(
-        "--intra-op-threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads per process (default: $OMP_NUM_THREADS, else on CPU the "
-        "CPUs of this process divided by the processes on this node); a resume is "
-        "bit-identical to an uninterrupted run only with the same count",
-    )
-    args = p.parse_args(argv)
-    if args.intra_op_threads is not None and args.intra_op_threads < 1:
-        p.error("--intra-op-threads must be at least 1")
-    if args.warmup_steps is None:
-        args.warmup_steps = args.steps // 10
-    for name in ("steps", "batch_size", "log_interval", "tp"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("warmup_steps", "save_interval", "num_workers", "step_sleep_s", "weight_decay"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must not be negative")
-    if args.warmup_steps >= args.steps:
-        p.error("--warmup-steps must be smaller than --steps")
-    if args.schedule == "onecycle" and args.steps < max(args.warmup_steps, 2) + 2:
-        p.error("--schedule onecycle needs --steps at least --warmup-steps + 2 (and at least 4)")
-    return args
 
 
 @dataclass(frozen=True)
@@ -333,11 +218,24 @@ class Progress:
             self._window_steps = 0
 
 
-def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None:
-    """Run (or resume) training up to ``args.steps``; returns early after a requested save.
+@dataclass(frozen=True)
+class Training:
+    """What :func:`train` sets up: the model (raw, and as called), its optimizer, LR schedule and data."""
+
+    layout: Layout
+    parallel: Parallel
+    model: GPT
+    trained: nn.Module  # the module to call: a DDP wrapper or the sharded model
+    opt: torch.optim.AdamW
+    sched: lr_scheduler.LRScheduler
+    loader: spotrun.ResumableDataLoader
+
+
+def set_up_training(args: argparse.Namespace, rt: Runtime) -> Training:
+    """Seed, build the model, spread it over the ranks, and build its optimizer, schedule and data.
 
     Raises:
-        ConfigError: a layout or global batch this world size cannot run (before training).
+        ConfigError: a layout or global batch this world size cannot run.
     """
     layout = Layout(rt.world_size, tp=args.tp, fsdp=args.fsdp)
     layout.check(args.heads, rt.distributed)
@@ -376,22 +274,66 @@ def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None
         args.batch_size,
         per_rank_batch,
     )
+    return Training(layout, parallel, model, trained, opt, sched, loader)
 
-    ckpt = (
-        None
-        if args.no_checkpoints
-        else spotrun.Checkpointer(
-            state={
-                "model": model,
-                "optimizer": opt,
-                "scheduler": FixedLengthSchedule(sched, args.schedule, args.steps),
-                "data": loader,
-            },
-            uri=args.checkpoint_uri,
-            interval_steps=args.save_interval,
-            background_saves=not args.sync_saves,
-        )
+
+def make_checkpointer(args: argparse.Namespace, t: Training) -> spotrun.Checkpointer | None:
+    """The checkpointer of the model, optimizer, schedule and data; ``None`` with ``--no-checkpoints``."""
+    if args.no_checkpoints:
+        return None
+    return spotrun.Checkpointer(
+        state={
+            "model": t.model,
+            "optimizer": t.opt,
+            "scheduler": FixedLengthSchedule(t.sched, args.schedule, args.steps),
+            "data": t.loader,
+        },
+        uri=args.checkpoint_uri,
+        interval_steps=args.save_interval,
+        background_saves=not args.sync_saves,
     )
+
+
+def train_loop(
+    args: argparse.Namespace,
+    rt: Runtime,
+    t: Training,
+    ckpt: spotrun.Checkpointer | None,
+    step: int,
+    progress: Progress,
+) -> int | None:
+    """Train from ``step`` up to ``args.steps``; returns the step reached, or ``None`` when
+    stopped early after a requested save (or without one, as asked)."""
+    while step < args.steps:
+        for x, y, indices in t.loader:
+            x = x.to(rt.device, non_blocking=True)  # (B, T)
+            y = y.to(rt.device, non_blocking=True)  # (B, T)
+            keys = SampleKeys(args.seed, step + 1, indices.tolist()) if args.sample_keyed_dropout else None
+            loss, lr = train_step(t.trained, t.parallel, t.opt, t.sched, x, y, keys)
+            step += 1
+            batch = global_batch(indices.to(rt.device), t.parallel.dp_group) if t.layout.dp > 1 else indices.tolist()
+            progress.record(step, t.parallel.mean_over_dp(loss), lr, samples_digest(batch))
+            if args.step_sleep_s:
+                time.sleep(args.step_sleep_s)
+            if ckpt and ckpt.end_of_step(step):
+                if ckpt.last_saved_step == step:
+                    log.info("step %d saved on request; stopping", step)
+                else:
+                    log.info("stopping after step %d without a save, as asked", step)
+                return None
+            if step >= args.steps:
+                break
+    return step
+
+
+def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None:
+    """Run (or resume) training up to ``args.steps``; returns early after a requested save.
+
+    Raises:
+        ConfigError: a layout or global batch this world size cannot run (before training).
+    """
+    t = set_up_training(args, rt)
+    ckpt = make_checkpointer(args, t)
     try:
         step = ckpt.restore() if ckpt else 0
         log.info(
@@ -400,33 +342,20 @@ def train(args: argparse.Namespace, rt: Runtime, metrics: TextIO | None) -> None
             f"resumed from step {step}" if step else "fresh start",
         )
         progress = Progress(args, metrics)
-        trained.train()
-        while step < args.steps:
-            for x, y, indices in loader:
-                x = x.to(rt.device, non_blocking=True)  # (B, T)
-                y = y.to(rt.device, non_blocking=True)  # (B, T)
-                keys = SampleKeys(args.seed, step + 1, indices.tolist()) if args.sample_keyed_dropout else None
-                loss, lr = train_step(trained, parallel, opt, sched, x, y, keys)
-                step += 1
-                batch = global_batch(indices.to(rt.device), parallel.dp_group) if layout.dp > 1 else indices.tolist()
-                progress.record(step, parallel.mean_over_dp(loss), lr, samples_digest(batch))
-                if args.step_sleep_s:
-                    time.sleep(args.step_sleep_s)
-                if ckpt and ckpt.end_of_step(step):
-                    if ckpt.last_saved_step == step:
-                        log.info("step %d saved on request; stopping", step)
-                    else:
-                        log.info("stopping after step %d without a save, as asked", step)
-                    return
-                if step >= args.steps:
-                    break
+        t.trained.train()
+        final_step = train_loop(args, rt, t, ckpt, step, progress)
+        if final_step is None:
+            return
         if ckpt:
-            ckpt.save(step, reason="final")
+            ckpt.save(final_step, reason="final")
         if progress.first_loss is None:
-            log.info("nothing to do: step %d already reached", step)
+            log.info("nothing to do: step %d already reached", final_step)
         else:
             log.info(
-                "finished at step %d: first loss %.4f, final loss %.4f", step, progress.first_loss, progress.last_loss
+                "finished at step %d: first loss %.4f, final loss %.4f",
+                final_step,
+                progress.first_loss,
+                progress.last_loss,
             )
     finally:
         if ckpt:

@@ -117,9 +117,7 @@ def export_hf(
         StorageError: a read or write failed.
     """
     info = find_step(source, step)
-    manifest = info.manifest
-    assert manifest is not None  # a complete step has one
-    plan = plan_export(manifest, state_name, max_shard_size_bytes, tied)
+    manifest, plan = _plan(info, state_name, max_shard_size_bytes, tied)
     existing = sorted(o.key for o in out.list("") if "/" not in o.key and WEIGHT_FILE_RE.match(o.key))
     if existing and not overwrite:
         shown = ", ".join(existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
@@ -130,33 +128,17 @@ def export_hf(
     if INDEX_NAME in existing:
         out.delete(INDEX_NAME)  # first: no index may name a half-replaced set of files
     try:
-        for attempt in range(NEWEST_STEP_ATTEMPTS if step is None else 1):
-            if attempt:  # the newest complete step was deleted under us: export the newest now
-                log.warning(
-                    "step %d was deleted while exporting it (the job's retention); exporting the newest "
-                    "complete step instead",
-                    plan.step,
-                )
-                info = find_step(source, None)
-                manifest = info.manifest
-                assert manifest is not None
-                plan = plan_export(manifest, state_name, max_shard_size_bytes, tied)
-            file_sizes: dict[str, int] = {}
-            try:
-                _write_files(source, out, manifest, plan, file_sizes)
-                break
-            except (ObjectNotFoundError, CorruptShardError, ObjectTooShortError):
-                if not catalog.deleted_since_listed(source, info):
-                    raise
-                for name in file_sizes:  # this attempt's files, of a step that is gone
-                    out.delete(name)
-        else:
-            raise StepDeletedError(
-                errno.ENOENT,
-                f"step {plan.step} under {source.uri} was deleted while exporting it (the job's "
-                "retention, --keep-last, or spotrun gc removed it); nothing of it was left in "
-                f"{out.uri}: export again, or a step the job keeps (--keep-every)",
-            )
+        plan, file_sizes = _write_step(
+            source,
+            out,
+            info,
+            manifest,
+            plan,
+            attempts=NEWEST_STEP_ATTEMPTS if step is None else 1,
+            state_name=state_name,
+            max_shard_size_bytes=max_shard_size_bytes,
+            tied=tied,
+        )
     except BaseException:
         if existing:
             log.error(
@@ -169,6 +151,57 @@ def export_hf(
     for name in removed:
         out.delete(name)
     return ExportResult(plan=plan, out_uri=out.uri, file_sizes=file_sizes, removed=removed)
+
+
+def _plan(info: catalog.StepInfo, state_name: str, max_shard_size_bytes: int, tied: str) -> tuple[Manifest, ExportPlan]:
+    """The complete step's manifest, and the files to export ``state_name`` of it into."""
+    manifest = info.manifest
+    assert manifest is not None  # a complete step has one
+    return manifest, plan_export(manifest, state_name, max_shard_size_bytes, tied)
+
+
+def _write_step(
+    source: Storage,
+    out: Storage,
+    info: catalog.StepInfo,
+    manifest: Manifest,
+    plan: ExportPlan,
+    *,
+    attempts: int,
+    state_name: str,
+    max_shard_size_bytes: int,
+    tied: str,
+) -> tuple[ExportPlan, dict[str, int]]:
+    """Write ``plan``'s files; when the step is deleted meanwhile and ``attempts`` allow, the
+    newest complete step's instead. Returns the plan written and file name -> bytes written.
+
+    Raises:
+        StepDeletedError: the step was deleted under each attempt (its files written are deleted).
+    """
+    for attempt in range(attempts):
+        if attempt:  # the newest complete step was deleted under us: export the newest now
+            log.warning(
+                "step %d was deleted while exporting it (the job's retention); exporting the newest "
+                "complete step instead",
+                plan.step,
+            )
+            info = find_step(source, None)
+            manifest, plan = _plan(info, state_name, max_shard_size_bytes, tied)
+        file_sizes: dict[str, int] = {}
+        try:
+            _write_files(source, out, manifest, plan, file_sizes)
+            return plan, file_sizes
+        except (ObjectNotFoundError, CorruptShardError, ObjectTooShortError):
+            if not catalog.deleted_since_listed(source, info):
+                raise
+            for name in file_sizes:  # this attempt's files, of a step that is gone
+                out.delete(name)
+    raise StepDeletedError(
+        errno.ENOENT,
+        f"step {plan.step} under {source.uri} was deleted while exporting it (the job's "
+        "retention, --keep-last, or spotrun gc removed it); nothing of it was left in "
+        f"{out.uri}: export again, or a step the job keeps (--keep-every)",
+    )
 
 
 def _write_files(
