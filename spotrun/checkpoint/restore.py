@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,13 +27,11 @@ from typing import Any
 import torch
 
 from spotrun.checkpoint import catalog, tree
-from spotrun.checkpoint.chunk_reader import BoxRead, ChunkReader, dtype_of
-from spotrun.checkpoint.dtypes import from_stored
-from spotrun.checkpoint.layout import REJECTED_PREFIX, file_key
+from spotrun.checkpoint.chunk_reader import ChunkReader
+from spotrun.checkpoint.fetch import fetch_chunked, fetch_tensors, into_dtensors
+from spotrun.checkpoint.layout import REJECTED_PREFIX
 from spotrun.checkpoint.manifest import Manifest
-from spotrun.checkpoint.reader import fits, read_shard_into
-from spotrun.checkpoint.shard import decode_shard
-from spotrun.checkpoint.sharded import is_dtensor, local_box
+from spotrun.checkpoint.sharded import is_dtensor
 from spotrun.checkpoint.step_checks import skeleton_problems
 from spotrun.checkpoint.verdict import judge
 from spotrun.errors import (
@@ -130,10 +127,10 @@ def load_step(
     try:
         needed = tree.tensor_names(manifest.state) + tree.tensor_names(rank_skeleton)
         if reader is not None:
-            tensors = _fetch_chunked(reader, manifest, needed, destinations or {})
+            tensors = fetch_chunked(reader, manifest, needed, destinations or {})
         else:
-            tensors = _fetch_tensors(storage, manifest, needed, _plain(destinations or {}))
-            tensors = _into_dtensors(tensors, destinations or {})
+            tensors = fetch_tensors(storage, manifest, needed, _plain(destinations or {}))
+            tensors = into_dtensors(tensors, destinations or {})
         replicated = {name: tree.decode(skel, tensors) for name, skel in manifest.state.items()}
         rank_local = {name: tree.decode(skel, tensors) for name, skel in rank_skeleton.items()}
     except (KeyError, IndexError, ValueError, TypeError, AttributeError, ArithmeticError, RecursionError) as exc:
@@ -282,165 +279,8 @@ def _try_load(
     return loaded, None, None
 
 
-def read_whole_tensors(
-    storage: Storage, manifest: Manifest, names: list[str], reader: ChunkReader | None = None
-) -> dict[str, torch.Tensor]:
-    """Whole tensors of a committed step by manifest name (``model/layer.weight``; aliases
-    resolved), each a new contiguous CPU tensor of its recorded dtype and global shape, every
-    byte read verified (for tools such as ``spotrun export``).
-
-    Format 4 reads each tensor's chunks from whichever ranks wrote them (``reader``: one
-    :class:`ChunkReader` of the step to reuse, so each index file is read once); formats 1-3
-    read the files that hold the tensors.
-
-    Raises:
-        CorruptShardError: a name the manifest lacks, a checksum or size that differs, a
-            dtype this torch cannot decode.
-        StorageError: a read failed.
-    """
-    if manifest.format_version >= 4:
-        return _fetch_chunked(reader or ChunkReader(storage, manifest), manifest, names, {})
-    return _fetch_tensors(storage, manifest, names, {})
-
-
-def _fetch_tensors(
-    storage: Storage, manifest: Manifest, names: list[str], destinations: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    records = {f.path: f for f in manifest.files}
-    stored_name = {n: manifest.aliases.get(n, n) for n in names}
-    by_file: dict[str, list[str]] = {}
-    for name in names:
-        target = stored_name[name]
-        if target not in manifest.tensors:
-            raise CorruptShardError(f"step {manifest.step}: manifest lists no tensor {target!r}")
-        by_file.setdefault(manifest.tensors[target].file, []).append(name)
-    loaded: dict[str, torch.Tensor] = {}
-    for path, file_names in by_file.items():
-        key = file_key(manifest.step, path)
-        where = f"{storage.uri}/{key}"
-        if records[path].algorithm == "sha256":  # formats 1 and 2: whole-file checksum
-            content = decode_shard(storage.get(key), records[path], where=where)
-            for name in file_names:
-                target = stored_name[name]
-                if target not in loaded:
-                    loaded[target] = _checked(content, target, manifest, key)
-                loaded[name] = loaded[target]
-            continue
-        wanted = {stored_name[n]: manifest.tensors[stored_name[n]] for n in file_names}
-        read = read_shard_into(storage, key, records[path], wanted, destinations, where=where)
-        for name in file_names:
-            loaded[name] = read[stored_name[name]]
-    return loaded
-
-
 def _plain(destinations: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t for n, t in destinations.items() if not is_dtensor(t)}
-
-
-def _into_dtensors(tensors: dict[str, torch.Tensor], destinations: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole tensors read from a format 1-3 step, each DTensor destination given its box."""
-    result = dict(tensors)
-    for name, tensor in tensors.items():
-        dest = destinations.get(name)
-        if is_dtensor(dest):
-            _check_shape(name, list(tensor.shape), dest)
-            offsets, lengths = local_box(dest)
-            dest.to_local().copy_(tensor[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))])
-            result[name] = dest
-    return result
-
-
-def _check_shape(name: str, saved_shape: list[int], dest: torch.Tensor) -> None:
-    if list(dest.shape) != saved_shape:
-        raise StateMismatchError(
-            f"tensor {name!r} has shape {saved_shape} in the checkpoint and {list(dest.shape)} here"
-        )
-
-
-def _fetch_chunked(
-    reader: ChunkReader, manifest: Manifest, names: list[str], destinations: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Format 4: every needed tensor's box, read into its destination where it fits.
-
-    Everything the reads rely on is checked first (:meth:`ChunkReader.check`), before anything
-    is allocated by the manifest's shapes or compared with the live tensors: a step that
-    disagrees with its own files is corrupt, and only a self-consistent one can be a
-    :class:`StateMismatchError` (a tensor of another shape here: another model). A DTensor of
-    another global shape has every chunk of the tensor checked, not its box alone.
-    """
-    boxes = []
-    for name in names:
-        target = manifest.aliases.get(name, name)
-        record = manifest.tensors.get(target)
-        if record is None or record.chunks is None:
-            raise CorruptShardError(f"step {manifest.step}: manifest lists no chunks of tensor {target!r}")
-        dest = destinations.get(name, destinations.get(target))
-        fitting = is_dtensor(dest) and list(dest.shape) == record.shape
-        boxes.append((target, record, local_box(dest) if fitting else ((0,) * len(record.shape), tuple(record.shape))))
-    reader.check(boxes)
-    reads: list[BoxRead] = []
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, what was read for it)
-    loaded: dict[str, torch.Tensor] = {}
-    for name in names:
-        target = manifest.aliases.get(name, name)
-        if target in loaded:
-            loaded[name] = loaded[target]
-            continue
-        record = manifest.tensors.get(target)
-        if record is None or record.chunks is None:
-            raise CorruptShardError(f"step {manifest.step}: manifest lists no chunks of tensor {target!r}")
-        dtype = dtype_of(record, f"step {manifest.step}: tensor {target!r}")
-        dest = destinations.get(name, destinations.get(target))
-        if is_dtensor(dest):
-            _check_shape(target, record.shape, dest)
-            box = local_box(dest)
-            local = dest.to_local()
-            if fits(local, dtype, list(box[1])):
-                into = local.detach()
-            else:  # another dtype or device: read, then copy (cast) into it
-                into = torch.empty(box[1], dtype=dtype)
-                copies.append((local, into))
-            result = dest
-        else:
-            box = ((0,) * len(record.shape), tuple(record.shape))
-            if dest is not None and fits(dest, dtype, record.shape):
-                into, result = dest.detach(), dest
-            else:  # load_state_dict copies (casts) it into the object
-                into = result = _allocate(manifest, record.shape, dtype, target)
-        reads.append(BoxRead(target, record, box, into))
-        loaded[target] = loaded[name] = result
-    reader.read(reads)
-    with torch.no_grad():
-        for dest, into in copies:
-            dest.copy_(into)
-    return loaded
-
-
-def _allocate(manifest: Manifest, shape: list[int], dtype: torch.dtype, name: str) -> torch.Tensor:
-    """A new tensor of a shape the manifest gives, once the step's data files (their sizes as
-    stored: the catalog checked them) are shown to hold that many bytes.
-
-    Raises:
-        CorruptShardError: they do not.
-    """
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes > manifest.data_bytes:
-        raise CorruptShardError(
-            f"step {manifest.step}: tensor {name!r} of {nbytes} bytes is larger than the "
-            f"{manifest.data_bytes} bytes of the step's data files"
-        )
-    return torch.empty(shape, dtype=dtype)
-
-
-def _checked(content: dict[str, torch.Tensor], name: str, manifest: Manifest, key: str) -> torch.Tensor:
-    if name not in content:
-        raise CorruptShardError(f"{key}: tensor {name!r} is missing")
-    tensor = from_stored(content[name], manifest.tensors[name], where=f"{key}: tensor {name!r}")
-    # The parser's tensors are views into its read buffers (16-byte aligned, at offsets that
-    # depend on the heap). An optimizer keeps what it is given, so a copy in torch's own
-    # allocation (64-byte aligned, own storage) makes restored state lie in memory like the
-    # state of an uninterrupted run, whatever a kernel's vector loop makes of alignment.
-    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def reject_step(storage: Storage, key: str, reason: str) -> None:

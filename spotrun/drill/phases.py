@@ -34,8 +34,8 @@ from spotrun.drill.report import MAX_REPORTED_DIFFERENCES, DrillReport
 from spotrun.drill.scratch import ScratchRoot, copy_step, open_scratch_root
 from spotrun.errors import SpotrunError
 from spotrun.storage import Storage
+from spotrun.supervisor.exit_codes import EXIT_PREEMPTED_NOT_SAVED, EXIT_PREEMPTED_SAVED
 from spotrun.supervisor.launch import find_resume_point
-from spotrun.supervisor.run import EXIT_PREEMPTED_NOT_SAVED, EXIT_PREEMPTED_SAVED
 
 log = logging.getLogger(__name__)
 

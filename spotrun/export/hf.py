@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from spotrun.checkpoint import catalog
 from spotrun.checkpoint.chunk_reader import ChunkReader
+from spotrun.checkpoint.fetch import read_whole_tensors
 from spotrun.checkpoint.manifest import Manifest
-from spotrun.checkpoint.restore import read_whole_tensors
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, ShardSource
 from spotrun.errors import (
     CorruptShardError,

@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 SAVE_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, float("inf"))
 
 
+def _gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+    return Gauge(name, doc, labels, registry=None)
+
+
+def _counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+    return Counter(name, doc, labels, registry=None)
+
+
 class SupervisorMetrics:
     """The supervisor's metrics: an observer of its events and the collector of :attr:`registry`.
 
@@ -38,55 +46,9 @@ class SupervisorMetrics:
         self._control_dir: str | None = None
         self._counted_saves: set[tuple[int, float]] = set()  # (step, committed_unix_s) of this launch
         self._newest: tuple[int, float] | None = None  # (step, committed_unix_s)
-
-        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(name, doc, labels, registry=None)
-
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, labels, registry=None)
-
-        self.start_time = gauge("spotrun_start_time_seconds", "When this supervisor started (Unix time).")
-        self.launches = counter("spotrun_launches", "Launches of the command (first start and restarts).")
-        self.incarnation = gauge("spotrun_incarnation", "Incarnation of the current (last) launch.")
-        self.resumed_step = gauge("spotrun_resumed_step", "Step the current launch resumed from (0: fresh start).")
-        self.newest_step = gauge("spotrun_newest_complete_step", "Newest step this node knows complete.")
-        self.newest_time = gauge(
-            "spotrun_newest_complete_step_timestamp_seconds", "When the newest complete step was committed (Unix time)."
-        )
-        self.newest_age = gauge(
-            "spotrun_newest_complete_step_age_seconds", "Seconds since the newest complete step was committed."
-        )
-        self.step_time = gauge("spotrun_step_time_seconds", "Seconds per training step (slowest of the last 16).")
-        self.saves = counter("spotrun_saves", "Committed saves, by reason.", ("reason",))
-        self.save_duration = Histogram(
-            "spotrun_save_duration_seconds",
-            "Seconds from a save's start to its commit.",
-            buckets=SAVE_BUCKETS_S,
-            registry=None,
-        )
-        self.save_stall = Histogram(
-            "spotrun_save_stall_seconds",
-            "Seconds training was blocked by a save.",
-            buckets=SAVE_BUCKETS_S,
-            registry=None,
-        )
-        self.saved_bytes = counter("spotrun_saved_bytes", "Bytes of the shard files of all committed saves.")
-        self.last_save_duration = gauge("spotrun_last_save_duration_seconds", "The newest save's duration.")
-        self.last_save_size = gauge("spotrun_last_save_size_bytes", "The newest save's shard bytes (all ranks).")
-        self.last_restore_duration = gauge(
-            "spotrun_last_restore_duration_seconds", "Seconds the newest restore took (local rank 0)."
-        )
-        self.last_restore_bytes = gauge(
-            "spotrun_last_restore_read_bytes", "Bytes local rank 0 read in the newest restore."
-        )
-        self.notices = counter("spotrun_notices", "Preemption notices, by source.", ("source",))
-        self.decisions = counter(
-            "spotrun_emergency_save_decisions", "Decisions after a notice: save or stop_without_save.", ("decision",)
-        )
-        self.restarts = counter("spotrun_restarts", "Restarts after a crash.")
-        self.command_exit_code = gauge("spotrun_last_command_exit_code", "Exit code of the command's last launch.")
-        self.exit_code = gauge("spotrun_exit_code", "spotrun's exit code (once it exited).")
-        self.exit_reason = gauge("spotrun_exit_reason", "1 for the reason spotrun exited.", ("reason",))
+        self._declare_launch_metrics()
+        self._declare_save_metrics()
+        self._declare_notice_and_exit_metrics()
         self._set_gauges: set[Gauge] = set()  # a gauge is shown once set: absent means not known yet
         self._always = [  # counters and histograms: 0 is a true count
             self.launches,
@@ -116,6 +78,54 @@ class SupervisorMetrics:
         ]
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
+
+    def _declare_launch_metrics(self) -> None:
+        self.start_time = _gauge("spotrun_start_time_seconds", "When this supervisor started (Unix time).")
+        self.launches = _counter("spotrun_launches", "Launches of the command (first start and restarts).")
+        self.incarnation = _gauge("spotrun_incarnation", "Incarnation of the current (last) launch.")
+        self.resumed_step = _gauge("spotrun_resumed_step", "Step the current launch resumed from (0: fresh start).")
+        self.newest_step = _gauge("spotrun_newest_complete_step", "Newest step this node knows complete.")
+        self.newest_time = _gauge(
+            "spotrun_newest_complete_step_timestamp_seconds", "When the newest complete step was committed (Unix time)."
+        )
+        self.newest_age = _gauge(
+            "spotrun_newest_complete_step_age_seconds", "Seconds since the newest complete step was committed."
+        )
+        self.step_time = _gauge("spotrun_step_time_seconds", "Seconds per training step (slowest of the last 16).")
+
+    def _declare_save_metrics(self) -> None:
+        self.saves = _counter("spotrun_saves", "Committed saves, by reason.", ("reason",))
+        self.save_duration = Histogram(
+            "spotrun_save_duration_seconds",
+            "Seconds from a save's start to its commit.",
+            buckets=SAVE_BUCKETS_S,
+            registry=None,
+        )
+        self.save_stall = Histogram(
+            "spotrun_save_stall_seconds",
+            "Seconds training was blocked by a save.",
+            buckets=SAVE_BUCKETS_S,
+            registry=None,
+        )
+        self.saved_bytes = _counter("spotrun_saved_bytes", "Bytes of the shard files of all committed saves.")
+        self.last_save_duration = _gauge("spotrun_last_save_duration_seconds", "The newest save's duration.")
+        self.last_save_size = _gauge("spotrun_last_save_size_bytes", "The newest save's shard bytes (all ranks).")
+        self.last_restore_duration = _gauge(
+            "spotrun_last_restore_duration_seconds", "Seconds the newest restore took (local rank 0)."
+        )
+        self.last_restore_bytes = _gauge(
+            "spotrun_last_restore_read_bytes", "Bytes local rank 0 read in the newest restore."
+        )
+
+    def _declare_notice_and_exit_metrics(self) -> None:
+        self.notices = _counter("spotrun_notices", "Preemption notices, by source.", ("source",))
+        self.decisions = _counter(
+            "spotrun_emergency_save_decisions", "Decisions after a notice: save or stop_without_save.", ("decision",)
+        )
+        self.restarts = _counter("spotrun_restarts", "Restarts after a crash.")
+        self.command_exit_code = _gauge("spotrun_last_command_exit_code", "Exit code of the command's last launch.")
+        self.exit_code = _gauge("spotrun_exit_code", "spotrun's exit code (once it exited).")
+        self.exit_reason = _gauge("spotrun_exit_reason", "1 for the reason spotrun exited.", ("reason",))
 
     # --- observer -----------------------------------------------------------------
 

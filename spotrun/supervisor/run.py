@@ -20,7 +20,6 @@ import subprocess
 import tempfile
 import time
 
-from spotrun.checkpoint import catalog
 from spotrun.checkpoint.manifest import Manifest
 from spotrun.control import files as control
 from spotrun.errors import ConfigError, SpotrunError
@@ -28,21 +27,17 @@ from spotrun.notices import Inbox, Notice, NoticeWatch, is_stop, parse_notice_op
 from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal
 from spotrun.notices.signals import describe as describe_signals
 from spotrun.storage import Storage
-from spotrun.supervisor import finished, outcome, preflight, process
+from spotrun.supervisor import exit_codes, finished, outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.estimate import decide, estimate_emergency_save
-from spotrun.supervisor.foreign import Delivery, NoticeDelivery, describe_delivery
+from spotrun.supervisor.exit_codes import EXIT_FENCED, EXIT_FINISHED, EXIT_PREEMPTED_NOT_SAVED
+from spotrun.supervisor.foreign import NoticeDelivery, describe_delivery
 from spotrun.supervisor.launch import LaunchPlan, describe_start, plan_launch
 from spotrun.supervisor.observers import Observers
 from spotrun.supervisor.torchrun_command import TorchrunLaunch, read_torchrun_command
 
 log = logging.getLogger(__name__)
 
-EXIT_FINISHED = 0
-EXIT_PREEMPTED_SAVED = 143
-EXIT_PREEMPTED_NOT_SAVED = 142
-#: Below 128 (permanent for Kubeflow's ExitCode policy); not 1, 2, 126, 127, 64-78 nor 128 + S.
-EXIT_FENCED = 86
 #: How long to wait for a SIGKILLed command to be reaped before giving up on it, in seconds.
 _REAP_AFTER_KILL_S = 30.0
 
@@ -164,12 +159,7 @@ class _Supervisor:
                 error=f"{type(exc).__name__}: {exc}",
             )
             raise
-        reason = {
-            EXIT_FINISHED: "finished",
-            EXIT_PREEMPTED_SAVED: "preempted_saved",
-            EXIT_PREEMPTED_NOT_SAVED: "preempted_not_saved",
-            EXIT_FENCED: "fenced",
-        }.get(code, "failed")
+        reason = exit_codes.exit_reason(code)
         newest = finished.record_finished(self.storage, self.config.command) if code == EXIT_FINISHED else None
         self.observers.emit("exit", code=code, reason=reason, step=self.saved_step)
         if code == EXIT_FINISHED:
@@ -442,65 +432,12 @@ class _Supervisor:
     # --- outcome -----------------------------------------------------------------
 
     def _preempted_exit_code(self, code: int, control_dir: str, *, stopped_without_save: bool) -> int:
-        try:
-            report = outcome.commit_report(control_dir)
-        except SpotrunError as exc:
-            log.error("%s", exc)
-            report = None
-        choice = self.delivery.choice if self.delivery is not None else None
-        if report is None and choice is not None and choice.delivery is Delivery.SIGNAL:
-            # The workers heard of the notice as a signal, not of spotrun's save decision.
-            return self._foreign_exit_code(code)
-        if report is None and (self.save_declined or stopped_without_save):
-            outcome.check_resume_point(self.storage, declined=True)
-            return EXIT_PREEMPTED_NOT_SAVED
-        if report is None:
-            if choice is not None and choice.foreign:
-                return self._foreign_exit_code(code)
-            if code == 0:
-                log.info("the command exited 0 without an emergency checkpoint: training finished")
-                return EXIT_FINISHED
-            log.warning("no emergency checkpoint committed (command exit code %d)", code)
-            outcome.check_resume_point(self.storage)
-            return EXIT_PREEMPTED_NOT_SAVED
-        status, problem = outcome.step_status(self.storage, report.step)
-        if status != catalog.COMPLETE:
-            log.error(
-                "workers reported step %d committed, but it is %s on storage: %s",
-                report.step,
-                status,
-                problem,
-            )
-            return EXIT_PREEMPTED_NOT_SAVED
-        log.info("emergency checkpoint of step %d is complete: exiting %d", report.step, EXIT_PREEMPTED_SAVED)
-        self.saved_step = report.step
-        self._acknowledge()
-        return EXIT_PREEMPTED_SAVED
-
-    def _foreign_exit_code(self, code: int) -> int:
-        """The exit code after a notice for workers that save with their own framework."""
-        if code == 0:
-            log.info(
-                "the command exited 0 after the notice: its workers saved with their own framework "
-                "(spotrun cannot verify that checkpoint): exiting %d",
-                EXIT_PREEMPTED_SAVED,
-            )
-            self._acknowledge()
-            return EXIT_PREEMPTED_SAVED
-        log.warning(
-            "the command exited %d after the notice: its workers save with their own framework, "
-            "so spotrun cannot tell whether they saved; the restart resumes by the job's own logic: "
-            "exiting %d",
+        code, self.saved_step = exit_codes.preempted_exit_code(
+            self.storage,
             code,
-            EXIT_PREEMPTED_NOT_SAVED,
+            control_dir,
+            choice=self.delivery.choice if self.delivery is not None else None,
+            declined=self.save_declined or stopped_without_save,
+            acknowledgements=self.acknowledgements,
         )
-        return EXIT_PREEMPTED_NOT_SAVED
-
-    def _acknowledge(self) -> None:
-        """Acknowledge every notice that wants it (Azure StartRequests), only after the commit."""
-        for notice, acknowledge in self.acknowledgements:
-            try:
-                acknowledge()
-                log.info("acknowledged the %s notice (%s)", notice.source, notice.kind)
-            except Exception as exc:  # an acknowledgement failure must not lose the exit code
-                log.warning("acknowledging the %s notice failed: %s", notice.source, exc)
+        return code
