@@ -142,3 +142,22 @@ def test_the_supervisor_shares_the_save_rule_without_importing_torch():
     busy machine) before that would let an early SIGTERM kill it."""
     code = "import sys, spotrun.cli, spotrun.supervisor.estimate; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+#: The longest a module or a function may grow before it is split (issue 22's measure).
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+
+
+def test_modules_and_functions_stay_short_enough_to_read():
+    too_long = []
+    for module, path in modules().items():
+        source = path.read_text()
+        if source.count("\n") > MAX_MODULE_LINES:
+            too_long.append(f"{module}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    too_long.append(f"{module}.{node.name}: {lines} lines")
+    assert not too_long, "split these:\n" + "\n".join(too_long)
