@@ -10,6 +10,7 @@ flag, type, default and help), read from the fields of
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib
 import os
@@ -17,6 +18,7 @@ import sys
 
 CLI_MARKER = "<!-- generated: cli -->"
 CONFIG_MARKER = "<!-- generated: configuration -->"
+CHECKPOINTER_MARKER = "<!-- generated: checkpointer-options -->"
 USAGE_WIDTH = 100
 
 
@@ -33,7 +35,28 @@ def on_page_markdown(markdown, page, config, files):
         markdown = markdown.replace(CLI_MARKER, cli_reference())
     if CONFIG_MARKER in markdown:
         markdown = markdown.replace(CONFIG_MARKER, configuration_reference())
+    if CHECKPOINTER_MARKER in markdown:
+        markdown = markdown.replace(CHECKPOINTER_MARKER, checkpointer_options_reference())
     return markdown
+
+
+def checkpointer_options_reference() -> str:
+    """A table of ``spotrun.Checkpointer``'s settings: each field of ``CheckpointerOptions``
+    with its default and the line under it in the code."""
+    import dataclasses
+    import inspect
+
+    options = importlib.import_module("spotrun.train.options").CheckpointerOptions
+    tree = ast.parse(inspect.getsource(options))
+    lines = {}
+    body = tree.body[0].body
+    for field_node, doc_node in zip(body, body[1:]):
+        if isinstance(field_node, ast.AnnAssign) and isinstance(doc_node, ast.Expr):
+            lines[field_node.target.id] = inspect.cleandoc(doc_node.value.value)
+    rows = ["| argument | default | meaning |", "| --- | --- | --- |"]
+    for field in dataclasses.fields(options):
+        rows.append(f"| `{field.name}` | `{field.default!r}` | {lines.get(field.name, '')} |")
+    return "\n".join(rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,9 +83,10 @@ def usage(parser: argparse.ArgumentParser) -> str:
 
 def _md(text: str) -> str:
     """Help text as Markdown prose: characters Markdown would read as markup are escaped."""
-    for char in ("\\", "`", "*", "<", ">", "[", "]"):
+    for char in ("\\", "`", "*", "[", "]"):
         text = text.replace(char, "\\" + char)
-    return text
+    # Python-Markdown has no backslash escape for angle brackets: entities keep them literal
+    return text.replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _expand_help(action: argparse.Action, prog: str) -> str:

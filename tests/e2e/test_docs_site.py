@@ -131,3 +131,16 @@ def test_the_configuration_reference_is_generated_from_every_option(site):
         assert f'id="{field.name}"' in html, f"{field.name} is not in the configuration reference"
         first_words = field.metadata["option"]["help"].split("(")[0].split(";")[0][:30]
         assert first_words.lower() in html.lower(), f"{field.name}'s help is not in the configuration reference"
+
+
+def test_the_python_api_lists_every_checkpointer_setting_with_its_line(site):
+    import inspect
+
+    from spotrun.train.options import CheckpointerOptions
+
+    html = page_html(site, "reference/python-api.md")
+    parameters = set(inspect.signature(__import__("spotrun").Checkpointer).parameters)
+    for field in dataclasses.fields(CheckpointerOptions):
+        assert field.name in parameters
+        assert f"<code>{field.name}</code></td>" in html, f"{field.name} is not in the Python API page"
+    assert "Consecutive failed periodic saves tolerated" in html  # the line under the field
