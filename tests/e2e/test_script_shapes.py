@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.support.paths import REPO
+from tests.support.paths import JOBS, REPO
 from tests.support.trainrun import (
     final_tensors,
     ls_json,
@@ -31,7 +31,7 @@ from tests.support.trainrun import (
 pytestmark = pytest.mark.slow
 
 ROOT = REPO
-SHAPES_JOB = ROOT / "tests" / "workers" / "shapes_job.py"
+SHAPES_JOB = JOBS / "shapes_job.py"
 SHAPE_STEPS = 12
 PREEMPT_AT = 6  # mid-run, one step past the second epoch boundary (5 steps per epoch)
 
