@@ -8,6 +8,7 @@ the grain, or a module loose at the top, fails here before it can erode the layo
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import subprocess
 import sys
@@ -54,6 +55,7 @@ def room_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+@functools.cache
 def modules() -> dict[str, pathlib.Path]:
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
