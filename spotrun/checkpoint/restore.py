@@ -68,6 +68,8 @@ class LoadedStep:
     rank_local: dict[str, Any]
     rank_source: int = 0
     bytes_read: int = 0
+    tier: str = "storage"
+    """Where it was read: ``"memory"`` (the fast tier) or ``"storage"``."""
 
 
 def read_manifest(storage: Storage, key: str) -> Manifest:
@@ -164,11 +166,15 @@ def load_newest(
     supervisor_step: int | None,
     destinations: Callable[[], dict[str, torch.Tensor]] | dict[str, torch.Tensor] | None = None,
     apply: Callable[[LoadedStep], None] | None = None,
+    fast_tier: Storage | None = None,
+    run_id: str | None = None,
 ) -> LoadedStep | None:
     """Load the newest complete step that every rank can verify, or ``None`` when there is none.
 
     Lists the steps again (so a step committed since the supervisor chose ``supervisor_step``
-    is newer and used). A step that fails verification on any rank is skipped by every rank
+    is newer and used). With a ``fast_tier`` (:mod:`spotrun.train.fast_tier`), its steps of
+    this job (``run_id``, when given) are candidates too, tried before the same step on storage.
+    A step that fails verification on any rank is skipped by every rank
     (:func:`judge`), logged (``checkpoint step S failed verification (...); falling back to step R``) and,
     when a file or manifest is corrupt, un-committed. ``destinations`` (name -> live
     tensor, or a function returning them, called only once there is a step to load) are
@@ -185,13 +191,17 @@ def load_newest(
         StateMismatchError: the newest step every rank verified does not fit the job's objects.
         Whatever ``apply`` raised that is no verification failure, on the rank that raised it.
     """
+    tiers = {"storage": storage, **({"memory": fast_tier} if fast_tier is not None else {})}
     listing: dict = {}
-    listed: dict[int, Manifest] = {}
+    listed: dict[tuple[int, str], Manifest] = {}
     if dist.rank() == 0:
         try:
-            complete = _complete_newest_first(storage, supervisor_step)
-            listing = {"steps": [(s.step, s.manifest_key) for s in complete]}
-            listed = {s.step: s.manifest for s in complete[:1]}  # parsed already: not parsed again
+            memory = _fast_tier_newest_first(fast_tier, run_id) if fast_tier is not None else []
+            complete = _complete_newest_first(storage, supervisor_step, newer=memory[0].step if memory else None)
+            both = [(s, "memory") for s in memory] + [(s, "storage") for s in complete]
+            both.sort(key=lambda pair: (pair[0].step, pair[1] == "memory"), reverse=True)  # memory first
+            listing = {"steps": [(s.step, s.manifest_key, tier) for s, tier in both]}
+            listed = {(s.step, tier): s.manifest for s, tier in both[:1]}  # parsed already: not parsed again
         except NoCheckpointError as exc:
             listing = {"refused": str(exc)}
         except (SpotrunError, OSError) as exc:
@@ -201,13 +211,15 @@ def load_newest(
         raise NoCheckpointError(listing["refused"])
     if "error" in listing:
         raise StorageError(5, f"cannot list checkpoints under {storage.uri}: {listing['error']}")
-    candidates = [step for step, _key in listing["steps"]]
+    candidates = [(step, tier) for step, _key, tier in listing["steps"]]
     if callable(destinations) and candidates:
         destinations = destinations()
-    for index, (step, key) in enumerate(listing["steps"]):
-        loaded, problem, raised = _try_load(storage, step, key, listed.pop(step, None), destinations, apply)
+    for index, (step, key, tier) in enumerate(listing["steps"]):
+        source = tiers[tier]
+        loaded, problem, raised = _try_load(source, step, key, listed.pop((step, tier), None), destinations, apply)
         verdict = judge(dist.all_gather_json(problem))
         if verdict.loads:
+            loaded.tier = tier
             return loaded
         if verdict.mismatch is not None:
             if raised is not None:  # this rank's objects refused it: their own words
@@ -216,22 +228,44 @@ def load_newest(
         older = candidates[index + 1] if index + 1 < len(candidates) else None
         if dist.rank() == 0:
             log.warning(
-                "checkpoint step %d failed verification (%s); falling back to %s",
+                "checkpoint step %d%s failed verification (%s); falling back to %s",
                 step,
+                " in the fast tier" if tier == "memory" else "",
                 "; ".join(f"rank {r}: {p}" for r, p in sorted(verdict.failures.items())),
-                f"step {older}" if older is not None else "nothing older",
+                _described(older, len(tiers) > 1),
             )
             if verdict.corrupt:
-                reject_step(storage, key, "; ".join(verdict.failures.values()))
+                reject_step(source, key, "; ".join(verdict.failures.values()))
     if candidates:
         raise NoCheckpointError(
             f"no complete checkpoint under {storage.uri} could be loaded "
-            f"(tried steps {candidates}); see the log for each failure"
+            f"(tried steps {[step for step, _tier in candidates]}); see the log for each failure"
         )
     return None
 
 
-def _complete_newest_first(storage: Storage, supervisor_step: int | None) -> list[catalog.StepInfo]:
+def _described(candidate: tuple[int, str] | None, tiers: bool) -> str:
+    if candidate is None:
+        return "nothing older"
+    step, tier = candidate
+    if not tiers:
+        return f"step {step}"
+    return f"step {step} {'in the fast tier' if tier == 'memory' else 'on storage'}"
+
+
+def _fast_tier_newest_first(fast_tier: Storage, run_id: str | None) -> list[catalog.StepInfo]:
+    """The fast tier's complete steps of this job (newest first). A step of another run is never
+    a candidate (the tier belongs to one supervisor, so this is a second guard)."""
+    complete = [s for s in catalog.list_steps(fast_tier) if s.status == catalog.COMPLETE]
+    mine = [s for s in complete if run_id is None or s.manifest is None or s.manifest.run_id in (run_id, "")]
+    for other in [s for s in complete if s not in mine]:
+        log.warning("fast tier step %d belongs to another run (%s); ignored", other.step, other.manifest.run_id)
+    return sorted(mine, key=lambda s: s.step, reverse=True)
+
+
+def _complete_newest_first(
+    storage: Storage, supervisor_step: int | None, newer: int | None = None
+) -> list[catalog.StepInfo]:
     steps = catalog.list_steps(storage)
     catalog.refuse_start_over(storage, steps)
     complete = [s for s in steps if s.status == catalog.COMPLETE]
@@ -242,8 +276,9 @@ def _complete_newest_first(storage: Storage, supervisor_step: int | None) -> lis
     if supervisor_step is None:
         for skipped in [s for s in steps if s.status == catalog.CORRUPT and s.step > newest_complete]:
             log.warning("checkpoint step %d is corrupt (%s); skipped", skipped.step, skipped.problem)
-    if supervisor_step is not None and complete and complete[0].step != supervisor_step:
-        log.info("the supervisor chose step %d; the newest complete step is now %d", supervisor_step, complete[0].step)
+    newest = max(newest_complete, newer if newer is not None else -1)
+    if supervisor_step is not None and newest >= 0 and newest != supervisor_step:
+        log.info("the supervisor chose step %d; the newest complete step is now %d", supervisor_step, newest)
     return complete
 
 

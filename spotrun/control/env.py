@@ -43,6 +43,14 @@ LOG_FORMAT = logs.LOG_FORMAT  # the log set-up reads it too, and tools sit below
 KEEP_LAST = "SPOTRUN_KEEP_LAST"
 #: ``spotrun run --keep-every M``: also keep every step divisible by M (with ``KEEP_LAST``).
 KEEP_EVERY = "SPOTRUN_KEEP_EVERY"
+#: The fast tier (``spotrun run --memory-interval-steps K``): the job's tier directory in host
+#: memory on this node (a checkpoint root under it, :mod:`spotrun.storage.tier_dir`), created and
+#: removed by the supervisor; unset: no fast tier.
+MEMORY_DIR = "SPOTRUN_MEMORY_DIR"
+#: Save to the fast tier every this many steps (with :data:`MEMORY_DIR`).
+MEMORY_INTERVAL_STEPS = "SPOTRUN_MEMORY_INTERVAL_STEPS"
+#: Most bytes the fast tier of this node may hold (``--memory-budget-bytes``); unset: two steps.
+MEMORY_BUDGET_BYTES = "SPOTRUN_MEMORY_BUDGET_BYTES"
 
 DEFAULT_CHECKPOINT_URI = "./checkpoints"
 #: Default bound of one save's storage operations (``Checkpointer(save_timeout_s=...)``), in
@@ -77,6 +85,8 @@ class WorkerEnv:
         supervisor_pid: process id of the supervisor of this node; ``None`` without one.
         grace_period_s: the supervisor's grace period in seconds; ``None`` if unset.
         keep_last, keep_every: the retention the supervisor was given; ``None`` if unset.
+        memory_dir, memory_interval_steps, memory_budget_bytes: the fast tier's directory, interval
+            and budget; ``None`` if unset.
     """
 
     checkpoint_uri: str | None
@@ -89,6 +99,9 @@ class WorkerEnv:
     grace_period_s: float | None = None
     keep_last: int | None = None
     keep_every: int | None = None
+    memory_dir: str | None = None
+    memory_interval_steps: int | None = None
+    memory_budget_bytes: int | None = None
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -129,4 +142,7 @@ class WorkerEnv:
             grace_period_s=_seconds(GRACE_PERIOD_S),
             keep_last=_int(KEEP_LAST),
             keep_every=_int(KEEP_EVERY),
+            memory_dir=env.get(MEMORY_DIR) or None,
+            memory_interval_steps=_int(MEMORY_INTERVAL_STEPS),
+            memory_budget_bytes=_int(MEMORY_BUDGET_BYTES),
         )

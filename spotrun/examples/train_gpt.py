@@ -291,6 +291,7 @@ def make_checkpointer(args: argparse.Namespace, t: Training) -> spotrun.Checkpoi
         uri=args.checkpoint_uri,
         interval_steps=args.save_interval,
         background_saves=not args.sync_saves,
+        memory_interval_steps=args.memory_interval_steps,
     )
 
 

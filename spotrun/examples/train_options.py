@@ -90,6 +90,13 @@ def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
         help="periodic saves block training until they commit (default: written in the background)",
     )
     p.add_argument(
+        "--memory-interval-steps",
+        type=int,
+        default=None,
+        help="save to the fast tier in host memory every this many steps (default: spotrun run's "
+        "--memory-interval-steps, else off; needs spotrun run's tier or $SPOTRUN_MEMORY_DIR)",
+    )
+    p.add_argument(
         "--no-checkpoints",
         action="store_true",
         help="train without spotrun: no restore, no saves, no save requests (comparisons only)",

@@ -27,6 +27,7 @@ from spotrun.notices import SOURCE_NAMES, NoticeOptions, parse_notice_option
 from spotrun.notices.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals, parse_notify_signal
 from spotrun.storage import StorageLocation, parse_location
 from spotrun.storage.location import check_endpoint_url
+from spotrun.storage.tier_dir import DEFAULT_MEMORY_DIR
 from spotrun.tools.logs import LOG_FORMATS, LOG_LEVELS
 
 #: Upper bound of the wait before a crash restart, in seconds.
@@ -254,6 +255,25 @@ class SupervisorConfig:
         "retention: also keep every step divisible by M (with --keep-last; passed as SPOTRUN_KEEP_EVERY)",
         metavar="M",
     )
+    memory_interval_steps: int = option(
+        0,
+        "the fast tier: the workers also save to this node's memory every K steps, and a restart after a "
+        "crash resumes from there when it is newer than storage (default %(default)s: off; passed as "
+        "SPOTRUN_MEMORY_INTERVAL_STEPS)",
+        metavar="K",
+    )
+    memory_dir: str = option(
+        DEFAULT_MEMORY_DIR,
+        "where the fast tier lives: a directory in host memory (tmpfs); each run makes its own tier in it, "
+        "removes it at exit, and removes those that killed runs left (default %(default)s)",
+        metavar="DIR",
+    )
+    memory_budget_bytes: int | None = option(
+        None,
+        "most bytes the fast tier of this node may hold (two steps of its ranks); a tier that does not fit "
+        "is said at the first save and the job runs with storage only (default: the free space of --memory-dir)",
+        metavar="N",
+    )
     log_level: str | None = option(
         None,
         "log verbosity on stderr (default: info for run and drill, warning for the other commands)",
@@ -295,6 +315,12 @@ class SupervisorConfig:
         if not 0 <= self.announce_timeout_s < math.inf:
             raise ConfigError(f"announce timeout must be a finite number >= 0 s, got {self.announce_timeout_s}")
         RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
+        if self.memory_interval_steps < 0:
+            raise ConfigError(f"memory interval must be >= 0 steps, got {self.memory_interval_steps}")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 0:
+            raise ConfigError(f"memory budget must be >= 0 bytes, got {self.memory_budget_bytes}")
+        if self.memory_interval_steps and not self.memory_dir:
+            raise ConfigError("--memory-interval-steps needs a --memory-dir")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, command: Iterable[str], *, log_format: str | None) -> SupervisorConfig:
@@ -327,6 +353,16 @@ class SupervisorConfig:
             notice_file=self.notice_file,
             notice_signals=self.notice_signal_numbers,
         )
+
+    def fast_tier_env(self, steps_root: str) -> dict[str, str]:
+        """The fast tier's variables for the launch command, its root being ``steps_root``."""
+        env = {
+            spotrun_env.MEMORY_DIR: steps_root,
+            spotrun_env.MEMORY_INTERVAL_STEPS: str(self.memory_interval_steps),
+        }
+        if self.memory_budget_bytes is not None:
+            env[spotrun_env.MEMORY_BUDGET_BYTES] = str(self.memory_budget_bytes)
+        return env
 
     def retention_env(self) -> dict[str, str]:
         """The retention variables for the launch command (only those given)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from spotrun.checkpoint import catalog, fencing, rank_layout
 from spotrun.checkpoint.catalog import StepInfo
 from spotrun.control import env as spotrun_env
+from spotrun.errors import SpotrunError
 from spotrun.storage import Storage, StorageLocation
 from spotrun.supervisor.torchrun_command import TorchrunLaunch
 
@@ -34,12 +35,30 @@ class LaunchPlan:
         run_id: the job's identifier (from the resumed manifest, else the supervisor's own).
         incarnation: start count of the job (0 = first start).
         env: the complete environment of the launch command.
+        resume_tier: where ``resume`` is: ``"memory"`` (the fast tier) or ``"storage"``; ``None``: fresh start.
     """
 
     resume: StepInfo | None
     run_id: str
     incarnation: int
     env: dict[str, str]
+    resume_tier: str | None = None
+
+
+def newest_in_fast_tier(fast_tier: Storage, run_id: str | None) -> StepInfo | None:
+    """The newest complete step of run ``run_id`` in the fast tier; ``None`` when it has none (a
+    listing that fails is logged: the tier is only ever a shortcut)."""
+    try:
+        steps = catalog.list_steps(fast_tier)
+    except (OSError, SpotrunError) as exc:
+        log.warning("cannot list the fast tier %s (%s): resuming from storage", fast_tier.uri, exc)
+        return None
+    complete = [
+        s
+        for s in steps
+        if s.status == catalog.COMPLETE and (run_id is None or s.manifest is None or s.manifest.run_id == run_id)
+    ]
+    return complete[-1] if complete else None
 
 
 def find_resume_point(storage: Storage) -> StepInfo | None:
@@ -102,6 +121,8 @@ def plan_launch(
     supervisor_pid: int | None = None,
     log_format: str | None = None,
     retention: dict[str, str] | None = None,
+    fast_tier: Storage | None = None,
+    fast_tier_env: dict[str, str] | None = None,
 ) -> LaunchPlan:
     """Choose the resume point and build the launch command's environment.
 
@@ -125,11 +146,24 @@ def plan_launch(
         retention: ``SPOTRUN_KEEP_LAST``/``SPOTRUN_KEEP_EVERY`` for the workers
             (:meth:`~spotrun.supervisor.config.SupervisorConfig.retention_env`); a variable
             not in it passes on from ``base_env`` unchanged.
+        fast_tier, fast_tier_env: this node's fast tier (its steps of this run are resume points
+            too, chosen when newer than storage's) and its variables for the workers.
 
     Raises:
         StorageError: listing the checkpoints failed.
     """
     resume = find_resume_point(storage)
+    resume_tier = "storage" if resume is not None else None
+    if fast_tier is not None:
+        in_memory = newest_in_fast_tier(fast_tier, previous.run_id if previous else None)
+        if in_memory is not None and (resume is None or in_memory.step > resume.step):
+            log.info(
+                "resuming from step %d in the fast tier (a %s checkpoint; the newest on storage: %s)",
+                in_memory.step,
+                in_memory.reason,
+                resume.step if resume is not None else "none",
+            )
+            resume, resume_tier = in_memory, "memory"
     manifest = resume.manifest if resume else None
     run_id = (manifest.run_id if manifest else "") or (previous.run_id if previous else "")
     run_id = run_id or uuid.uuid4().hex
@@ -158,4 +192,7 @@ def plan_launch(
         env[spotrun_env.SUPERVISOR_PID] = str(supervisor_pid)
         env[spotrun_env.GRACE_PERIOD_S] = repr(float(grace_period_s))
     env.update(retention or {})
-    return LaunchPlan(resume=resume, run_id=run_id, incarnation=incarnation, env=env)
+    for name in (spotrun_env.MEMORY_DIR, spotrun_env.MEMORY_INTERVAL_STEPS, spotrun_env.MEMORY_BUDGET_BYTES):
+        env.pop(name, None)  # never a tier from this process's own environment
+    env.update(fast_tier_env or {})
+    return LaunchPlan(resume=resume, run_id=run_id, incarnation=incarnation, env=env, resume_tier=resume_tier)

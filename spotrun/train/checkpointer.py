@@ -27,6 +27,7 @@ from spotrun.tools.gc_pause import gc_paused
 from spotrun.train.apply import check_state_names
 from spotrun.train.decision import Action, StepContext, decide
 from spotrun.train.events import TrainingEvents
+from spotrun.train.fast_tier import open_fast_tier
 from spotrun.train.fence_report import reports_fence
 from spotrun.train.identity import Identity
 from spotrun.train.meter import SaveMeter
@@ -79,6 +80,9 @@ class Checkpointer:
         event_interval_s: float | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        memory_interval_steps: int | None = None,
+        memory_dir: str | None = None,
+        memory_budget_bytes: int | None = None,
     ) -> None:
         check_state_names(state, rank_state)
         arguments = (
@@ -105,6 +109,7 @@ class Checkpointer:
             on_save_ended=self._events.save_ended,
         )
         self._saves = Saves(options, env, self._storage, self._meter, self._identity, self._state, self._rank_state)
+        self._tier = open_fast_tier(options, env, self._identity, self._state, self._rank_state)
         self.preempted = False
         self._requests = StopRequests(env, handle_signals=handle_signals)
 
@@ -182,12 +187,21 @@ class Checkpointer:
             NoCheckpointError: complete steps exist but none of them loads.
         """
         restored = restore_state(
-            self._storage, self._env, self._state, self._rank_state, self._identity.run_id, self._meter, self._events
+            self._storage,
+            self._env,
+            self._state,
+            self._rank_state,
+            self._identity.run_id,
+            self._meter,
+            self._events,
+            fast_tier=self._tier.storage if self._tier is not None else None,
         )
         self._restored = restored
         self._identity.claimed(restored.run_id, restored.incarnation)
         if restored.manifest is not None:
             self._saves.saved(restored.step)
+            if self._tier is not None:
+                self._tier.restored(restored.step)
         return restored.step
 
     @reports_fence
@@ -216,13 +230,19 @@ class Checkpointer:
         self._events.step_reached(step)
         self._saves.saver.publish_progress()
         context = StepContext(step, self.interval_steps, self._env.stop_at_step)
-        asked, still_running = None, None  # None: not looked at this step
+        asked, still_running, tier_running = None, None, None  # None: not looked at this step
         if step % self.check_interval_steps == 0:
             asked = self._requests.read()
             checkpoint = self._checkpoint_requests is not None and self._checkpoint_requests.pending()
             # one more flag in the same all-reduce: is a background save still being written anywhere?
-            save_and_stop, stop_without_save, checkpoint, still_running = dist.any_rank_each(
-                [asked.save_and_stop, asked.stop_without_save, checkpoint, self._saves.saver.running]
+            save_and_stop, stop_without_save, checkpoint, still_running, tier_running = dist.any_rank_each(
+                [
+                    asked.save_and_stop,
+                    asked.stop_without_save,
+                    checkpoint,
+                    self._saves.saver.running,
+                    self._tier is not None and self._tier.running,
+                ]
             )
             context = replace(
                 context,
@@ -232,8 +252,12 @@ class Checkpointer:
             )
             if not still_running and self._saves.saver.in_flight is not None:  # ended on every rank:
                 self._saves.report(self._saves.saver.take())  # every rank reports it at this step
+            if self._tier is not None and not tier_running:
+                self._tier.report_ended()
         decision = decide(context)
         if decision.stops:
+            if self._tier is not None:  # the emergency save comes first; a fast-tier write is abandoned
+                self._tier.abandon()
             saved = stop(decision, self._saves, self._requests, step, asked)
             self.preempted = True
             report_stop(self._events, self._env.control_dir, step, saved=saved)
@@ -241,6 +265,8 @@ class Checkpointer:
             served = self._saves.due(step, decision.reason, still_running)
             if served and decision.reason == "requested" and self._checkpoint_requests is not None:
                 self._checkpoint_requests.handled()
+        if not decision.stops and self._tier is not None and self._tier.due(step):
+            self._tier.save(step, tier_running)
         return decision.stops
 
     @reports_fence
@@ -287,6 +313,8 @@ class Checkpointer:
         try:
             self._saves.report(self._saves.saver.take())
         finally:
+            if self._tier is not None:
+                self._tier.close()
             self._saves.saver.shutdown()
             self._requests.restore_signal_handlers()
             self._events.close()

@@ -49,9 +49,11 @@ class TrainingEvents:
         """``restore()`` begins (its duration is recorded with the start)."""
         self._restore_started_s = time.monotonic()
 
-    def started(self, incarnation: int, resumed_step: int | None, restore_bytes_read: int) -> None:
+    def started(
+        self, incarnation: int, resumed_step: int | None, restore_bytes_read: int, restore_tier: str | None = None
+    ) -> None:
         """This start claimed ``incarnation`` (after a restore from ``resumed_step``, None:
-        nothing restored): open its object and record the start."""
+        nothing restored, read from ``restore_tier``): open its object and record the start."""
         restore_s = 0.0 if self._restore_started_s is None else time.monotonic() - self._restore_started_s
         self._restore_started_s = None
         if dist.rank() != 0:  # asked here, not earlier: the process group exists once restore() ran
@@ -64,6 +66,7 @@ class TrainingEvents:
             resumed_step=resumed_step,
             restore_s=round(restore_s, 6),
             restore_bytes_read=restore_bytes_read,
+            restore_tier=restore_tier,
             world_size=dist.world_size(),
             interval_steps=self._interval_steps,
             event_interval_s=self._interval_s,

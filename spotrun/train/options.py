@@ -61,12 +61,22 @@ class CheckpointerOptions:
     """Retention: keep this many newest complete steps; ``None``: ``$SPOTRUN_KEEP_LAST``; unset or 0: all."""
     keep_every: int | None = None
     """Retention: also keep the steps divisible by this; ``None``: ``$SPOTRUN_KEEP_EVERY``."""
+    memory_interval_steps: int | None = None
+    """Save to the fast tier (host memory) every this many steps; ``None``: ``$SPOTRUN_MEMORY_INTERVAL_STEPS``."""
+    memory_dir: str | None = None
+    """The fast tier's checkpoint root (a tmpfs directory); ``None``: ``$SPOTRUN_MEMORY_DIR`` (``spotrun run``)."""
+    memory_budget_bytes: int | None = None
+    """Most bytes of this node's fast tier; ``None``: ``$SPOTRUN_MEMORY_BUDGET_BYTES``, else its free space."""
 
     def __post_init__(self) -> None:
         if self.interval_steps < 0 or self.check_interval_steps < 1:
             raise ConfigError("interval_steps must be >= 0 and check_interval_steps >= 1")
         if not self.save_timeout_s > 0:
             raise ConfigError(f"save_timeout_s must be > 0, got {self.save_timeout_s}")
+        if (self.memory_interval_steps or 0) < 0 or (
+            self.memory_budget_bytes is not None and self.memory_budget_bytes < 0
+        ):
+            raise ConfigError("memory_interval_steps and memory_budget_bytes must be >= 0")
         if self.on_save_in_flight not in ON_SAVE_IN_FLIGHT:
             raise ConfigError(f"on_save_in_flight must be one of {ON_SAVE_IN_FLIGHT}, got {self.on_save_in_flight!r}")
 

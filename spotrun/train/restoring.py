@@ -37,6 +37,7 @@ class Restored:
         incarnation: the incarnation this start claimed on the root.
         bytes_read: bytes this rank read from storage (format-4 steps; 0 before).
         meshes: the device meshes of the state's DTensors, as the restore found them.
+        tier: where the step was read: ``"memory"`` (the fast tier) or ``"storage"``; ``None``: nothing restored.
     """
 
     step: int
@@ -45,6 +46,7 @@ class Restored:
     incarnation: int
     bytes_read: int = 0
     meshes: list[dict[str, Any]] = field(default_factory=list)
+    tier: str | None = None
 
 
 def restore_state(
@@ -55,11 +57,13 @@ def restore_state(
     run_id: str,
     meter: SaveMeter,
     events: TrainingEvents,
+    fast_tier: Storage | None = None,
 ) -> Restored:
     """Load the newest loadable complete step into ``state`` and ``rank_state``, then claim this
     start's incarnation (see :meth:`spotrun.train.checkpointer.Checkpointer.restore`).
 
     ``run_id``: this process's run id, kept when neither the environment nor the step names one.
+    ``fast_tier``: the fast tier's root, whose steps of this job are candidates too.
     """
     started_s = time.monotonic()
     events.restore_started()
@@ -74,9 +78,12 @@ def restore_state(
         supervisor_step=env.resume_step,
         destinations=destinations,
         apply=lambda step: apply_loaded(step, state, rank_state),
+        fast_tier=fast_tier,
+        run_id=env.run_id,
     )
     manifest = loaded.manifest if loaded is not None else None
     step, bytes_read = (manifest.step, loaded.bytes_read) if manifest is not None else (0, 0)
+    tier = loaded.tier if loaded is not None else None
     if manifest is not None:
         if dist.rank() == 0:
             log.info("%s", restored_onto(step, manifest.world_size, manifest.meshes, dist.world_size(), meshes))
@@ -91,13 +98,14 @@ def restore_state(
         at_least=max(env.incarnation, manifest.incarnation + 1 if manifest else 0),
         worker_env=env,
     )
-    events.started(incarnation, step if manifest else None, bytes_read)
+    events.started(incarnation, step if manifest else None, bytes_read, tier)
     if dist.rank() == 0:
         log.info(
             "%s (incarnation %d)",
-            f"restored step {step} from {storage.uri}"
+            f"restored step {step} from {fast_tier.uri if tier == 'memory' else storage.uri}"
+            + (" (the fast tier, in memory)" if tier == "memory" else "")
             if manifest
             else f"no checkpoint under {storage.uri}: starting from step 0",
             incarnation,
         )
-    return Restored(step, manifest, run_id, incarnation, bytes_read, list(meshes))
+    return Restored(step, manifest, run_id, incarnation, bytes_read, list(meshes), tier)

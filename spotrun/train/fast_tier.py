@@ -1,0 +1,252 @@
+"""The fast tier: every few steps, the whole state saved into host memory on this node, in the
+checkpoint format of storage (a tmpfs root written by the local backend), so that a restart
+after a worker or torchrun crash resumes from a step a few steps old without reading storage.
+
+:class:`FastTier` runs its saves as :class:`~spotrun.train.saving.Saves` of their own (staged,
+then written on a background thread with its own process group, a save in flight skips the next
+rather than stalling training), keeps the tier to its newest complete step and the one before
+it, fences it with the job's incarnation, and checks once that two steps fit. Any failure of the
+tier is logged and turns the tier off: training goes on with storage alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from typing import Any
+
+from spotrun.checkpoint import catalog
+from spotrun.checkpoint.claim import claim_incarnation
+from spotrun.checkpoint.retention import delete_step
+from spotrun.checkpoint.save import prepare_save
+from spotrun.control.env import WorkerEnv
+from spotrun.errors import CheckpointSaveError, SpotrunError
+from spotrun.storage import LocalStorage, Storage
+from spotrun.storage.tier_dir import free_bytes
+from spotrun.tools import dist
+from spotrun.train.identity import Identity
+from spotrun.train.meter import SaveMeter
+from spotrun.train.options import CheckpointerOptions
+from spotrun.train.saving import Saves
+
+log = logging.getLogger("spotrun.checkpointer")
+
+#: The reason recorded in a fast-tier step's manifest.
+MEMORY_REASON = "memory"
+#: Complete steps the tier keeps after a commit (the newest and the one before it).
+KEPT_STEPS = 2
+
+
+def tier_settings(options: CheckpointerOptions, env: WorkerEnv) -> tuple[str | None, int]:
+    """(the tier's root, its interval in steps) from the options, else the environment; (None, 0): no tier."""
+    interval = options.memory_interval_steps
+    if interval is None:
+        interval = env.memory_interval_steps or 0
+    root = options.memory_dir or env.memory_dir
+    return (root, interval) if root and interval > 0 else (None, 0)
+
+
+def multi_node() -> bool:
+    """Whether this job's ranks span more than one node (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return local.isdigit() and int(local) != dist.world_size()
+
+
+def open_fast_tier(
+    options: CheckpointerOptions,
+    env: WorkerEnv,
+    identity: Identity,
+    state: dict[str, Any],
+    rank_state: dict[str, Any],
+) -> FastTier | None:
+    """The Checkpointer's fast tier when one is set (options, else ``spotrun run``'s environment);
+    ``None`` without one, or on more than one node (said: a node's tier alone cannot hold the
+    parts of a step that other nodes' ranks wrote)."""
+    root, interval = tier_settings(options, env)
+    if root is None:
+        return None
+    if multi_node():
+        if dist.rank() == 0:
+            log.warning(
+                "the fast tier is off: this job spans several nodes, and a node's memory holds only its own "
+                "ranks' parts of a step (replicas on peer nodes are not built yet); storage only"
+            )
+        return None
+    budget = options.memory_budget_bytes if options.memory_budget_bytes is not None else env.memory_budget_bytes
+    return FastTier(root, interval, budget, options, env, identity, state, rank_state)
+
+
+class FastTier:
+    """The fast tier of one Checkpointer.
+
+    Args:
+        root: the tier's checkpoint root (a directory in host memory).
+        interval_steps: save every this many steps.
+        budget_bytes: most bytes the tier may hold on this node; ``None``: its free space.
+        options, env, identity, state, rank_state: the Checkpointer's.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        interval_steps: int,
+        budget_bytes: int | None,
+        options: CheckpointerOptions,
+        env: WorkerEnv,
+        identity: Identity,
+        state: dict[str, Any],
+        rank_state: dict[str, Any],
+    ) -> None:
+        self.storage: Storage = LocalStorage(root)
+        self._root = root
+        self.interval_steps = interval_steps
+        self.budget_bytes = budget_bytes
+        self.enabled = True
+        self._identity = identity
+        self._checked = False
+        self._fenced_incarnation: int | None = None
+        # its own saves: never published to the supervisor's save statistics (they time storage saves)
+        tier_options = replace(
+            options,
+            keep_last=None,
+            keep_every=None,
+            background_saves=True,
+            on_save_in_flight="skip",
+            max_failed_periodic_saves=0,
+        )
+        meter = SaveMeter(None, publishes=False, check_interval_steps=1)
+        self.saves = Saves(
+            tier_options,
+            replace(env, keep_last=None, keep_every=None),
+            self.storage,
+            meter,
+            identity,
+            state,
+            rank_state,
+        )
+
+    @property
+    def running(self) -> bool:
+        """Whether this rank still writes a fast-tier save."""
+        return self.enabled and self.saves.saver.running
+
+    def due(self, step: int) -> bool:
+        """Whether a fast-tier save is due at ``step``."""
+        return self.enabled and step % self.interval_steps == 0
+
+    def report_ended(self) -> None:
+        """Act on the fast-tier save that ended on every rank (a failure turns the tier off)."""
+        ended = self.saves.saver.take()
+        self._guarded(lambda: self.saves.report(ended))
+
+    def save(self, step: int, still_running: bool | None) -> None:
+        """Start the fast-tier save of ``step`` (collective; skipped while the previous one is in flight)."""
+        self._guarded(lambda: self._save(step, still_running))
+
+    def restored(self, step: int) -> None:
+        """A restore loaded ``step`` (from either tier): the tier's saves skip it."""
+        self.saves.saved(step)
+
+    def abandon(self) -> None:
+        """The job stops: stop writing the save in flight (nothing half-written is ever read)."""
+        self.saves.saver.abort()
+
+    def close(self) -> None:
+        """Wait for the save in flight to end and stop the tier's thread (failures only logged)."""
+        try:
+            self.report_ended()
+        finally:
+            self.saves.saver.shutdown()
+
+    def _save(self, step: int, still_running: bool | None) -> None:
+        if not self._checked:
+            self._checked = True
+            if not self._fits(step):
+                return
+        if self._fenced_incarnation != self._identity.incarnation:
+            self._claim(step)
+        if still_running is None:
+            still_running = dist.any_rank(self.saves.saver.running)
+        if not still_running and dist.rank() == 0:
+            self._make_room()
+        self.saves.due(step, MEMORY_REASON, still_running)
+
+    def _claim(self, step: int) -> None:
+        """Record this start's incarnation in the tier (collective), so that an older start of the job
+        can never commit into it; a save without a restore first claims it on storage."""
+        replicated, rank_local = self.saves._state_dicts()
+        self._identity.save_context(step, MEMORY_REASON, replicated, rank_local, None)
+        incarnation = self._identity.incarnation
+        claimed = claim_incarnation(self.storage, resumed_step=None, at_least=incarnation, run_id=self._identity.run_id)
+        if claimed != incarnation:
+            raise CheckpointSaveError(
+                f"the fast tier {self.storage.uri} holds incarnation {claimed - 1}, newer than this start's "
+                f"({incarnation})",
+                retryable=False,
+            )
+        self._fenced_incarnation = incarnation
+
+    def _fits(self, step: int) -> bool:
+        """Whether two steps of this node's ranks fit the budget and the tier's free space (collective:
+        every rank agrees); if not, say so with the sizes and turn the tier off."""
+        replicated, rank_local = self.saves._state_dicts()
+        prepared = prepare_save(step, replicated, rank_local)
+        own_bytes = sum(t.numel() * t.element_size() for t in prepared.tensors.values())
+        step_bytes = sum(dist.all_gather_json(own_bytes))
+        need = KEPT_STEPS * step_bytes
+        free = None
+        if dist.local_rank() == 0:
+            try:
+                free = free_bytes(self._root)
+            except OSError as exc:  # said; the budget alone then decides
+                log.warning("cannot read the free space of the fast tier %s: %s", self._root, exc)
+        free = max([f for f in dist.all_gather_json(free) if f is not None], default=None)
+        room = free if self.budget_bytes is None else min(self.budget_bytes, free or self.budget_bytes)
+        if room is not None and need > room:
+            if dist.rank() == 0:
+                log.error(
+                    "the fast tier does not fit: %d steps of this node's ranks take %.1f MiB, but %s allows "
+                    "%.1f MiB (budget %s, free in %s: %s); running with storage only",
+                    KEPT_STEPS,
+                    need / 2**20,
+                    "the budget" if self.budget_bytes is not None and self.budget_bytes <= (free or 0) else "memory",
+                    room / 2**20,
+                    "none" if self.budget_bytes is None else f"{self.budget_bytes / 2**20:.1f} MiB",
+                    self.storage.uri,
+                    "?" if free is None else f"{free / 2**20:.1f} MiB",
+                )
+            self.enabled = False
+            return False
+        if dist.rank() == 0:
+            log.info(
+                "fast tier in %s: every %d steps, %.1f MiB per step (budget %.1f MiB)",
+                self.storage.uri,
+                self.interval_steps,
+                step_bytes / 2**20,
+                (room or need) / 2**20,
+            )
+        return True
+
+    def _make_room(self) -> None:
+        """Before a save (rank 0, none in flight): keep only the newest complete step, so that the tier
+        never holds more than two steps' bytes; the save then makes two again."""
+        try:
+            steps = catalog.list_steps(self.storage)
+            complete = [s.step for s in steps if s.status == catalog.COMPLETE]
+            keep = max(complete) if complete else None
+            for info in steps:
+                if info.step != keep:
+                    delete_step(self.storage, info.step, why=f"fast tier: keeps the newest step ({keep}) and the next")
+        except (SpotrunError, OSError) as exc:  # this rank alone: the tier stays on, the save may then not fit
+            log.warning("the fast tier could not delete its older steps: %s", exc)
+
+    def _guarded(self, action) -> None:
+        """Run ``action``; a failure (raised alike on every rank by the collective save) turns the tier off."""
+        if not self.enabled:
+            return
+        try:
+            action()
+        except (SpotrunError, OSError) as exc:
+            self.enabled = False
+            log.error("the fast tier failed (%s: %s); running with storage only", type(exc).__name__, exc)
