@@ -145,6 +145,10 @@ def release_tier(owner: TierOwner) -> None:
 
 
 def free_bytes(path: str) -> int:
-    """Bytes that unprivileged writers may still put on the file system of ``path``."""
+    """Bytes that unprivileged writers may still put on the file system of ``path`` (of its nearest
+    existing parent when it is not made yet)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
     stats = os.statvfs(path)
     return stats.f_bavail * stats.f_frsize

@@ -16,7 +16,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from spotrun.checkpoint import catalog
+from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.claim import claim_incarnation
 from spotrun.checkpoint.retention import delete_step
 from spotrun.checkpoint.save import prepare_save
@@ -164,7 +164,7 @@ class FastTier:
             self._checked = True
             if not self._fits(step):
                 return
-        if self._fenced_incarnation != self._identity.incarnation:
+        if self._fenced_incarnation is None or self._fenced_incarnation != self._identity.incarnation:
             self._claim(step)
         if still_running is None:
             still_running = dist.any_rank(self.saves.saver.running)
@@ -178,13 +178,24 @@ class FastTier:
         replicated, rank_local = self.saves._state_dicts()
         self._identity.save_context(step, MEMORY_REASON, replicated, rank_local, None)
         incarnation = self._identity.incarnation
-        claimed = claim_incarnation(self.storage, resumed_step=None, at_least=incarnation, run_id=self._identity.run_id)
-        if claimed != incarnation:
+        newest: dict = {}
+        if dist.rank() == 0:  # read once, told to every rank, so that all of them act alike
+            try:
+                newest = {"newest": fencing.read_fences(self.storage).newest}
+            except (SpotrunError, OSError) as exc:
+                newest = {"error": f"{type(exc).__name__}: {exc}"}
+        newest = dist.broadcast_json(newest)
+        if "error" in newest:
+            raise CheckpointSaveError(f"cannot read the fast tier's incarnations: {newest['error']}")
+        if newest["newest"] is not None and newest["newest"] > incarnation:
+            # an older start never claims here: a claim would fence the newer start's steps
             raise CheckpointSaveError(
-                f"the fast tier {self.storage.uri} holds incarnation {claimed - 1}, newer than this start's "
-                f"({incarnation})",
+                f"the fast tier {self.storage.uri} belongs to incarnation {newest['newest']}, newer than this "
+                f"start's ({incarnation})",
                 retryable=False,
             )
+        if newest["newest"] != incarnation:
+            claim_incarnation(self.storage, resumed_step=None, at_least=incarnation, run_id=self._identity.run_id)
         self._fenced_incarnation = incarnation
 
     def _fits(self, step: int) -> bool:
