@@ -192,20 +192,7 @@ def load_newest(
         Whatever ``apply`` raised that is no verification failure, on the rank that raised it.
     """
     tiers = {"storage": storage, **({"memory": fast_tier} if fast_tier is not None else {})}
-    listing: dict = {}
-    listed: dict[tuple[int, str], Manifest] = {}
-    if dist.rank() == 0:
-        try:
-            memory = _fast_tier_newest_first(fast_tier, run_id) if fast_tier is not None else []
-            complete = _complete_newest_first(storage, supervisor_step, newer=memory[0].step if memory else None)
-            both = [(s, "memory") for s in memory] + [(s, "storage") for s in complete]
-            both.sort(key=lambda pair: (pair[0].step, pair[1] == "memory"), reverse=True)  # memory first
-            listing = {"steps": [(s.step, s.manifest_key, tier) for s, tier in both]}
-            listed = {(s.step, tier): s.manifest for s, tier in both[:1]}  # parsed already: not parsed again
-        except NoCheckpointError as exc:
-            listing = {"refused": str(exc)}
-        except (SpotrunError, OSError) as exc:
-            listing = {"error": f"{type(exc).__name__}: {exc}"}
+    listing, listed = _list_candidates(storage, supervisor_step, fast_tier, run_id) if dist.rank() == 0 else ({}, {})
     listing = dist.broadcast_json(listing)
     if "refused" in listing:
         raise NoCheckpointError(listing["refused"])
@@ -242,6 +229,24 @@ def load_newest(
             f"(tried steps {[step for step, _tier in candidates]}); see the log for each failure"
         )
     return None
+
+
+def _list_candidates(
+    storage: Storage, supervisor_step: int | None, fast_tier: Storage | None, run_id: str | None
+) -> tuple[dict, dict[tuple[int, str], Manifest]]:
+    """Rank 0: the complete steps of both tiers, newest first (the fast tier first at the same step),
+    as told to every rank, and the manifest of the first (parsed already: not parsed again)."""
+    try:
+        memory = _fast_tier_newest_first(fast_tier, run_id) if fast_tier is not None else []
+        complete = _complete_newest_first(storage, supervisor_step, newer=memory[0].step if memory else None)
+    except NoCheckpointError as exc:
+        return {"refused": str(exc)}, {}
+    except (SpotrunError, OSError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}, {}
+    both = [(s, "memory") for s in memory] + [(s, "storage") for s in complete]
+    both.sort(key=lambda pair: (pair[0].step, pair[1] == "memory"), reverse=True)
+    listing = {"steps": [(s.step, s.manifest_key, tier) for s, tier in both]}
+    return listing, {(s.step, tier): s.manifest for s, tier in both[:1]}
 
 
 def _described(candidate: tuple[int, str] | None, tiers: bool) -> str:

@@ -45,6 +45,27 @@ class LaunchPlan:
     resume_tier: str | None = None
 
 
+def choose_resume_point(
+    storage: Storage, fast_tier: Storage | None, run_id: str | None
+) -> tuple[StepInfo | None, str | None]:
+    """(the newest complete step of storage or, when newer, of this run's fast tier; its tier).
+
+    Raises:
+        As :func:`find_resume_point`.
+    """
+    resume = find_resume_point(storage)
+    in_memory = newest_in_fast_tier(fast_tier, run_id) if fast_tier is not None else None
+    if in_memory is None or (resume is not None and in_memory.step <= resume.step):
+        return resume, "storage" if resume is not None else None
+    log.info(
+        "resuming from step %d in the fast tier (a %s checkpoint; the newest on storage: %s)",
+        in_memory.step,
+        in_memory.reason,
+        resume.step if resume is not None else "none",
+    )
+    return in_memory, "memory"
+
+
 def newest_in_fast_tier(fast_tier: Storage, run_id: str | None) -> StepInfo | None:
     """The newest complete step of run ``run_id`` in the fast tier; ``None`` when it has none (a
     listing that fails is logged: the tier is only ever a shortcut)."""
@@ -152,18 +173,7 @@ def plan_launch(
     Raises:
         StorageError: listing the checkpoints failed.
     """
-    resume = find_resume_point(storage)
-    resume_tier = "storage" if resume is not None else None
-    if fast_tier is not None:
-        in_memory = newest_in_fast_tier(fast_tier, previous.run_id if previous else None)
-        if in_memory is not None and (resume is None or in_memory.step > resume.step):
-            log.info(
-                "resuming from step %d in the fast tier (a %s checkpoint; the newest on storage: %s)",
-                in_memory.step,
-                in_memory.reason,
-                resume.step if resume is not None else "none",
-            )
-            resume, resume_tier = in_memory, "memory"
+    resume, resume_tier = choose_resume_point(storage, fast_tier, previous.run_id if previous else None)
     manifest = resume.manifest if resume else None
     run_id = (manifest.run_id if manifest else "") or (previous.run_id if previous else "")
     run_id = run_id or uuid.uuid4().hex

@@ -26,8 +26,8 @@ from spotrun.errors import ConfigError, SpotrunError
 from spotrun.notices import Inbox, Notice, NoticeWatch, is_stop, parse_notice_option, start_sources
 from spotrun.notices.signals import CHILD_EVENT, IgnoredSignal
 from spotrun.notices.signals import describe as describe_signals
-from spotrun.storage import LocalStorage, Storage
-from spotrun.storage.tier_dir import TierOwner, create_tier, release_tier, remove_stale_tiers
+from spotrun.storage import Storage
+from spotrun.storage.tier_dir import TierOwner
 from spotrun.supervisor import exit_codes, finished, outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.estimate import decide, estimate_emergency_save
@@ -35,6 +35,7 @@ from spotrun.supervisor.exit_codes import EXIT_FENCED, EXIT_FINISHED, EXIT_PREEM
 from spotrun.supervisor.foreign import NoticeDelivery, describe_delivery
 from spotrun.supervisor.launch import LaunchPlan, describe_start, plan_launch
 from spotrun.supervisor.observers import Observers
+from spotrun.supervisor.tier import fast_tier_launch, open_fast_tier
 from spotrun.supervisor.torchrun_command import TorchrunLaunch, read_torchrun_command
 
 log = logging.getLogger(__name__)
@@ -109,25 +110,8 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
             observers.emit("exit", code=EXIT_FINISHED, reason="finished", step=None)
             log.info("%s", finished.finished_line(storage.uri, done, config.s3_endpoint_url))
             return EXIT_FINISHED
-        tier = _open_fast_tier(config)
-        if tier is not None:
-            stack.callback(release_tier, tier)
+        tier = open_fast_tier(config, stack)
         return _Supervisor(config, storage, inbox, control_root, launch, observers, tier).run()
-
-
-def _open_fast_tier(config: SupervisorConfig) -> TierOwner | None:
-    """This run's fast tier (``--memory-interval-steps``), after removing those of killed runs;
-    ``None`` when it is off or cannot be made (said: the job runs with storage only)."""
-    if not config.memory_interval_steps:
-        return None
-    remove_stale_tiers(config.memory_dir)
-    try:
-        tier = create_tier(config.memory_dir, config.checkpoint_uri)
-    except OSError as exc:
-        log.error("cannot make the fast tier under %s (%s): running with storage only", config.memory_dir, exc)
-        return None
-    log.info("fast tier: %s, every %d steps", tier.path, config.memory_interval_steps)
-    return tier
 
 
 class _Supervisor:
@@ -144,8 +128,7 @@ class _Supervisor:
         tier: TierOwner | None = None,
     ):
         self.config = config
-        self.tier = tier
-        self.fast_tier = LocalStorage(tier.steps_root) if tier is not None else None
+        self.tier = tier  # this run's fast tier; None: off
         self.observers = observers
         self.launch = launch  # the rank count the torchrun command asks for; None: not torchrun
         self.storage = storage
@@ -206,8 +189,7 @@ class _Supervisor:
                 supervisor_pid=os.getpid(),
                 log_format=self.config.log_format,
                 retention=self.config.retention_env(),
-                fast_tier=self.fast_tier,
-                fast_tier_env=self.config.fast_tier_env(self.tier.steps_root) if self.tier is not None else None,
+                **fast_tier_launch(self.config, self.tier),
             )
             self.resumed_manifest = plan.resume.manifest if plan.resume is not None else None
             log.info("%s", describe_start(plan.resume, self.launch))
