@@ -124,6 +124,7 @@ class FastTier:
             identity,
             state,
             rank_state,
+            name="fast-tier save",
         )
 
     @property
