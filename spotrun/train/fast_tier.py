@@ -222,7 +222,7 @@ class FastTier:
                     "(budget %s, free in %s: %s); running with storage only",
                     KEPT_STEPS,
                     _size(need),
-                    "the budget" if self.budget_bytes is not None and self.budget_bytes <= (free or 0) else "memory",
+                    "the budget" if self.budget_bytes is not None and room == self.budget_bytes else "memory",
                     _size(room),
                     "none" if self.budget_bytes is None else _size(self.budget_bytes),
                     self.storage.uri,
