@@ -216,7 +216,7 @@ def test_a_fast_tier_over_its_budget_is_refused_with_the_sizes_and_the_job_runs_
     text = log_path.read_text(errors="replace")
     [line] = [line for line in text.splitlines() if "the fast tier does not fit" in line]
     assert "running with storage only" in line
-    assert "budget 1000 B" in line  # the budget as given, not rounded to 0.0 MiB
+    assert "the budget allows 1000 B (budget 1000 B" in line  # as given, not rounded to 0.0 MiB
     assert "KiB" in line or "MiB" in line  # what two steps need
     assert "fast tier failed" not in text and "Traceback" not in text
     assert {row["step"]: row["status"] for row in ls_json(str(ck))} == {4: "complete", 8: "complete"}
