@@ -124,6 +124,7 @@ class FastTier:
             identity,
             state,
             rank_state,
+            name="fast-tier save",
         )
 
     @property
@@ -217,25 +218,25 @@ class FastTier:
         if room is not None and need > room:
             if dist.rank() == 0:
                 log.error(
-                    "the fast tier does not fit: %d steps of this node's ranks take %.1f MiB, but %s allows "
-                    "%.1f MiB (budget %s, free in %s: %s); running with storage only",
+                    "the fast tier does not fit: %d steps of this node's ranks take %s, but %s allows %s "
+                    "(budget %s, free in %s: %s); running with storage only",
                     KEPT_STEPS,
-                    need / 2**20,
-                    "the budget" if self.budget_bytes is not None and self.budget_bytes <= (free or 0) else "memory",
-                    room / 2**20,
-                    "none" if self.budget_bytes is None else f"{self.budget_bytes / 2**20:.1f} MiB",
+                    _size(need),
+                    "the budget" if self.budget_bytes is not None and room == self.budget_bytes else "memory",
+                    _size(room),
+                    "none" if self.budget_bytes is None else _size(self.budget_bytes),
                     self.storage.uri,
-                    "?" if free is None else f"{free / 2**20:.1f} MiB",
+                    "?" if free is None else _size(free),
                 )
             self.enabled = False
             return False
         if dist.rank() == 0:
             log.info(
-                "fast tier in %s: every %d steps, %.1f MiB per step (budget %.1f MiB)",
+                "fast tier in %s: every %d steps, %s per step (budget %s)",
                 self.storage.uri,
                 self.interval_steps,
-                step_bytes / 2**20,
-                (room or need) / 2**20,
+                _size(step_bytes),
+                _size(room or need),
             )
         return True
 
@@ -261,3 +262,13 @@ class FastTier:
         except (SpotrunError, OSError) as exc:
             self.enabled = False
             log.error("the fast tier failed (%s: %s); running with storage only", type(exc).__name__, exc)
+
+
+def _size(size_bytes: int) -> str:
+    """``1000`` -> ``"1000 B"``, ``1536`` -> ``"1.5 KiB"``: a small budget is shown as given, not as 0.0 MiB."""
+    if size_bytes < 1024:
+        return f"{size_bytes} B"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size_bytes >= scale:
+            return f"{size_bytes / scale:.1f} {unit}"
+    return f"{size_bytes} B"

@@ -40,6 +40,7 @@ class Saves:
         storage, meter, identity: where the steps go, the step and save timings, the run id and
             incarnation the saves record (a first save claims it).
         state, rank_state: the Checkpointer's objects, read at each save.
+        name: what the log calls these saves when one is abandoned (the fast tier's: ``"fast-tier save"``).
     """
 
     def __init__(
@@ -51,8 +52,11 @@ class Saves:
         identity: Identity,
         state: dict[str, Any],
         rank_state: dict[str, Any],
+        *,
+        name: str = "background save",
     ) -> None:
         self.options = options
+        self.name = name
         self.saver = BackgroundSaver(meter, after_commit=self._retain)
         self._storage = storage
         self._limits = ShardLimits(
@@ -177,7 +181,7 @@ class Saves:
             return
         if isinstance(ended.error, SaveAbortedError):
             if dist.rank() == 0:
-                log.warning("background save of step %d abandoned: nothing of it was committed", ended.step)
+                log.warning("%s of step %d abandoned: nothing of it was committed", self.name, ended.step)
             return
         if not isinstance(ended.error, CheckpointSaveError) or not count_failure:
             raise ended.error

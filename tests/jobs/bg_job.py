@@ -3,12 +3,15 @@ periodic saves, and holds the background write of one step until the test lets i
 
 Usage (alone, under torchrun, or under `spotrun run -- torchrun`):
     python bg_job.py CKPT_DIR_OR_S3_URI OUT_DIR --steps N --interval K [--gate-from S] [--gate-parts-from P]
-                     [--hold-at H] [--dump-at D ...] [--max-file-bytes B] [--slow-progress]
+                     [--gate-memory-from M] [--hold-at H] [--dump-at D ...] [--max-file-bytes B] [--slow-progress]
 
 * ``--gate-from S``: on this rank, the first save of a step >= S holds its shard writes (of
   parts >= ``--gate-parts-from``, default 0): it writes OUT_DIR/blocked-rank-R (the step),
   then waits until the test opens the FIFO OUT_DIR/release-rank-R (made by the test) for
   writing. Writes after that pass. So the test knows the background write is in progress.
+* ``--gate-memory-from M``: the same for the fast tier's saves (``spotrun run --memory-interval-steps``):
+  the first of a step >= M writes OUT_DIR/blocked-memory-rank-R, then waits on the FIFO
+  OUT_DIR/release-memory-rank-R.
 * ``--hold-at H``: before ``end_of_step(H)``, wait until the supervisor's (or the test's)
   save request exists in ``$SPOTRUN_CONTROL_DIR``, so that every rank sees it at step H.
 * ``--dump-at D``: after step D, write the model and optimizer tensors to
@@ -35,6 +38,7 @@ from spotrun.checkpoint import save as save_module
 from spotrun.control import files as control
 from spotrun.storage import LocalStorage
 from spotrun.storage.s3 import S3Storage
+from spotrun.train import fast_tier
 
 parser = argparse.ArgumentParser()
 parser.add_argument("ckpt_dir")
@@ -43,6 +47,7 @@ parser.add_argument("--steps", type=int, required=True)
 parser.add_argument("--interval", type=int, required=True)
 parser.add_argument("--gate-from", type=int, default=None)
 parser.add_argument("--gate-parts-from", type=int, default=0)
+parser.add_argument("--gate-memory-from", type=int, default=None)
 parser.add_argument("--hold-at", type=int, default=None)
 parser.add_argument("--dump-at", type=int, action="append", default=[])
 parser.add_argument("--max-file-bytes", type=int, default=4 * 2**30)
@@ -71,20 +76,27 @@ class Gate:
 
     gated_step = None
     released = False
+    tier = ""  # the files' infix: "" for storage, "memory-" for the fast tier
+
+    def gate_from(self) -> int | None:
+        return args.gate_from
 
     def _hold(self, key: str) -> None:
-        if args.gate_from is None or self.released or not key.startswith("step-") or "/rank-" not in key:
+        if self.gate_from() is None or self.released or not key.startswith("step-") or "/rank-" not in key:
             return
         step = int(key.split("/")[0].removeprefix("step-"))
         part = int(key.rsplit(".part-", 1)[1].split(".")[0]) if ".part-" in key else 0
-        if step < args.gate_from or part < args.gate_parts_from:
+        if step < self.gate_from() or part < args.gate_parts_from:
             return
         if self.gated_step is None:
             self.gated_step = step
         if step != self.gated_step:
             return
-        write_atomically(os.path.join(out, f"blocked-rank-{rank}"), str(step))
-        with open(os.path.join(out, f"release-rank-{rank}"), "rb") as fifo:  # blocks until the test opens it
+        write_atomically(os.path.join(out, f"blocked-{self.tier}rank-{rank}"), str(step))
+        print(
+            f"bg_job: rank {rank} holds its {self.tier or 'storage-'}write of step {step}", file=sys.stderr, flush=True
+        )
+        with open(os.path.join(out, f"release-{self.tier}rank-{rank}"), "rb") as fifo:  # blocks until opened
             fifo.read()
         self.released = True
 
@@ -108,6 +120,19 @@ class GatedStorage(Gate, LocalStorage):
 
 class GatedS3Storage(Gate, S3Storage):
     pass
+
+
+class GatedMemoryStorage(Gate, LocalStorage):
+    """The fast tier's root (the Checkpointer makes it with ``LocalStorage(root)``), gated by --gate-memory-from."""
+
+    tier = "memory-"
+
+    def gate_from(self) -> int | None:
+        return args.gate_memory_from
+
+
+if args.gate_memory_from is not None:
+    fast_tier.LocalStorage = GatedMemoryStorage
 
 
 storage = (
