@@ -154,6 +154,10 @@ def release_tier(owner: TierOwner) -> None:
 
 
 def free_bytes(path: str) -> int:
-    """Bytes that unprivileged writers may still put on the file system of ``path``."""
+    """Bytes that unprivileged writers may still put on the file system of ``path`` (of its
+    nearest existing parent while ``path`` is not made yet: a tier's steps root before its first save)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
     stats = os.statvfs(path)
     return stats.f_bavail * stats.f_frsize
