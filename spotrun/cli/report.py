@@ -100,8 +100,8 @@ def _percent(fraction: float | None) -> str:
     return "-" if fraction is None else f"{100 * fraction:.1f} %"
 
 
-def render(uri: str, accounting, advice) -> str:
-    """The report as text: a table of incarnations, the totals, the interval suggestion."""
+def _table(accounting) -> list[tuple[str, ...]]:
+    """The rows of the table of incarnations, header and totals included."""
     totals = accounting.totals
     # where each start restored from, when some start read the fast tier (else as it always was)
     tiers = any(r.restore_tier == "memory" for r in accounting.incarnations)
@@ -161,6 +161,14 @@ def render(uri: str, accounting, advice) -> str:
             "",
         )
     )
+    return rows
+
+
+def render(uri: str, accounting, advice) -> str:
+    """The report as text: a table of incarnations, the totals, the interval suggestion."""
+    totals = accounting.totals
+    unended = [r for r in accounting.incarnations if not r.end_recorded]
+    rows = _table(accounting)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [f"event log of {uri}: {totals.incarnations} incarnation(s)", ""]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

@@ -218,6 +218,7 @@ class _Supervisor:
                 run_id=plan.run_id,
                 resumed_step=plan.resume.step if plan.resume is not None else None,
                 resumed_tier=plan.resume_tier,
+                fast_tier_dir=self.tier.steps_root if self.tier is not None else None,
                 resumed_world_size=self.resumed_manifest.world_size if self.resumed_manifest else None,
                 resumed_created_unix_s=self.resumed_manifest.created_unix_s if self.resumed_manifest else None,
                 control_dir=control_dir,
