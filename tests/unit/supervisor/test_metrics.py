@@ -4,9 +4,11 @@ while it runs, and its textfile read after it exited."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import signal
+import subprocess
 import sys
 import urllib.request
 
@@ -33,8 +35,8 @@ def spotrun_run(tmp_path):
     left at the end."""
     started: list[Spotrun] = []
 
-    def start(options, command) -> Spotrun:
-        started.append(Spotrun(tmp_path, options, command))
+    def start(options, command, **kwargs) -> Spotrun:
+        started.append(Spotrun(tmp_path, options, command, **kwargs))
         return started[-1]
 
     yield start
@@ -206,15 +208,18 @@ def test_fast_tier_age_and_size_are_read_from_the_tier_directory(tmp_path):
 
 def test_a_supervisor_with_a_fast_tier_exports_its_newest_step_and_size(spotrun_run, tmp_path):
     """A real `spotrun run --memory-interval-steps`: scraped while running, the fast tier's newest step is
-    one its directory holds complete; the textfile after exit says the tier was released (0 bytes)."""
+    one its directory holds complete, and `spotrun ls` lists it; the textfile after exit says the tier was
+    released (0 bytes). The root is given relative: the tier records it as the workers get it (absolute)."""
     from spotrun.storage.tier_dir import list_tiers
 
-    textfile, memory_dir = tmp_path / "spotrun.prom", tmp_path / "mem"
-    run = start_job(
-        spotrun_run,
-        tmp_path,
-        ["--metrics-port", "0", "--metrics-address", "127.0.0.1", "--metrics-textfile", str(textfile)]
+    textfile, memory_dir, out = tmp_path / "spotrun.prom", tmp_path / "mem", tmp_path / "out"
+    out.mkdir()
+    run = spotrun_run(
+        ["--checkpoint-uri", "ck", "--notice", "none", *FAST]
+        + ["--metrics-port", "0", "--metrics-address", "127.0.0.1", "--metrics-textfile", str(textfile)]
         + ["--memory-interval-steps", "4", "--memory-dir", str(memory_dir)],
+        [sys.executable, JOB, out, "--interval", str(SAVE_INTERVAL)],
+        cwd=tmp_path,
     )
     run.wait_until(lambda: re.search(r"metrics: http://127\.0\.0\.1:(\d+)/metrics", run.log()), "the endpoint")
     url = re.search(r"metrics: (http://127\.0\.0\.1:\d+/metrics)", run.log()).group(1)
@@ -232,6 +237,16 @@ def test_a_supervisor_with_a_fast_tier_exports_its_newest_step_and_size(spotrun_
     assert scraped["spotrun_fast_tier_newest_complete_step"] <= max(held)  # the tier only grows while running
     assert scraped["spotrun_fast_tier_age_seconds"] >= 0
     assert scraped["spotrun_fast_tier_size_bytes"] > 0
+    assert tier.checkpoint_uri == str(tmp_path / "ck")
+    listed = subprocess.run(
+        [sys.executable, "-m", "spotrun", "ls", str(tmp_path / "ck"), "--json", "--memory-dir", str(memory_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr
+    in_memory = [r["step"] for r in json.loads(listed.stdout) if r["tier"] == "memory"]
+    assert in_memory and max(in_memory) >= scraped["spotrun_fast_tier_newest_complete_step"]
 
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait() == 143, run.log()
