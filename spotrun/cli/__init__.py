@@ -1,4 +1,4 @@
-"""The ``spotrun`` command line: ``run``, ``ls`` and ``preflight`` here, ``drill``, ``gc``,
+"""The ``spotrun`` command line: ``run`` and ``preflight`` here, ``ls`` in :mod:`.ls`, ``drill``, ``gc``,
 ``verify``, ``export`` and ``report`` in a module each (:mod:`.subcommands`); the reference is
 generated from these parsers (docs/reference/cli.md).
 
@@ -22,7 +22,6 @@ import time
 STARTED_UNIX_S = time.time()
 
 import argparse  # noqa: E402 (after the clock above)
-import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -35,8 +34,9 @@ from spotrun.cli._shared import (  # noqa: E402
     launch_command,
     location_of,
 )
+from spotrun.cli.ls import add_parser as add_ls_parser  # noqa: E402
+from spotrun.cli.ls import utc_iso  # noqa: E402,F401 (spotrun.cli.utc_iso, as before)
 from spotrun.cli.subcommands import register_all  # noqa: E402
-from spotrun.control.env import DEFAULT_CHECKPOINT_URI  # noqa: E402
 from spotrun.errors import SpotrunError  # noqa: E402
 from spotrun.supervisor.config import add_options  # noqa: E402
 from spotrun.tools.logs import configure_logging, log_format_from_env  # noqa: E402
@@ -80,17 +80,7 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
     if run_defaults:
         run.set_defaults(**run_defaults)
 
-    ls = sub.add_parser("ls", parents=[common], help="list checkpoints and whether they are complete")
-    ls.add_argument(
-        "uri",
-        metavar="URI",
-        nargs="?",
-        default=DEFAULT_CHECKPOINT_URI,
-        help=f"checkpoint root: local dir, file:// or s3://bucket/prefix (default {DEFAULT_CHECKPOINT_URI})",
-    )
-    add_storage_options(ls)
-    ls.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    ls.set_defaults(handler=_cmd_ls, default_log_level="warning")
+    add_ls_parser(sub, common)
 
     check = sub.add_parser(
         "preflight",
@@ -126,54 +116,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return supervise(config, observers)
 
 
-def _cmd_ls(args: argparse.Namespace) -> int:
-    from spotrun.checkpoint.catalog import list_steps
-
-    location = location_of(args.uri, args)
-    storage = location.open_existing(check_objects=False)
-    steps = list_steps(storage)
-    if not steps:  # the one listing found no step: is anything stored there at all?
-        location.check_objects_exist(storage)
-    if args.json:
-        print(
-            json.dumps(
-                [
-                    {**s.to_json(), "meshes": s.manifest.meshes if s.manifest else None, "layout": _layout(s)}
-                    for s in steps
-                ],
-                indent=1,
-            )
-        )
-        return 0
-    if not steps:
-        print(f"no checkpoints under {storage.uri}")
-        return 0
-    rows = [("STEP", "STATUS", "LAYOUT", "SIZE", "TIME (UTC)", "REASON", "PROBLEM")]
-    for s in steps:
-        rows.append(
-            (
-                str(s.step),
-                s.status,
-                _layout(s) or "-",
-                human_size(s.size_bytes),
-                utc_iso(s.created_unix_s),
-                s.reason or "-",
-                s.problem or "-",
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
-    return 0
-
-
-def _layout(step) -> str | None:
-    """A listed step's layout (``"4 ranks, mesh 2x2"``); ``None`` without a readable manifest."""
-    from spotrun.checkpoint.rank_layout import describe_layout
-
-    return None if step.manifest is None else describe_layout(step.manifest.world_size, step.manifest.meshes)
-
-
 def _cmd_preflight(args: argparse.Namespace) -> int:
     from spotrun.supervisor.preflight import check_storage
 
@@ -183,11 +125,6 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
         f"overwriting ({result.commit_primitive}) ({result.elapsed_s:.2f} s)"
     )
     return 0
-
-
-def utc_iso(unix_s: float) -> str:
-    """Seconds since the epoch as ``2025-11-30T06:04:00Z``."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix_s))
 
 
 def _error_text(exc: SpotrunError) -> str:

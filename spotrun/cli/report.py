@@ -26,7 +26,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         parents=[common],
         help="goodput of a run: time and steps lost to preemptions",
         description="Per incarnation (one start of the job) and in total: wall time, steps trained, "
-        "steps lost (trained, then trained again after a preemption), start-up, restore, time "
+        "steps lost (trained, then trained again after a preemption: counted from the step the next start "
+        "resumed, in memory or on storage), start-up, restore (and, when a start read the fast tier, where "
+        "from), time "
         "training was blocked by saves, time from a notice to the exit, and goodput (time training "
         "the steps that were kept / wall time); then a checkpoint interval from the measured save "
         "cost and the observed rate of interruptions that lost work (Young/Daly), with the goodput "
@@ -98,9 +100,15 @@ def _percent(fraction: float | None) -> str:
     return "-" if fraction is None else f"{100 * fraction:.1f} %"
 
 
-def render(uri: str, accounting, advice) -> str:
-    """The report as text: a table of incarnations, the totals, the interval suggestion."""
+def _table(accounting) -> list[tuple[str, ...]]:
+    """The rows of the table of incarnations, header and totals included."""
     totals = accounting.totals
+    # where each start restored from, when some start read the fast tier (else as it always was)
+    tiers = any(r.restore_tier == "memory" for r in accounting.incarnations)
+
+    def tier(cell: str) -> tuple[str, ...]:
+        return (cell,) if tiers else ()
+
     rows = [
         (
             "INC",
@@ -111,6 +119,7 @@ def render(uri: str, accounting, advice) -> str:
             "LOST",
             "START-UP",
             "RESTORE",
+            *tier("FROM"),
             "SAVE STALL",
             "NOTICE->EXIT",
             "ENDED",
@@ -129,6 +138,7 @@ def render(uri: str, accounting, advice) -> str:
                 f"{r.steps_lost}{more}",
                 duration(r.startup_s),
                 duration(r.restore_s),
+                *tier(r.restore_tier or "-"),
                 duration(r.save_stall_s),
                 duration(r.notice_to_exit_s),
                 r.ended,
@@ -145,11 +155,20 @@ def render(uri: str, accounting, advice) -> str:
             f"{totals.steps_lost}{more}",
             duration(totals.startup_s),
             duration(totals.restore_s),
+            *tier(""),
             duration(totals.save_stall_s),
             duration(totals.notice_to_exit_s),
             "",
         )
     )
+    return rows
+
+
+def render(uri: str, accounting, advice) -> str:
+    """The report as text: a table of incarnations, the totals, the interval suggestion."""
+    totals = accounting.totals
+    unended = [r for r in accounting.incarnations if not r.end_recorded]
+    rows = _table(accounting)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [f"event log of {uri}: {totals.incarnations} incarnation(s)", ""]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

@@ -18,6 +18,9 @@ from spotrun.eventlog.records import key_host
 #: How an incarnation ended, as shown; from the supervisor's exit when it wrote one.
 SAVED_ENDINGS = ("preempted_saved", "stopped_saved")
 _PERIODIC = ("periodic", "requested")
+#: A save record's ``tier`` (none in logs from before the fast tier: storage).
+MEMORY_TIER = "memory"
+STORAGE_TIER = "storage"
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,12 @@ class Incarnation:
     crashed - the supervisor may still have recorded the command's exit - or still running):
     the log stops up to ``event_interval_s`` before the end, so its
     wall time, last step, steps trained and steps lost are lower bounds.
+    ``restore_tier``: where its start read the resumed step, ``"memory"`` (the fast tier) or
+    ``"storage"`` (``None``: a fresh start, or a log from before tiers). ``saves`` counts its saves
+    to storage, ``memory_saves`` those to the fast tier; ``newest_saved_step`` is the newest step
+    committed in any tier by its end (its resumed step when none was), in ``newest_saved_tier``:
+    the step the next start can resume from at best (its steps lost count against the step it
+    did resume from: a fast-tier step lost with its node or failing verification is not resumed).
     """
 
     number: int | None
@@ -70,6 +79,10 @@ class Incarnation:
     interval_steps: int | None
     event_interval_s: float | None = None
     end_recorded: bool = True
+    restore_tier: str | None = None
+    memory_saves: int = 0
+    newest_saved_step: int | None = None
+    newest_saved_tier: str | None = None
 
 
 @dataclass(frozen=True)
@@ -239,7 +252,7 @@ def account(
         r
         for n in numbers
         for r in rank_objects[n]
-        if r["event"] == "save" and r.get("reason") in _PERIODIC and r.get("committed")
+        if r["event"] == "save" and r.get("reason") in _PERIODIC and r.get("committed") and r.get("tier") != MEMORY_TIER
     ]
     owned = {id(launch) for launch in owners.values() if launch is not None}
     for launch in supervisor_launches:  # launches that never started training
@@ -275,7 +288,10 @@ def _incarnation_row(
     lost = max(0, last - following) if following is not None else 0
     kept = max(0, (min(last, following) if following is not None else last) - resumed)
     saves = [r for r in records if r["event"] == "save"]
+    # a fast-tier save's staging copy blocks training as a storage save's does
     stall_s = sum(float(r.get("stall_s") or 0.0) for r in saves if r.get("step", last) < last)
+    in_memory = [r for r in saves if r.get("tier") == MEMORY_TIER]
+    newest_saved = _newest_saved(saves, resumed, start.get("restore_tier"))
     trained = last - resumed
     training_s = max(0.0, (last_s or start["time_unix_s"]) - start["time_unix_s"] - stall_s)
     step_time_s = training_s / trained if trained > 0 and training_s > 0 else None
@@ -293,7 +309,7 @@ def _incarnation_row(
         startup_s=max(0.0, restore_began - began) if first_of_launch and launch is not None else None,
         restore_s=restore_s,
         save_stall_s=stall_s,
-        saves=len(saves),
+        saves=len(saves) - len(in_memory),
         training_s=training_s,
         step_time_s=step_time_s,
         useful_s=kept * (step_time_s or 0.0),
@@ -303,7 +319,24 @@ def _incarnation_row(
         interval_steps=start.get("interval_steps"),
         event_interval_s=start.get("event_interval_s"),
         end_recorded=_first(records, "exit") is not None or _first(records, "stop") is not None,
+        restore_tier=start.get("restore_tier"),
+        memory_saves=len(in_memory),
+        newest_saved_step=newest_saved[0],
+        newest_saved_tier=newest_saved[1],
     )
+
+
+def _newest_saved(
+    saves: Sequence[dict[str, Any]], resumed: int, restore_tier: str | None
+) -> tuple[int | None, str | None]:
+    """``(step, tier)``: the newest step committed by ``saves`` in any tier, else the resumed
+    one (``(None, None)`` for a fresh start that committed none); storage first at one step."""
+    committed = [(r["step"], r.get("tier") or STORAGE_TIER) for r in saves if r.get("committed")]
+    if resumed:
+        committed.append((resumed, restore_tier or STORAGE_TIER))
+    if not committed:
+        return None, None
+    return max(committed, key=lambda saved: (saved[0], saved[1] == STORAGE_TIER))
 
 
 def _idle_launch_row(launch: Launch) -> Incarnation:

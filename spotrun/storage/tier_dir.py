@@ -37,7 +37,8 @@ class TierOwner:
         path: the tier directory.
         pid: the owning supervisor's process id.
         pid_start_ticks: that process's start time (``/proc/PID/stat``), so a reused pid is not its owner.
-        checkpoint_uri: the durable root of the job the tier belongs to.
+        checkpoint_uri: the durable root of the job the tier belongs to, in one spelling (a local
+            directory absolute: :attr:`spotrun.storage.StorageLocation.uri`).
         created_unix_s: when the tier was created.
     """
 
@@ -109,6 +110,14 @@ def list_tiers(memory_dir: str) -> list[TierOwner]:
             # no owner file yet (a tier being created) or a damaged one: an orphan if old
             tiers.append(TierOwner(path, -1, None, "", _mtime(path)))
     return tiers
+
+
+def tiers_of(memory_dir: str, checkpoint_uri: str) -> tuple[list[TierOwner], list[TierOwner]]:
+    """The tiers under ``memory_dir`` of the job whose root is ``checkpoint_uri`` (in the spelling
+    the supervisor records: :attr:`spotrun.storage.StorageLocation.uri`), as ``(live, stale)``:
+    a stale one's owner is gone, so it is never read."""
+    mine = [t for t in list_tiers(memory_dir) if t.pid >= 0 and t.checkpoint_uri == checkpoint_uri]
+    return [t for t in mine if t.alive()], [t for t in mine if not t.alive()]
 
 
 def _mtime(path: str) -> float:

@@ -8,6 +8,7 @@ serves it. Every metric and where its figures come from: docs/operations/metrics
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,8 +17,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
+from spotrun.checkpoint import catalog
 from spotrun.control import files as control
 from spotrun.errors import SpotrunError
+from spotrun.storage import LocalStorage
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +49,11 @@ class SupervisorMetrics:
         self._control_dir: str | None = None
         self._counted_saves: set[tuple[int, float]] = set()  # (step, committed_unix_s) of this launch
         self._newest: tuple[int, float] | None = None  # (step, committed_unix_s)
+        self._fast_tier_dir: str | None = None  # the steps root of this run's fast tier, if it has one
         self._declare_launch_metrics()
         self._declare_save_metrics()
         self._declare_notice_and_exit_metrics()
+        self._declare_fast_tier_metrics()
         self._set_gauges: set[Gauge] = set()  # a gauge is shown once set: absent means not known yet
         self._always = [  # counters and histograms: 0 is a true count
             self.launches,
@@ -73,6 +78,9 @@ class SupervisorMetrics:
             self.newest_step,
             self.newest_time,
             self.newest_age,
+            self.fast_tier_newest_step,
+            self.fast_tier_age,
+            self.fast_tier_size,
             self.exit_code,
             self.exit_reason,
         ]
@@ -127,6 +135,15 @@ class SupervisorMetrics:
         self.exit_code = _gauge("spotrun_exit_code", "spotrun's exit code (once it exited).")
         self.exit_reason = _gauge("spotrun_exit_reason", "1 for the reason spotrun exited.", ("reason",))
 
+    def _declare_fast_tier_metrics(self) -> None:
+        self.fast_tier_newest_step = _gauge(
+            "spotrun_fast_tier_newest_complete_step", "Newest complete step in this node's fast tier."
+        )
+        self.fast_tier_age = _gauge(
+            "spotrun_fast_tier_age_seconds", "Seconds since the fast tier's newest complete step was committed."
+        )
+        self.fast_tier_size = _gauge("spotrun_fast_tier_size_bytes", "Bytes this node's fast tier holds.")
+
     # --- observer -----------------------------------------------------------------
 
     def event(self, name: str, fields: dict[str, Any]) -> None:
@@ -146,6 +163,7 @@ class SupervisorMetrics:
         self.launches.inc()
         self._set(self.incarnation, fields["incarnation"])
         self._control_dir = fields.get("control_dir")
+        self._fast_tier_dir = fields.get("fast_tier_dir")
         self._counted_saves = set()
         step = fields.get("resumed_step")
         self._set(self.resumed_step, step or 0)
@@ -227,9 +245,43 @@ class SupervisorMetrics:
             self._refresh()
             if self._newest is not None:
                 self._set(self.newest_age, max(0.0, self._clock() - self._newest[1]))
+            self._read_fast_tier()
             shown = [*self._always, *(g for g in self._gauges if g in self._set_gauges)]
             families = [family for metric in shown for family in metric.collect()]
         yield from families
+
+    def _read_fast_tier(self) -> None:
+        """The fast tier's newest complete step, its age and the tier's bytes, from its directory
+        (the caller holds the lock). Once the tier is released (the supervisor's exit): 0 bytes, no step."""
+        root = self._fast_tier_dir
+        if root is None:
+            return
+        if not os.path.isdir(root):
+            self._set(self.fast_tier_size, 0)
+            self._set_gauges.difference_update((self.fast_tier_newest_step, self.fast_tier_age))
+            return
+        self._set(self.fast_tier_size, _bytes_under(root))
+        try:
+            steps = catalog.list_steps(LocalStorage(root))
+        except (SpotrunError, OSError) as exc:  # a step deleted while listed: the next collection sees it
+            log.debug("metrics: listing the fast tier %s: %s", root, exc)
+            return
+        complete = [s for s in steps if s.status == catalog.COMPLETE]
+        if complete:
+            self._set(self.fast_tier_newest_step, complete[-1].step)
+            self._set(self.fast_tier_age, max(0.0, self._clock() - complete[-1].newest_object_unix_s))
+
+
+def _bytes_under(root: str) -> int:
+    """Bytes of the files under ``root`` (files deleted meanwhile not counted)."""
+    total = 0
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def _quietly(read: Callable[[str], Any], control_dir: str) -> Any:

@@ -1,10 +1,9 @@
 """The node supervisor behind ``spotrun run -- LAUNCH_COMMAND...``, one per node.
 
-It checks the storage, starts the command with the newest complete checkpoint as its resume
-point, turns a preemption notice into a save request with a deadline (never a signal to
-torchrun, which treats those as fatal), stops the whole process tree at the deadline, and
-exits with a code that says what happened (0, 143, 142, 2, 86 or the command's own). It is a
-child subreaper and must be the only code in its process that waits for children.
+It checks the storage, starts the command from the newest complete checkpoint (storage's or its
+fast tier's), turns a notice into a save request with a deadline (never a signal to torchrun, which
+treats those as fatal), stops the process tree at the deadline, and exits with a code that says what
+happened (0, 143, 142, 2, 86 or the command's own); a child subreaper, the only waiter for children.
 The sequence and the exit codes: ``docs/design/internals.md`` (Supervisor and control channel).
 """
 
@@ -200,6 +199,7 @@ class _Supervisor:
                 run_id=plan.run_id,
                 resumed_step=plan.resume.step if plan.resume is not None else None,
                 resumed_tier=plan.resume_tier,
+                fast_tier_dir=self.tier.steps_root if self.tier is not None else None,
                 resumed_world_size=self.resumed_manifest.world_size if self.resumed_manifest else None,
                 resumed_created_unix_s=self.resumed_manifest.created_unix_s if self.resumed_manifest else None,
                 control_dir=control_dir,

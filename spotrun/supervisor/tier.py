@@ -21,7 +21,7 @@ def open_fast_tier(config: SupervisorConfig, stack: contextlib.ExitStack) -> Tie
         return None
     remove_stale_tiers(config.memory_dir)
     try:
-        tier = create_tier(config.memory_dir, config.checkpoint_uri)
+        tier = create_tier(config.memory_dir, config.location.uri)  # as the workers get it: one spelling
     except OSError as exc:
         log.error("cannot make the fast tier under %s (%s): running with storage only", config.memory_dir, exc)
         return None

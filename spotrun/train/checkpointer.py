@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import fields, replace
+from functools import partial
 from typing import Any
 
 from spotrun.checkpoint.background import BackgroundSaver
@@ -27,7 +28,7 @@ from spotrun.tools.gc_pause import gc_paused
 from spotrun.train.apply import check_state_names
 from spotrun.train.decision import Action, StepContext, decide
 from spotrun.train.events import TrainingEvents
-from spotrun.train.fast_tier import open_fast_tier
+from spotrun.train.fast_tier import MEMORY_TIER, open_fast_tier
 from spotrun.train.fence_report import reports_fence
 from spotrun.train.identity import Identity
 from spotrun.train.meter import SaveMeter
@@ -109,7 +110,14 @@ class Checkpointer:
             on_save_ended=self._events.save_ended,
         )
         self._saves = Saves(options, env, self._storage, self._meter, self._identity, self._state, self._rank_state)
-        self._tier = open_fast_tier(options, env, self._identity, self._state, self._rank_state)
+        self._tier = open_fast_tier(
+            options,
+            env,
+            self._identity,
+            self._state,
+            self._rank_state,
+            on_save_ended=partial(self._events.save_ended, tier=MEMORY_TIER),
+        )
         self.preempted = False
         self._requests = StopRequests(env, handle_signals=handle_signals)
 

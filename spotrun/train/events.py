@@ -91,10 +91,13 @@ class TrainingEvents:
         stall_s: float,
         duration_s: float,
         size_bytes: int | None,
+        tier: str = "storage",
     ) -> None:
-        """A save ended (any thread)."""
+        """A save ended (any thread); ``tier``: where it was written, ``"storage"`` or ``"memory"``
+        (the fast tier)."""
         self._append(
             "save",
+            tier=tier,
             step=step,
             reason=reason,
             committed=committed,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -34,6 +35,8 @@ log = logging.getLogger("spotrun.checkpointer")
 
 #: The reason recorded in a fast-tier step's manifest.
 MEMORY_REASON = "memory"
+#: The tier's name where a step's tier is said (``spotrun ls``, the event log's records).
+MEMORY_TIER = "memory"
 #: Complete steps the tier keeps after a commit (the newest and the one before it).
 KEPT_STEPS = 2
 
@@ -59,10 +62,13 @@ def open_fast_tier(
     identity: Identity,
     state: dict[str, Any],
     rank_state: dict[str, Any],
+    on_save_ended: Callable[..., None] | None = None,
 ) -> FastTier | None:
     """The Checkpointer's fast tier when one is set (options, else ``spotrun run``'s environment);
     ``None`` without one, or on more than one node (said: a node's tier alone cannot hold the
-    parts of a step that other nodes' ranks wrote)."""
+    parts of a step that other nodes' ranks wrote). ``on_save_ended``: told of every fast-tier
+    save that ended, as :class:`~spotrun.train.meter.SaveMeter`'s (the event log's ``save``
+    records, with ``tier`` ``"memory"``)."""
     root, interval = tier_settings(options, env)
     if root is None:
         return None
@@ -74,7 +80,7 @@ def open_fast_tier(
             )
         return None
     budget = options.memory_budget_bytes if options.memory_budget_bytes is not None else env.memory_budget_bytes
-    return FastTier(root, interval, budget, options, env, identity, state, rank_state)
+    return FastTier(root, interval, budget, options, env, identity, state, rank_state, on_save_ended)
 
 
 class FastTier:
@@ -85,6 +91,8 @@ class FastTier:
         interval_steps: save every this many steps.
         budget_bytes: most bytes the tier may hold on this node; ``None``: its free space.
         options, env, identity, state, rank_state: the Checkpointer's.
+        on_save_ended: called with the figures of every fast-tier save that ended (as
+            :class:`~spotrun.train.meter.SaveMeter`'s).
     """
 
     def __init__(
@@ -97,6 +105,7 @@ class FastTier:
         identity: Identity,
         state: dict[str, Any],
         rank_state: dict[str, Any],
+        on_save_ended: Callable[..., None] | None = None,
     ) -> None:
         self.storage: Storage = LocalStorage(root)
         self._root = root
@@ -115,7 +124,7 @@ class FastTier:
             on_save_in_flight="skip",
             max_failed_periodic_saves=0,
         )
-        meter = SaveMeter(None, publishes=False, check_interval_steps=1)
+        meter = SaveMeter(None, publishes=False, check_interval_steps=1, on_save_ended=on_save_ended)
         self.saves = Saves(
             tier_options,
             replace(env, keep_last=None, keep_every=None),

@@ -219,3 +219,89 @@ def test_layout_of_a_real_two_rank_save(tmp_path):
     assert (row["world_size"], row["meshes"], row["layout"]) == (2, [], "2 ranks")
     [_header, line] = spotrun_ls(str(ck)).stdout.splitlines()
     assert line.split()[:4] == ["2", "complete", "2", "ranks"]
+
+
+# --- the fast tier: steps held in this machine's memory ------------------------------------------
+
+
+@pytest.fixture
+def tiered_root(tmp_path) -> tuple[pathlib.Path, pathlib.Path]:
+    """A root with steps 20 and 40 on storage, and a live fast tier (owned by this test process,
+    as a running `spotrun run` owns its own) holding steps 24 and 26 of it; another root's tier too."""
+    from spotrun.storage.tier_dir import create_tier
+
+    root, memory_dir = tmp_path / "ckpt", tmp_path / "mem"
+    write_step(str(root), 20, created_unix_s=CREATED_UNIX_S)
+    write_step(str(root), 40, created_unix_s=CREATED_UNIX_S)
+    tier = create_tier(str(memory_dir), str(root))
+    write_step(tier.steps_root, 24, reason="memory", created_unix_s=CREATED_UNIX_S)
+    write_step(tier.steps_root, 26, reason="memory", created_unix_s=CREATED_UNIX_S, world_size=2)
+    other = create_tier(str(memory_dir), str(tmp_path / "other-job"))
+    write_step(other.steps_root, 99, reason="memory")
+    return root, memory_dir
+
+
+def test_json_gives_every_step_its_tier_memory_or_storage(tiered_root):
+    root, memory_dir = tiered_root
+    done = spotrun_ls(str(root), "--json", "--memory-dir", str(memory_dir))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert [(r["step"], r["tier"], r["status"]) for r in rows] == [
+        (20, "storage", "complete"),
+        (24, "memory", "complete"),
+        (26, "memory", "complete"),
+        (40, "storage", "complete"),
+    ]
+    assert rows[2]["layout"] == "2 ranks" and rows[2]["reason"] == "memory"
+
+
+def test_the_tier_of_a_root_is_found_under_any_spelling_of_the_root(tiered_root):
+    """`spotrun run` records the root as the workers get it (absolute); `ls` may name it relatively or as file://."""
+    root, memory_dir = tiered_root
+    for uri, cwd in ((f"file://{root}", None), ("ckpt", root.parent), ("./ckpt/", root.parent)):
+        done = spotrun_ls(uri, "--json", "--memory-dir", str(memory_dir), cwd=cwd)
+        assert done.returncode == 0, done.stderr
+        assert [r["step"] for r in json.loads(done.stdout) if r["tier"] == "memory"] == [24, 26], uri
+
+
+def test_table_has_a_tier_column_when_the_fast_tier_holds_steps(tiered_root):
+    root, memory_dir = tiered_root
+    done = spotrun_ls(str(root), "--memory-dir", str(memory_dir))
+    assert done.returncode == 0, done.stderr
+    header, *lines = done.stdout.splitlines()
+    assert header.split()[:3] == ["STEP", "TIER", "STATUS"]
+    assert [line.split()[:3] for line in lines] == [
+        ["20", "storage", "complete"],
+        ["24", "memory", "complete"],
+        ["26", "memory", "complete"],
+        ["40", "storage", "complete"],
+    ]
+
+
+def test_a_root_without_a_fast_tier_lists_as_before(ckpt, tiered_root):
+    """No TIER column (the table scripts read stays as it was); in JSON every step is on storage."""
+    _root, memory_dir = tiered_root
+    header = spotrun_ls(str(ckpt), "--memory-dir", str(memory_dir)).stdout.splitlines()[0]
+    assert header.split() == ["STEP", "STATUS", "LAYOUT", "SIZE", "TIME", "(UTC)", "REASON", "PROBLEM"]
+    rows = json.loads(spotrun_ls(str(ckpt), "--json", "--memory-dir", str(memory_dir)).stdout)
+    assert {r["tier"] for r in rows} == {"storage"}
+
+
+def test_a_stale_tier_of_the_root_is_named_and_not_listed(tmp_path):
+    """Its `spotrun run` is gone (SIGKILLed): never resumed from, so its steps are not shown as loadable."""
+    from spotrun.storage.tier_dir import OWNER_FILE, create_tier
+
+    root, memory_dir = tmp_path / "ckpt", tmp_path / "mem"
+    write_step(str(root), 20)
+    tier = create_tier(str(memory_dir), str(root))
+    write_step(tier.steps_root, 26, reason="memory")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owner = json.loads((pathlib.Path(tier.path) / OWNER_FILE).read_text())
+    owner["pid"] = int(gone.stdout)
+    (pathlib.Path(tier.path) / OWNER_FILE).write_text(json.dumps(owner))
+
+    done = spotrun_ls(str(root), "--json", "--memory-dir", str(memory_dir))
+    assert done.returncode == 0, done.stderr
+    assert [(r["step"], r["tier"]) for r in json.loads(done.stdout)] == [(20, "storage")]
+    assert f"the fast tier {tier.path} of this root is stale" in done.stderr
+    assert pathlib.Path(tier.path).exists(), "ls only reads: the next spotrun run removes a stale tier"

@@ -36,6 +36,9 @@ EXPECTED = {
     "metrics_textfile": ("/var/lib/node_exporter/spotrun.prom", "/var/lib/node_exporter/spotrun.prom"),
     "keep_last": ("5", 5),
     "keep_every": ("100", 100),
+    "memory_interval_steps": ("10", 10),
+    "memory_dir": ("/dev/shm/job", "/dev/shm/job"),
+    "memory_budget_bytes": ("8000000000", 8000000000),
     "log_level": ("debug", "debug"),
     "log_format": ("json", "json"),
 }

@@ -165,3 +165,27 @@ def test_report_reads_the_event_log_of_an_s3_root(s3_bucket):
     ]
     done = spotrun_cli("report", uri)  # the endpoint from AWS_ENDPOINT_URL
     assert done.returncode == 0 and "goodput" in done.stdout, done.stderr
+
+
+def test_fast_tier_saves_are_recorded_with_their_tier_and_a_restore_from_memory_with_its_tier(tmp_path):
+    storage = LocalStorage(str(tmp_path / "ck"))
+    state = {"weights": {"w": torch.zeros(4)}}
+    tier = {"memory_interval_steps": 2, "memory_dir": str(tmp_path / "mem")}
+    ckpt = spotrun.Checkpointer(state=state, storage=storage, interval_steps=4, handle_signals=False, **tier)
+    assert ckpt.restore() == 0
+    for step in range(1, 4):  # one fast-tier save (step 2), nothing in flight before it: never skipped
+        ckpt.end_of_step(step)
+    ckpt.close()
+    saves = [r for r in stored(storage, rank_key(0, 0)) if r["event"] == "save"]
+    assert [(r["step"], r["tier"], r["reason"], r["committed"]) for r in saves] == [(2, "memory", "memory", True)]
+    assert saves[0]["size_bytes"] > 0
+
+    again = spotrun.Checkpointer(state=state, storage=storage, interval_steps=4, handle_signals=False, **tier)
+    assert again.restore() == 2
+    for step in range(3, 5):
+        again.end_of_step(step)
+    again.close()
+    records = stored(storage, rank_key(1, 0))
+    assert (records[0]["resumed_step"], records[0]["restore_tier"]) == (2, "memory")
+    saved = sorted((r["step"], r["tier"]) for r in records if r["event"] == "save")
+    assert saved == [(4, "memory"), (4, "storage")]  # each tier's own save, on threads of their own

@@ -304,3 +304,65 @@ def test_a_start_whose_rank_0_recorded_no_end_is_a_lower_bound():
     rows = account({0: ranks[0], 1: ranks[1]}, launches(supervisors)).incarnations
     assert [r.steps_lost for r in rows] == [5, 0]
     assert [r.end_recorded for r in rows] == [False, True]
+
+
+# --- the fast tier: saves to memory and restores from it -----------------------------------------
+
+
+def memory_save(t, step, stall_s=0.01, duration_s=0.05):
+    return {**save(t, step, stall_s, duration_s, reason="memory"), "tier": "memory"}
+
+
+def crash_resumed_from_memory():
+    """Storage every 20 steps, the fast tier every 2: a worker crashed after step 27 (newest in memory:
+    26) and the supervisor restarted the command, which read step 26 from memory and finished at 40."""
+    supervisors = [
+        (
+            "supervisor-node-a-00000001",
+            0,
+            [rec("start", 100, process_started_unix_s=99), rec("launch", 101, incarnation=0)],
+        ),
+        ("supervisor-node-a-00000001", 1, [rec("launch", 140, incarnation=1)]),
+    ]
+    ranks = {
+        0: [
+            rank_start(105, 1.0, None, 0, interval_steps=20),
+            save(126, 20, 0.5, 1.0),
+            memory_save(126.5, 22),
+            memory_save(128.5, 24),
+            memory_save(130.5, 26),
+            rec("progress", 131.5, step=27),
+        ],
+        1: [
+            {**rank_start(142, 0.5, 26, 1, interval_steps=20), "restore_tier": "memory"},
+            save(157, 40, 0.5, 1.0, reason="final"),
+            rec("exit", 157.5, step=40),
+            rec("progress", 156, step=40),
+        ],
+    }
+    return ranks, launches(supervisors)
+
+
+def test_a_resume_from_the_fast_tier_loses_only_the_steps_after_its_newest_step():
+    ranks, sups = crash_resumed_from_memory()
+    rows = account(ranks, sups).incarnations
+    assert [(r.resumed_step, r.last_step, r.steps_lost) for r in rows] == [(0, 27, 1), (26, 40, 0)]
+    assert [r.restore_tier for r in rows] == [None, "memory"]
+    assert [(r.newest_saved_step, r.newest_saved_tier) for r in rows] == [(26, "memory"), (40, "storage")]
+    assert [(r.saves, r.memory_saves) for r in rows] == [(1, 3), (1, 0)]
+
+
+def test_a_fast_tier_step_not_resumed_counts_the_steps_trained_again_from_storage():
+    """The tier's step 26 failed verification (or the tier was lost): the restart read step 20 from storage."""
+    ranks, sups = crash_resumed_from_memory()
+    ranks[1][0] = {**ranks[1][0], "resumed_step": 20, "restore_tier": "storage"}
+    rows = account(ranks, sups).incarnations
+    assert rows[0].steps_lost == 7
+    assert (rows[0].newest_saved_step, rows[0].newest_saved_tier, rows[1].restore_tier) == (26, "memory", "storage")
+
+
+def test_fast_tier_saves_stall_training_but_do_not_count_as_periodic_saves_for_the_interval():
+    ranks, sups = crash_resumed_from_memory()
+    accounting = account(ranks, sups)
+    assert accounting.incarnations[0].save_stall_s == pytest.approx(0.5 + 3 * 0.01)
+    assert [r["step"] for r in accounting.saves] == [20]

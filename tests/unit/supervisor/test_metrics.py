@@ -4,9 +4,11 @@ while it runs, and its textfile read after it exited."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import signal
+import subprocess
 import sys
 import urllib.request
 
@@ -33,8 +35,8 @@ def spotrun_run(tmp_path):
     left at the end."""
     started: list[Spotrun] = []
 
-    def start(options, command) -> Spotrun:
-        started.append(Spotrun(tmp_path, options, command))
+    def start(options, command, **kwargs) -> Spotrun:
+        started.append(Spotrun(tmp_path, options, command, **kwargs))
         return started[-1]
 
     yield start
@@ -161,3 +163,93 @@ def test_each_save_is_counted_once_however_often_the_measurements_are_read(tmp_p
     found = scrape()
     assert (found["spotrun_exit_code"], found['spotrun_exit_reason{reason="failed"}']) == (1, 1)
     assert found['spotrun_saves_total{reason="periodic"}'] == 2
+
+
+# --- the fast tier -------------------------------------------------------------------------------
+
+
+def bytes_under(path: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_fast_tier_age_and_size_are_read_from_the_tier_directory(tmp_path):
+    """The newest complete step (an incomplete newer one does not count), seconds since it was
+    committed, the bytes the tier holds; after the tier is released: 0 bytes and no step."""
+    import os
+
+    from spotrun.storage.tier_dir import create_tier, release_tier
+    from tests.jobs.fakeckpt import write_step
+
+    tier = create_tier(str(tmp_path / "mem"), str(tmp_path / "ck"))
+    write_step(tier.steps_root, 24, reason="memory", shard_bytes=1000)
+    write_step(tier.steps_root, 26, reason="memory", shard_bytes=1000)
+    write_step(tier.steps_root, 28, reason="memory", shard_bytes=1000, commit=False)  # being written
+    for step in (24, 26):  # committed at 988 and 990 (the newest file's time: the manifest is written last)
+        for f in (pathlib.Path(tier.steps_root) / f"step-{step:09d}").iterdir():
+            os.utime(f, (964.0 + step, 964.0 + step))
+    metrics = SupervisorMetrics(clock=lambda: 1000.0)
+    scrape = lambda: samples(generate_latest(metrics.registry).decode())  # noqa: E731
+    metrics.event("launch", {"attempt": 0, "incarnation": 0, "resumed_step": None, "time_unix_s": 900.0})
+    assert not [name for name in scrape() if name.startswith("spotrun_fast_tier")]  # a run without a tier
+
+    launch = {"attempt": 0, "incarnation": 0, "resumed_step": None, "fast_tier_dir": tier.steps_root}
+    metrics.event("launch", {**launch, "time_unix_s": 900.0})
+    found = scrape()
+    assert found["spotrun_fast_tier_newest_complete_step"] == 26
+    assert found["spotrun_fast_tier_age_seconds"] == 1000.0 - (964.0 + 26)
+    assert found["spotrun_fast_tier_size_bytes"] == bytes_under(pathlib.Path(tier.steps_root))
+    assert found["spotrun_fast_tier_size_bytes"] > 3 * 1000
+
+    release_tier(tier)
+    found = scrape()
+    assert found["spotrun_fast_tier_size_bytes"] == 0
+    assert "spotrun_fast_tier_newest_complete_step" not in found and "spotrun_fast_tier_age_seconds" not in found
+
+
+def test_a_supervisor_with_a_fast_tier_exports_its_newest_step_and_size(spotrun_run, tmp_path):
+    """A real `spotrun run --memory-interval-steps`: scraped while running, the fast tier's newest step is
+    one its directory holds complete, and `spotrun ls` lists it; the textfile after exit says the tier was
+    released (0 bytes). The root is given relative: the tier records it as the workers get it (absolute)."""
+    from spotrun.storage.tier_dir import list_tiers
+
+    textfile, memory_dir, out = tmp_path / "spotrun.prom", tmp_path / "mem", tmp_path / "out"
+    out.mkdir()
+    run = spotrun_run(
+        ["--checkpoint-uri", "ck", "--notice", "none", *FAST]
+        + ["--metrics-port", "0", "--metrics-address", "127.0.0.1", "--metrics-textfile", str(textfile)]
+        + ["--memory-interval-steps", "4", "--memory-dir", str(memory_dir)],
+        [sys.executable, JOB, out, "--interval", str(SAVE_INTERVAL)],
+        cwd=tmp_path,
+    )
+    run.wait_until(lambda: re.search(r"metrics: http://127\.0\.0\.1:(\d+)/metrics", run.log()), "the endpoint")
+    url = re.search(r"metrics: (http://127\.0\.0\.1:\d+/metrics)", run.log()).group(1)
+    scraped: dict[str, float] = {}
+
+    def scrape_shows_a_fast_tier_step_past_the_first() -> bool:
+        scraped.clear()
+        scraped.update(samples(urllib.request.urlopen(url, timeout=30).read().decode()))
+        return scraped.get("spotrun_fast_tier_newest_complete_step", 0) >= 8
+
+    run.wait_until(scrape_shows_a_fast_tier_step_past_the_first, "the endpoint to show a fast-tier step")
+    [tier] = list_tiers(str(memory_dir))
+    held = {s.step for s in complete_steps(pathlib.Path(tier.steps_root))}
+    assert scraped["spotrun_fast_tier_newest_complete_step"] % 4 == 0
+    assert scraped["spotrun_fast_tier_newest_complete_step"] <= max(held)  # the tier only grows while running
+    assert scraped["spotrun_fast_tier_age_seconds"] >= 0
+    assert scraped["spotrun_fast_tier_size_bytes"] > 0
+    assert tier.checkpoint_uri == str(tmp_path / "ck")
+    listed = subprocess.run(
+        [sys.executable, "-m", "spotrun", "ls", str(tmp_path / "ck"), "--json", "--memory-dir", str(memory_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr
+    in_memory = [r["step"] for r in json.loads(listed.stdout) if r["tier"] == "memory"]
+    assert in_memory and max(in_memory) >= scraped["spotrun_fast_tier_newest_complete_step"]
+
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait() == 143, run.log()
+    found = samples(textfile.read_text())
+    assert found["spotrun_fast_tier_size_bytes"] == 0 and list_tiers(str(memory_dir)) == []
+    assert "spotrun_fast_tier_newest_complete_step" not in found
