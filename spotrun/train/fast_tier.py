@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from spotrun.checkpoint import catalog, fencing
+from spotrun.checkpoint import fencing
 from spotrun.checkpoint.claim import claim_incarnation
+from spotrun.checkpoint.layout import parse_manifest_name, parse_step_dir
 from spotrun.checkpoint.retention import delete_step
 from spotrun.checkpoint.save import prepare_save
 from spotrun.control.env import WorkerEnv
@@ -251,14 +252,20 @@ class FastTier:
 
     def _make_room(self) -> None:
         """Before a save (rank 0, none in flight): keep only the newest complete step, so that the tier
-        never holds more than two steps' bytes; the save then makes two again."""
+        never holds more than two steps' bytes; the save then makes two again. One listing, no manifest
+        parsed: this runs on the training thread."""
         try:
-            steps = catalog.list_steps(self.storage)
-            complete = [s.step for s in steps if s.status == catalog.COMPLETE]
-            keep = max(complete) if complete else None
-            for info in steps:
-                if info.step != keep:
-                    delete_step(self.storage, info.step, why=f"fast tier: keeps the newest step ({keep}) and the next")
+            names: dict[int, list[str]] = {}
+            for info in self.storage.list(""):
+                top, sep, rest = info.key.partition("/")
+                step = parse_step_dir(top) if sep else None
+                if step is not None:
+                    names.setdefault(step, []).append(rest)
+            complete = [step for step, files in names.items() if any(parse_manifest_name(f)[0] for f in files)]
+            keep = max(complete, default=None)
+            for step in names:
+                if step != keep:
+                    delete_step(self.storage, step, why=f"fast tier: keeps the newest step ({keep}) and the next")
         except (SpotrunError, OSError) as exc:  # this rank alone: the tier stays on, the save may then not fit
             log.warning("the fast tier could not delete its older steps: %s", exc)
 
