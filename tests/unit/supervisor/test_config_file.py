@@ -267,3 +267,46 @@ def test_kubernetes_job_fits_spotrun(tmp_path):
         for r in rules
         for c in r.get("onPodConditions", [])
     )
+
+
+def _with_fast_tier_uncommented(text: str) -> str:
+    """``text`` with its commented ``# memory_interval_steps: K`` line turned on (exactly one)."""
+    lines = text.splitlines()
+    found = [i for i, line in enumerate(lines) if line.strip().startswith("# memory_interval_steps:")]
+    assert len(found) == 1, "expected one commented memory_interval_steps line"
+    (index,) = found
+    lines[index] = lines[index].replace("# memory_interval_steps:", "memory_interval_steps:", 1)
+    return textwrap.dedent("\n".join(lines)) + "\n"
+
+
+@pytest.mark.parametrize("source", [*EXAMPLE_CONFIGS, "job.yaml ConfigMap"], ids=lambda p: getattr(p, "name", p))
+def test_the_commented_fast_tier_setting_turns_it_on_when_uncommented(source, tmp_path):
+    """Every example config shows the fast tier commented out; uncommented, it is a valid setting."""
+    if isinstance(source, Path):
+        text = source.read_text(encoding="utf-8")
+    else:
+        (text,) = _k8s_docs("job.yaml")["ConfigMap"]["data"].values()
+    assert "memory_interval_steps" not in load_run_config(write(tmp_path, text), environ=EXAMPLE_ENV)
+    cfg = load_run_config(write(tmp_path, _with_fast_tier_uncommented(text), "on.yaml"), environ=EXAMPLE_ENV)
+    supervisor_fields = {f.name for f in dataclasses.fields(SupervisorConfig)}
+    config = SupervisorConfig(
+        command=("torchrun", "train.py"), **{k: v for k, v in cfg.items() if k in supervisor_fields}
+    )
+    assert config.memory_interval_steps > 0
+    assert config.max_restarts > 0 or source.name == "local.yaml"  # the tier serves crash restarts
+
+
+def _gibibytes(quantity: str) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    number, unit = quantity[:-2], quantity[-2:]
+    return float(number) * units[unit] / 2**30 if unit in units else float(quantity) / 2**30
+
+
+def test_the_one_node_job_gives_dev_shm_host_memory_for_the_fast_tier():
+    """A container's /dev/shm is 64 MiB: job.yaml mounts a memory-backed emptyDir with a size limit there."""
+    pod = _k8s_docs("job.yaml")["Job"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert _gibibytes(volume["emptyDir"]["sizeLimit"]) >= 8
