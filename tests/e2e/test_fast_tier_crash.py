@@ -1,0 +1,365 @@
+"""The fast tier under `spotrun run` (issue 23, Acceptance): the example trainer on 2 ranks,
+storage every 20 steps, the fast tier every 2 steps; a worker or torchrun SIGKILLed after step
+27 (no notice, so no emergency save): the restart resumes from step 26 read from memory, not
+storage's 20, and ends bit-identical to an uninterrupted run of the same command. A damaged
+fast-tier step is found by its digests and skipped; a finished job leaves nothing in memory;
+DataLoader workers forked by the ranks keep working across fast-tier saves and the restore.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+from filelock import FileLock
+
+from spotrun.checkpoint import catalog
+from spotrun.eventlog.records import read_events
+from spotrun.storage import LocalStorage
+from spotrun.supervisor.process import ProcInfo, descendants, is_alive
+from tests.support.ckpt_files import shard_path
+from tests.support.trainrun import (
+    final_tensors,
+    kill_tree,
+    last_loss_per_step,
+    read_log,
+    start_supervised,
+    tails,
+    torchrun_command,
+)
+
+pytestmark = pytest.mark.slow  # torchrun jobs, a restart each
+
+STEPS = 40
+SAVE_INTERVAL = 20  # storage: steps 20 and 40
+MEMORY_INTERVAL = 2  # the fast tier: every even step, the newest two kept
+KILL_AFTER = 27  # the fast tier then holds 24 and 26, storage 20
+#: Seconds each step sleeps in the crashed runs: the kill must land after step 27 is logged and
+#: before step 28's fast-tier save commits, a window of two sleeps.
+STEP_SLEEP_S = 0.4
+WAIT_S = 300  # bound of every wait: a loaded machine is slow, a hung job must still fail
+#: The example trainer's DataLoader workers (forked by each rank, the default start method), with
+#: a text short enough (21 samples: 5 steps per epoch) that they are forked again every 5 steps,
+#: while fast-tier saves are in flight.
+FORKED_LOADER = ("--num-workers", "2", "--max-bytes", "700")
+
+
+def supervisor_options(memory_dir: pathlib.Path) -> list[str]:
+    return [
+        "--notice",
+        "none",
+        "--memory-dir",
+        str(memory_dir),
+        "--memory-interval-steps",
+        str(MEMORY_INTERVAL),
+        "--max-restarts",
+        "2",
+        "--restart-backoff-s",
+        "0",
+    ]
+
+
+@dataclass
+class Uninterrupted:
+    """The uninterrupted run of a command: its directory, per-step losses, the final step's tensors."""
+
+    root: pathlib.Path
+    losses: dict[int, float]
+    tensors: dict[str, torch.Tensor]
+
+
+def uninterrupted(shared: pathlib.Path, *extra: str) -> Uninterrupted:
+    """The uninterrupted supervised run of the command with ``extra`` trainer arguments, run once
+    per test session (every xdist worker: the first runs it under a file lock, the others read it)."""
+    root = shared / ("fast-tier-reference" + "".join(extra).replace("-", "_"))
+    with FileLock(str(root) + ".lock"):
+        if not (root / "done").exists():
+            root.mkdir(exist_ok=True)
+            proc = start_supervised(
+                str(root / "ck"),
+                torchrun_command(STEPS, SAVE_INTERVAL, root / "train.jsonl", *extra),
+                extra_options=supervisor_options(root / "mem"),
+                log_path=root / "supervisor.log",
+            )
+            try:
+                assert proc.wait(timeout=600) == 0, tails((root / "supervisor.log",))
+            finally:
+                kill_tree(proc)
+            (root / "done").write_text("")
+    losses = last_loss_per_step(root / "train.jsonl")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return Uninterrupted(root, losses, final_tensors(str(root / "ck"), STEPS))
+
+
+@pytest.fixture
+def reference_of(tmp_path_factory):
+    """``reference_of(*extra)``: :func:`uninterrupted` for the trainer arguments ``extra``."""
+    shared = tmp_path_factory.getbasetemp().parent  # the same for every xdist worker of a run
+    return lambda *extra: uninterrupted(shared, *extra)
+
+
+@dataclass
+class Crash:
+    """What a crashed-and-restarted run left: its directories, the kill and the logs."""
+
+    tmp_path: pathlib.Path
+    logged_at_kill: int  # the last step in the training log when the victim was killed
+    memory_at_kill: list[int]  # the complete fast-tier steps then
+    killed: list[ProcInfo]  # torchrun and its ranks at the kill
+    rank_children: list[int]  # how many processes each rank had started then (DataLoader workers)
+    alive_at_restart: list[ProcInfo]  # those of them still running when the supervisor restarted
+
+    @property
+    def ck(self) -> str:
+        return str(self.tmp_path / "ck")
+
+    @property
+    def memory_dir(self) -> pathlib.Path:
+        return self.tmp_path / "mem"
+
+    @property
+    def supervisor_log(self) -> str:
+        return (self.tmp_path / "supervisor.log").read_text(errors="replace")
+
+    @property
+    def resumed_steps(self) -> list[int]:
+        """The steps the restart trained: the training log from where its step numbers go back."""
+        steps = [row["step"] for row in read_log(self.tmp_path / "train.jsonl")]
+        restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+        return steps[restart:]
+
+    def start_record(self, incarnation: int) -> dict:
+        """The ``start`` record of ``incarnation`` in rank 0's event log."""
+        [obj] = [o for o in read_events(LocalStorage(self.ck)) if o.incarnation == incarnation and o.rank == 0]
+        return next(r for r in obj.records if r["event"] == "start")
+
+
+def wait_until(condition, proc: subprocess.Popen, what: str, outputs: tuple[pathlib.Path, ...]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"spotrun run exited with {proc.returncode} before {what}" + tails(outputs))
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} within {WAIT_S} s" + tails(outputs))
+        time.sleep(0.05)
+
+
+def job_processes(supervisor_pid: int) -> tuple[ProcInfo, list[ProcInfo]]:
+    """This run's torchrun (the supervisor's child) and its ranks (torchrun's children), rank order."""
+    tree = descendants(supervisor_pid)
+    torchruns = [p for p in tree if p.ppid == supervisor_pid and b"torch.distributed.run" in cmdline(p.pid)]
+    if len(torchruns) != 1:
+        return ProcInfo(-1, -1, 0, "?"), []
+    [torchrun] = torchruns
+    ranks = {rank_of(p.pid): p for p in tree if p.ppid == torchrun.pid}
+    return torchrun, [ranks[r] for r in sorted(ranks) if r is not None]
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in environ:
+        if entry.startswith(b"RANK="):
+            return int(entry[5:])
+    return None
+
+
+def complete_in_memory(memory_dir: pathlib.Path) -> list[int]:
+    """The complete steps in the (one) fast tier under ``memory_dir``."""
+    tiers = sorted(memory_dir.glob("tier-*/steps"))
+    if len(tiers) != 1:
+        return []
+    return sorted(s.step for s in catalog.list_steps(LocalStorage(str(tiers[0]))) if s.status == catalog.COMPLETE)
+
+
+def tier_steps_root(memory_dir: pathlib.Path) -> pathlib.Path:
+    [root] = memory_dir.glob("tier-*/steps")
+    return root
+
+
+def crash_and_resume(
+    tmp_path: pathlib.Path,
+    processes: list,
+    victim: str,
+    *extra: str,
+    before_kill=lambda memory_dir: None,
+) -> Crash:
+    """Run the command under `spotrun run` until step KILL_AFTER is logged and the fast tier holds
+    step KILL_AFTER - 1, SIGKILL ``victim`` (``"rank 1"`` or ``"torchrun"``) and let the
+    supervisor restart the training to the end (exit 0).
+
+    The ranks are stopped (SIGSTOP) while the test looks at the training log and the tier and
+    runs ``before_kill(memory_dir)``, so that what it saw is what the restart finds.
+    """
+    log_file = tmp_path / "train.jsonl"
+    memory_dir = tmp_path / "mem"
+    outputs = (tmp_path / "supervisor.log",)
+    proc = start_supervised(
+        str(tmp_path / "ck"),
+        torchrun_command(STEPS, SAVE_INTERVAL, log_file, "--step-sleep-s", str(STEP_SLEEP_S), *extra),
+        extra_options=supervisor_options(memory_dir),
+        log_path=outputs[0],
+    )
+    processes.append(proc)
+
+    def at_kill_point() -> bool:
+        rows = read_log(log_file)
+        return bool(rows) and rows[-1]["step"] >= KILL_AFTER and KILL_AFTER - 1 in complete_in_memory(memory_dir)
+
+    wait_until(at_kill_point, proc, f"step {KILL_AFTER} logged and step {KILL_AFTER - 1} in the fast tier", outputs)
+    torchrun, ranks = job_processes(proc.pid)
+    assert len(ranks) == 2, f"torchrun {torchrun} and its ranks {ranks}" + tails(outputs)
+    for rank in ranks:
+        os.kill(rank.pid, signal.SIGSTOP)
+    try:
+        logged_at_kill = read_log(log_file)[-1]["step"]
+        memory_at_kill = complete_in_memory(memory_dir)
+        rank_children = [sum(p.ppid == rank.pid for p in descendants(rank.pid)) for rank in ranks]
+        before_kill(memory_dir)
+        target = torchrun if victim == "torchrun" else ranks[int(victim.removeprefix("rank "))]
+        os.kill(target.pid, signal.SIGKILL)
+    finally:
+        for rank in ranks:
+            if is_alive(rank):
+                os.kill(rank.pid, signal.SIGCONT)
+    wait_until(lambda: "restart 1 of" in outputs[0].read_text(errors="replace"), proc, "restarted", outputs)
+    killed = [torchrun, *ranks]
+    alive_at_restart = [p for p in killed if is_alive(p)]
+    assert proc.wait(timeout=WAIT_S) == 0, tails(outputs)
+    assert list(memory_dir.iterdir()) == []  # the supervisor removed its tier at the end
+    return Crash(tmp_path, logged_at_kill, memory_at_kill, killed, rank_children, alive_at_restart)
+
+
+def assert_exact(crash: Crash, reference: Uninterrupted) -> None:
+    """Per-step losses (each step's last run) and every final tensor equal the uninterrupted run's."""
+    assert last_loss_per_step(crash.tmp_path / "train.jsonl") == reference.losses
+    got = final_tensors(crash.ck, STEPS)
+    assert sorted(got) == sorted(reference.tensors)
+    for name, tensor in reference.tensors.items():
+        assert torch.equal(got[name], tensor), f"{name} differs from the uninterrupted run"
+
+
+def assert_resumed_from_memory(crash: Crash, step: int) -> None:
+    """The restart resumed ``step`` read from the fast tier: the supervisor chose it, rank 0
+    restored it from memory, the event log's start record of incarnation 1 says so, and the
+    training went on from the next step."""
+    assert f"resuming from step {step} in the fast tier" in crash.supervisor_log, crash.supervisor_log[-4000:]
+    assert f"restored step {step} from " in crash.supervisor_log
+    assert "(the fast tier, in memory) (incarnation 1)" in crash.supervisor_log
+    start = crash.start_record(1)
+    assert (start["resumed_step"], start["restore_tier"]) == (step, "memory"), start
+    assert crash.resumed_steps == list(range(step + 1, STEPS + 1))
+
+
+def test_a_killed_worker_resumes_from_the_fast_tier_exactly(tmp_path, processes, reference_of):
+    """Issue 23, Acceptance 1: a rank SIGKILLed after step 27; the restart resumes from step 26 in
+    memory (not storage's 20), loses at most 3 steps and ends bit-identical."""
+    reference = reference_of()
+    crash = crash_and_resume(tmp_path, processes, "rank 1")
+    assert (crash.logged_at_kill, crash.memory_at_kill) == (KILL_AFTER, [KILL_AFTER - 3, KILL_AFTER - 1])
+    assert_resumed_from_memory(crash, KILL_AFTER - 1)
+    assert "restart 1 of 2" in crash.supervisor_log
+    report = subprocess.run(
+        [sys.executable, "-m", "spotrun", "report", crash.ck, "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert report.returncode == 0, report.stderr
+    rows = json.loads(report.stdout)["incarnations"]
+    assert [(r["resumed_step"], r["ended"]) for r in rows] == [(0, "restarted"), (KILL_AFTER - 1, "finished")]
+    assert rows[0]["steps_lost"] <= 3
+    assert_exact(crash, reference)
+
+
+def test_a_killed_torchrun_resumes_from_the_fast_tier_exactly(tmp_path, processes, reference_of):
+    """Issue 23, Acceptance 2: torchrun SIGKILLed after step 27: its ranks go with it (none is
+    left when the restart starts), and the restart resumes from step 26 in memory, exact."""
+    reference = reference_of()
+    crash = crash_and_resume(tmp_path, processes, "torchrun")
+    assert (crash.logged_at_kill, crash.memory_at_kill) == (KILL_AFTER, [KILL_AFTER - 3, KILL_AFTER - 1])
+    assert crash.alive_at_restart == []
+    assert_resumed_from_memory(crash, KILL_AFTER - 1)
+    assert_exact(crash, reference)
+
+
+def flip_last_byte(path: pathlib.Path) -> None:
+    """Flip every bit of the file's last byte (tensor data: a safetensors file ends with it)."""
+    with open(path, "r+b") as file:
+        file.seek(-1, os.SEEK_END)
+        byte = file.read(1)[0]
+        file.seek(-1, os.SEEK_END)
+        file.write(bytes([byte ^ 0xFF]))
+
+
+@pytest.mark.parametrize(
+    "flipped, resumed, tier",
+    [
+        # the tier's older step (24) is newer than storage's 20: it is the next candidate, and loads
+        ([KILL_AFTER - 1], KILL_AFTER - 3, "memory"),
+        # both fast-tier steps damaged: storage's step 20
+        ([KILL_AFTER - 3, KILL_AFTER - 1], SAVE_INTERVAL, "storage"),
+    ],
+    ids=["newest", "both"],
+)
+def test_a_damaged_fast_tier_step_falls_through_by_digest_and_stays_exact(
+    tmp_path, processes, reference_of, flipped, resumed, tier
+):
+    """Issue 23, Acceptance 3: a byte flipped in the fast-tier copy of a step right before the
+    kill: the restore finds it by its digest, says so and falls through to the next older step
+    in either tier, and the run ends bit-identical."""
+    reference = reference_of()
+
+    def damage(memory_dir: pathlib.Path) -> None:
+        for step in flipped:
+            flip_last_byte(shard_path(tier_steps_root(memory_dir), step, rank=0))
+
+    crash = crash_and_resume(tmp_path, processes, "rank 1", before_kill=damage)
+    assert (crash.logged_at_kill, crash.memory_at_kill) == (KILL_AFTER, [KILL_AFTER - 3, KILL_AFTER - 1])
+    # the supervisor lists, it does not read the data: it still names step 26 in memory
+    assert f"resuming from step {KILL_AFTER - 1} in the fast tier" in crash.supervisor_log
+    said = [line for line in crash.supervisor_log.splitlines() if "failed verification" in line]
+    candidates = [f"step {KILL_AFTER - 3} in the fast tier", f"step {SAVE_INTERVAL} on storage"]
+    assert len(said) == len(flipped), said
+    for line, step, fallback in zip(said, sorted(flipped, reverse=True), candidates):
+        assert f"checkpoint step {step} in the fast tier failed verification" in line, line
+        assert f"falling back to {fallback}" in line, line
+    start = crash.start_record(1)
+    assert (start["resumed_step"], start["restore_tier"]) == (resumed, tier), start
+    assert crash.resumed_steps == list(range(resumed + 1, STEPS + 1))
+    assert_exact(crash, reference)
+
+
+def test_a_finished_job_leaves_nothing_in_its_memory_dir(reference_of):
+    """Issue 23, Acceptance: no files left under the tier directory after a finished job (the
+    uninterrupted run, which held fast-tier steps while it ran; the crashed runs check it too)."""
+    reference = reference_of()
+    said = (reference.root / "supervisor.log").read_text(errors="replace")
+    assert f"committed step {STEPS} (memory" in said
+    assert list((reference.root / "mem").iterdir()) == []
+
+
+def test_forked_dataloader_workers_survive_fast_tier_saves_and_restore(tmp_path, processes, reference_of):
+    """Issue 23, Acceptance: no fork problem: each rank forks DataLoader workers (the default start
+    method) every 5 steps, while fast-tier saves run on their thread; after a rank is killed
+    the restart restores step 26 from memory and forks them again, and the run ends exact."""
+    reference = reference_of(*FORKED_LOADER)
+    crash = crash_and_resume(tmp_path, processes, "rank 1", *FORKED_LOADER)
+    assert (crash.logged_at_kill, crash.memory_at_kill) == (KILL_AFTER, [KILL_AFTER - 3, KILL_AFTER - 1])
+    assert crash.rank_children == [2, 2]  # the loader workers ran (forked) when the rank was killed
+    assert_resumed_from_memory(crash, KILL_AFTER - 1)
+    assert_exact(crash, reference)
