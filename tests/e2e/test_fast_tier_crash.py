@@ -42,13 +42,14 @@ STEPS = 40
 SAVE_INTERVAL = 20  # storage: steps 20 and 40
 MEMORY_INTERVAL = 2  # the fast tier: every even step, the newest two kept
 KILL_AFTER = 27  # the fast tier then holds 24 and 26 (26 and 28 if the kill came late), storage 20
-#: Seconds each step sleeps in the crashed runs: the kill must land after step 27 is logged and
-#: before step 28's fast-tier save commits, a window of two sleeps.
+#: Seconds each step sleeps in the crashed runs: the kill should land after step 27 is logged and
+#: before step 28's fast-tier save commits, a window of two sleeps (a later kill on a loaded
+#: machine is read and followed: crash_and_resume). It changes no number the runs compute.
 STEP_SLEEP_S = 0.4
 WAIT_S = 300  # bound of every wait: a loaded machine is slow, a hung job must still fail
 #: The example trainer's DataLoader workers (forked by each rank, the default start method), with
-#: a text short enough (21 samples: 5 steps per epoch) that they are forked again every 5 steps,
-#: while fast-tier saves are in flight.
+#: a text short enough (21 samples: an epoch every few steps) that they are forked again and
+#: again while fast-tier saves are in flight.
 FORKED_LOADER = ("--num-workers", "2", "--max-bytes", "700")
 
 
@@ -77,8 +78,9 @@ class Uninterrupted:
 
 
 def uninterrupted(shared: pathlib.Path, *extra: str) -> Uninterrupted:
-    """The uninterrupted supervised run of the command with ``extra`` trainer arguments, run once
-    per test session (every xdist worker: the first runs it under a file lock, the others read it)."""
+    """The uninterrupted supervised run of the command with ``extra`` trainer arguments (without
+    the crashed runs' step sleep), run once per test session: the first xdist worker to need it
+    runs it under a file lock, the others read it."""
     root = shared / ("fast-tier-reference" + "".join(extra).replace("-", "_"))
     with FileLock(str(root) + ".lock"):
         if not (root / "done").exists():
@@ -364,9 +366,10 @@ def test_a_finished_job_leaves_nothing_in_its_memory_dir(reference_of):
 
 
 def test_forked_dataloader_workers_survive_fast_tier_saves_and_restore(tmp_path, processes, reference_of):
-    """Issue 23, Acceptance: no fork problem: each rank forks DataLoader workers (the default start
-    method) every 5 steps, while fast-tier saves run on their thread; after a rank is killed
-    the restart restores step 26 from memory and forks them again, and the run ends exact."""
+    """Issue 23, Acceptance: no fork problem: each rank forks DataLoader workers (the default
+    start method) at every epoch, every few steps, while fast-tier saves run on their thread;
+    after a rank is killed the restart restores step 26 from memory and forks them again, and
+    the run ends exact."""
     reference = reference_of(*FORKED_LOADER)
     crash = crash_and_resume(tmp_path, processes, "rank 1", *FORKED_LOADER)
     assert_killed_as_planned(crash)
