@@ -235,6 +235,32 @@ def kill_tree(root_pid: int, pgid: int | None, known: Sequence[ProcInfo] = ()) -
     return len(killed)
 
 
+def stop_leftovers(
+    root_pid: int, *, command_failed: bool, stop_timeout_s: float, wait: Callable[[float], None]
+) -> None:
+    """Stop what the launch command left running when it exited (orphans ``root_pid`` inherited).
+
+    After a command that failed with no notice (torchrun crashed or was killed), they are the
+    workers of a failed launch: SIGKILLed at once, as torchrun kills its workers when one fails,
+    and waited for (at most ``stop_timeout_s``). A SIGTERM would have them take an emergency
+    checkpoint, which the supervisor would read as a preemption elsewhere and end the job instead
+    of restarting it. After any other exit: SIGTERM, then SIGKILL after ``stop_timeout_s``
+    (:func:`stop_tree`). ``wait`` as for :func:`stop_tree`.
+    """
+    leftovers = descendants(root_pid)
+    if not leftovers:
+        return
+    if not command_failed:
+        log.warning("the command exited but left %d process(es) running: stopping them", len(leftovers))
+        stop_tree(root_pid, None, stop_timeout_s=stop_timeout_s, wait=wait)
+        return
+    log.warning("the command failed and left %d process(es) running: killing them", len(leftovers))
+    kill_tree(root_pid, None, leftovers)
+    deadline = time.monotonic() + stop_timeout_s
+    while any(is_alive(i) for i in leftovers) and time.monotonic() < deadline:
+        wait(STOP_POLL_S)
+
+
 def _pids(infos: Iterable[ProcInfo]) -> str:
     return ", ".join(str(i.pid) for i in infos)
 

@@ -267,11 +267,11 @@ class _Supervisor:
                 log.warning("deadline passed before the command exited: stopping it")
                 self._stop_child()
         self.control_dir = None
-        leftovers = process.descendants(os.getpid())
-        if leftovers:
-            log.warning("the command exited but left %d process(es) running: stopping them", len(leftovers))
-            process.stop_tree(os.getpid(), None, stop_timeout_s=self._stop_timeout_s(), wait=self._wait)
         code = process.exit_code(self.child_returncode)
+        failed = code != 0 and self.notice is None
+        process.stop_leftovers(
+            os.getpid(), command_failed=failed, stop_timeout_s=self._stop_timeout_s(), wait=self._wait
+        )
         log.info("the command exited with code %d", code)
         return code
 

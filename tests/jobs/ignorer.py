@@ -1,9 +1,10 @@
 """Fake worker that ignores save requests and SIGTERM, with a grandchild in a new session.
 
-usage: ignorer.py STATE_DIR [--exit-after-spawn]
+usage: ignorer.py STATE_DIR [--exit-after-spawn | --fail-after-spawn]
     STATE_DIR/pids             "WORKER_PID GRANDCHILD_PID", written once both run
     STATE_DIR/request-seen     written when a save request appears (and is ignored)
-With --exit-after-spawn the worker exits 0 at once, leaving the grandchild behind.
+With --exit-after-spawn the worker exits 0 at once, leaving the grandchild behind; with
+--fail-after-spawn it exits 1 (a launcher that crashed, leaving a worker behind).
 """
 
 import os
@@ -38,6 +39,8 @@ def main() -> int:
     os.replace(state_dir / "pids.tmp", state_dir / "pids")
     if "--exit-after-spawn" in sys.argv:
         return 0
+    if "--fail-after-spawn" in sys.argv:
+        return 1
     from spotrun.control import env
     from spotrun.control import files as control  # after the grandchild branch: it needs neither
 

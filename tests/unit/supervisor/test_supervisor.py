@@ -80,6 +80,21 @@ def test_processes_left_behind_by_a_finished_command_are_stopped(spotrun_run, tm
     assert not alive(grandchild_pid)
 
 
+def test_processes_left_behind_by_a_failed_command_are_killed_without_a_save_request(spotrun_run, tmp_path, state):
+    """A launcher that crashed (torchrun SIGKILLed) leaves its workers behind: they are SIGKILLed
+    at once, not sent a SIGTERM, on which a worker takes an emergency checkpoint that the
+    supervisor would read as a preemption (exit 143) instead of restarting (issue 23)."""
+    run = spotrun_run(
+        ["--checkpoint-uri", str(tmp_path / "ckpt"), *FAST, "--max-restarts", "0"],
+        [sys.executable, FAKE / "ignorer.py", state, "--fail-after-spawn"],
+    )
+    assert run.wait() == 1, run.log()
+    _worker_pid, grandchild_pid = map(int, (state / "pids").read_text().split())
+    assert not alive(grandchild_pid)
+    assert "the command failed and left 1 process(es) running: killing them" in run.log()
+    assert "sent SIGTERM" not in run.log()
+
+
 def test_second_notice_is_ignored_and_the_save_still_counts(spotrun_run, tmp_path, state):
     ckpt = tmp_path / "ckpt"
     run = spotrun_run(["--checkpoint-uri", str(ckpt), *FAST], [sys.executable, FAKE / "saver.py", state])
