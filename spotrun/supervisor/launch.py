@@ -53,9 +53,10 @@ def choose_resume_point(
     Raises:
         As :func:`find_resume_point`.
     """
-    resume = find_resume_point(storage)
+    resume = find_resume_point(storage, say_choice=False)
     in_memory = newest_in_fast_tier(fast_tier, run_id) if fast_tier is not None else None
     if in_memory is None or (resume is not None and in_memory.step <= resume.step):
+        say_resume_point(storage, resume)
         return resume, "storage" if resume is not None else None
     log.info(
         "resuming from step %d in the fast tier (a %s checkpoint; the newest on storage: %s)",
@@ -82,10 +83,11 @@ def newest_in_fast_tier(fast_tier: Storage, run_id: str | None) -> StepInfo | No
     return complete[-1] if complete else None
 
 
-def find_resume_point(storage: Storage) -> StepInfo | None:
+def find_resume_point(storage: Storage, *, say_choice: bool = True) -> StepInfo | None:
     """The newest complete step under ``storage`` (logged), or ``None`` for a fresh start.
 
-    Steps newer than it that are incomplete or corrupt are logged as ignored.
+    Steps newer than it that are incomplete or corrupt are logged as ignored; the choice too,
+    unless ``say_choice`` is false (the caller says it).
 
     Raises:
         StorageError: listing the checkpoints failed.
@@ -99,11 +101,17 @@ def find_resume_point(storage: Storage) -> StepInfo | None:
     for info in steps:
         if info.step > floor:
             log.warning("ignoring %s step %d: %s", info.status, info.step, info.problem)
+    if say_choice:
+        say_resume_point(storage, resume)
+    return resume
+
+
+def say_resume_point(storage: Storage, resume: StepInfo | None) -> None:
+    """Log the resume point chosen on ``storage``."""
     if resume is None:
         log.info("no complete checkpoint under %s: fresh start", storage.uri)
     else:
         log.info("resuming from step %d under %s (%s checkpoint)", resume.step, storage.uri, resume.reason)
-    return resume
 
 
 def describe_start(resume: StepInfo | None, launch: TorchrunLaunch | None) -> str:

@@ -116,6 +116,7 @@ class FastTier:
         self._identity = identity
         self._checked = False
         self._fenced_incarnation: int | None = None
+        self._restored_step: int | None = None  # recorded with the tier's claim
         # its own saves: never published to the supervisor's save statistics (they time storage saves)
         tier_options = replace(
             options,
@@ -158,6 +159,7 @@ class FastTier:
     def restored(self, step: int) -> None:
         """A restore loaded ``step`` (from either tier): the tier's saves skip it."""
         self.saves.saved(step)
+        self._restored_step = step
 
     def abandon(self) -> None:
         """The job stops: stop writing the save in flight (nothing half-written is ever read)."""
@@ -206,7 +208,9 @@ class FastTier:
                 retryable=False,
             )
         if newest["newest"] != incarnation:
-            claim_incarnation(self.storage, resumed_step=None, at_least=incarnation, run_id=self._identity.run_id)
+            claim_incarnation(
+                self.storage, resumed_step=self._restored_step, at_least=incarnation, run_id=self._identity.run_id
+            )
         self._fenced_incarnation = incarnation
 
     def _fits(self, step: int) -> bool:
