@@ -28,11 +28,13 @@ import torch
 
 from spotrun.checkpoint import catalog, tree
 from spotrun.checkpoint.chunk_reader import ChunkReader
+from spotrun.checkpoint.fencing import read_fences
 from spotrun.checkpoint.fetch import fetch_chunked, fetch_tensors, into_dtensors
 from spotrun.checkpoint.layout import REJECTED_PREFIX
 from spotrun.checkpoint.manifest import Manifest
 from spotrun.checkpoint.sharded import is_dtensor
 from spotrun.checkpoint.step_checks import skeleton_problems
+from spotrun.checkpoint.tier_steps import tier_candidates
 from spotrun.checkpoint.verdict import judge
 from spotrun.errors import (
     CorruptShardError,
@@ -237,7 +239,7 @@ def _list_candidates(
     """Rank 0: the complete steps of both tiers, newest first (the fast tier first at the same step),
     as told to every rank, and the manifest of the first (parsed already: not parsed again)."""
     try:
-        memory = _fast_tier_newest_first(fast_tier, run_id) if fast_tier is not None else []
+        memory = _fast_tier_newest_first(fast_tier, storage, run_id) if fast_tier is not None else []
         complete = _complete_newest_first(storage, supervisor_step, newer=memory[0].step if memory else None)
     except NoCheckpointError as exc:
         return {"refused": str(exc)}, {}
@@ -258,14 +260,13 @@ def _described(candidate: tuple[int, str] | None, tiers: bool) -> str:
     return f"step {step} {'in the fast tier' if tier == 'memory' else 'on storage'}"
 
 
-def _fast_tier_newest_first(fast_tier: Storage, run_id: str | None) -> list[catalog.StepInfo]:
-    """The fast tier's complete steps of this job (newest first). A step of another run is never
-    a candidate (the tier belongs to one supervisor, so this is a second guard)."""
-    complete = [s for s in catalog.list_steps(fast_tier) if s.status == catalog.COMPLETE]
-    mine = [s for s in complete if run_id is None or s.manifest is None or s.manifest.run_id in (run_id, "")]
-    for other in [s for s in complete if s not in mine]:
-        log.warning("fast tier step %d belongs to another run (%s); ignored", other.step, other.manifest.run_id)
-    return sorted(mine, key=lambda s: s.step, reverse=True)
+def _fast_tier_newest_first(fast_tier: Storage, storage: Storage, run_id: str | None) -> list[catalog.StepInfo]:
+    """The fast tier's steps a restart may use (:mod:`spotrun.checkpoint.tier_steps`), newest first;
+    the others newer than those are said once."""
+    found = tier_candidates(fast_tier, read_fences(storage), run_id)
+    for step, why in found.ignored:
+        log.warning("fast tier step %d ignored: %s", step, why)
+    return found.usable
 
 
 def _complete_newest_first(

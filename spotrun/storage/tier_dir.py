@@ -161,3 +161,27 @@ def free_bytes(path: str) -> int:
         path = os.path.dirname(path)
     stats = os.statvfs(path)
     return stats.f_bavail * stats.f_frsize
+
+
+#: File systems whose files live in memory.
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the file system ``path`` is on (the longest mount point above it in
+    ``/proc/self/mounts``); ``None`` when it cannot be told."""
+    path = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return None
+    return kind

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from spotrun.checkpoint import catalog, fencing, rank_layout
 from spotrun.checkpoint.catalog import StepInfo
+from spotrun.checkpoint.tier_steps import tier_candidates
 from spotrun.control import env as spotrun_env
 from spotrun.errors import SpotrunError
 from spotrun.storage import Storage, StorageLocation
@@ -54,7 +55,7 @@ def choose_resume_point(
         As :func:`find_resume_point`.
     """
     resume = find_resume_point(storage, say_choice=False)
-    in_memory = newest_in_fast_tier(fast_tier, run_id) if fast_tier is not None else None
+    in_memory = newest_in_fast_tier(fast_tier, storage, run_id) if fast_tier is not None else None
     if in_memory is None or (resume is not None and in_memory.step <= resume.step):
         say_resume_point(storage, resume)
         return resume, "storage" if resume is not None else None
@@ -67,20 +68,17 @@ def choose_resume_point(
     return in_memory, "memory"
 
 
-def newest_in_fast_tier(fast_tier: Storage, run_id: str | None) -> StepInfo | None:
-    """The newest complete step of run ``run_id`` in the fast tier; ``None`` when it has none (a
-    listing that fails is logged: the tier is only ever a shortcut)."""
+def newest_in_fast_tier(fast_tier: Storage, storage: Storage, run_id: str | None) -> StepInfo | None:
+    """The newest step of the fast tier a restart may use (:mod:`spotrun.checkpoint.tier_steps`);
+    ``None`` when it has none (a listing that fails is logged: the tier is only ever a shortcut)."""
     try:
-        steps = catalog.list_steps(fast_tier)
+        found = tier_candidates(fast_tier, fencing.read_fences(storage), run_id)
     except (OSError, SpotrunError) as exc:
         log.warning("cannot list the fast tier %s (%s): resuming from storage", fast_tier.uri, exc)
         return None
-    complete = [
-        s
-        for s in steps
-        if s.status == catalog.COMPLETE and (run_id is None or s.manifest is None or s.manifest.run_id == run_id)
-    ]
-    return complete[-1] if complete else None
+    for step, why in found.ignored:
+        log.warning("fast tier step %d ignored: %s", step, why)
+    return found.usable[0] if found.usable else None
 
 
 def find_resume_point(storage: Storage, *, say_choice: bool = True) -> StepInfo | None:

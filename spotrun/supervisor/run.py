@@ -34,7 +34,7 @@ from spotrun.supervisor.exit_codes import EXIT_FENCED, EXIT_FINISHED, EXIT_PREEM
 from spotrun.supervisor.foreign import NoticeDelivery, describe_delivery
 from spotrun.supervisor.launch import LaunchPlan, describe_start, plan_launch
 from spotrun.supervisor.observers import Observers
-from spotrun.supervisor.tier import fast_tier_launch, open_fast_tier
+from spotrun.supervisor.tier import fast_tier_launch, lost, open_fast_tier
 from spotrun.supervisor.torchrun_command import TorchrunLaunch, read_torchrun_command
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ class _Supervisor:
         while True:
             self._handle_events(self.inbox.wait(0))
             if self.notice is not None:
-                log.warning("notice arrived while no command was running: nothing to save")
+                log.warning("notice while no command ran: nothing to save%s", lost(self.tier, self.storage))
                 return EXIT_PREEMPTED_NOT_SAVED
             control_dir = tempfile.mkdtemp(prefix=f"launch-{attempt}-", dir=self.control_root)
             plan = plan_launch(

@@ -7,9 +7,19 @@ import contextlib
 import logging
 from typing import Any
 
-from spotrun.storage import LocalStorage
-from spotrun.storage.tier_dir import TierOwner, create_tier, release_tier, remove_stale_tiers
+from spotrun.checkpoint import catalog
+from spotrun.errors import SpotrunError
+from spotrun.storage import LocalStorage, Storage
+from spotrun.storage.tier_dir import (
+    MEMORY_FILESYSTEMS,
+    TierOwner,
+    create_tier,
+    filesystem_type,
+    release_tier,
+    remove_stale_tiers,
+)
 from spotrun.supervisor.config import SupervisorConfig
+from spotrun.supervisor.launch import newest_in_fast_tier
 
 log = logging.getLogger("spotrun.supervisor.run")  # said where the other start lines are
 
@@ -26,6 +36,11 @@ def open_fast_tier(config: SupervisorConfig, stack: contextlib.ExitStack) -> Tie
         log.error("cannot make the fast tier under %s (%s): running with storage only", config.memory_dir, exc)
         return None
     stack.callback(release_tier, tier)
+    kind = filesystem_type(tier.path)
+    if kind is not None and kind not in MEMORY_FILESYSTEMS:
+        log.warning(
+            "the fast tier %s is on a %s file system, not in memory (tmpfs): its saves go to that disk", tier.path, kind
+        )
     log.info("fast tier: %s, every %d steps", tier.path, config.memory_interval_steps)
     return tier
 
@@ -35,3 +50,19 @@ def fast_tier_launch(config: SupervisorConfig, tier: TierOwner | None) -> dict[s
     if tier is None:
         return {}
     return {"fast_tier": LocalStorage(tier.steps_root), "fast_tier_env": config.fast_tier_env(tier.steps_root)}
+
+
+def lost(tier: TierOwner | None, storage: Storage) -> str:
+    """What a stop without a save loses of the fast tier, for the log line: its newest step when it
+    is newer than storage's (the tier is removed at exit), else nothing."""
+    if tier is None:
+        return ""
+    try:
+        in_memory = newest_in_fast_tier(LocalStorage(tier.steps_root), storage, None)
+        on_storage = catalog.newest_complete(storage)
+    except (OSError, SpotrunError):
+        return ""
+    if in_memory is None or (on_storage is not None and on_storage.step >= in_memory.step):
+        return ""
+    newest = on_storage.step if on_storage is not None else "none"
+    return f"; the fast tier's step {in_memory.step} (storage's newest: {newest}) is lost with the tier"

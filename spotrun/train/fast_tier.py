@@ -40,6 +40,13 @@ MEMORY_REASON = "memory"
 MEMORY_TIER = "memory"
 #: Complete steps the tier keeps after a commit (the newest and the one before it).
 KEPT_STEPS = 2
+#: What the budget check adds to a rank's tensor bytes for its files: a shard and an index per
+#: rank (the manifest counted with them), each rounded up to pages, and per chunk its entries in
+#: the shard's header, the index and the manifest. Generous: a refused tier costs nothing, a tier
+#: that runs out of room mid-save costs a failed save.
+FILE_OVERHEAD_BYTES = 64 * 1024
+FILES_PER_RANK = 3
+ENTRY_OVERHEAD_BYTES = 2048
 
 
 def tier_settings(options: CheckpointerOptions, env: WorkerEnv) -> tuple[str | None, int]:
@@ -175,6 +182,8 @@ class FastTier:
     def _save(self, step: int, still_running: bool | None) -> None:
         if not self._checked:
             self._checked = True
+            if dist.rank() == 0:  # what an earlier start left (a half-written step) is not counted against it
+                self._make_room()
             if not self._fits(step):
                 return
         if self._fenced_incarnation is None or self._fenced_incarnation != self._identity.incarnation:
@@ -219,6 +228,9 @@ class FastTier:
         replicated, rank_local = self.saves._state_dicts()
         prepared = prepare_save(step, replicated, rank_local)
         own_bytes = sum(t.numel() * t.element_size() for t in prepared.tensors.values())
+        # the files hold more than the tensors: headers, the rank's index, the manifest, and
+        # each file fills whole pages of the tmpfs
+        own_bytes += FILE_OVERHEAD_BYTES * FILES_PER_RANK + ENTRY_OVERHEAD_BYTES * len(prepared.tensors)
         step_bytes = sum(dist.all_gather_json(own_bytes))
         need = KEPT_STEPS * step_bytes
         free = None
@@ -282,6 +294,8 @@ class FastTier:
         except (SpotrunError, OSError) as exc:
             self.enabled = False
             log.error("the fast tier failed (%s: %s); running with storage only", type(exc).__name__, exc)
+            if dist.rank() == 0:  # its memory goes back to training: keep only the newest complete step
+                self._make_room()
 
 
 def _size(size_bytes: int) -> str:

@@ -221,6 +221,7 @@ class Saves:
         if not exc.retryable:  # a newer start owns the root, or the store cannot commit
             raise exc
         self._failed_in_a_row += 1
-        log.error("periodic save of step %d failed (%d in a row): %s", step, self._failed_in_a_row, exc)
+        failed = "periodic save" if self.name == "background save" else self.name
+        log.error("%s of step %d failed (%d in a row): %s", failed, step, self._failed_in_a_row, exc)
         if self._failed_in_a_row > self.options.max_failed_periodic_saves:
             raise exc

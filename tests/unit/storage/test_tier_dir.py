@@ -125,3 +125,10 @@ def test_release_removes_the_tier_with_its_steps(tmp_path):
 
 def test_free_bytes_of_a_root_not_made_yet_is_that_of_its_parent(tmp_path):
     assert free_bytes(str(tmp_path / "mem" / "steps")) > 0
+
+
+def test_the_file_system_of_a_tier_is_told_so_that_one_on_disk_is_warned_about():
+    from spotrun.storage.tier_dir import MEMORY_FILESYSTEMS, filesystem_type
+
+    assert filesystem_type("/dev/shm/not-made-yet") in MEMORY_FILESYSTEMS
+    assert filesystem_type("/proc/self") == "proc"

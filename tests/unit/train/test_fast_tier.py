@@ -91,7 +91,7 @@ def test_a_fast_tier_step_of_another_run_is_never_a_candidate(tmp_path, monkeypa
         restorer = checkpointer(tmp_path, w2)
         assert restorer.restore() == 4
     assert restorer._restored.tier == "storage"
-    assert "fast tier step 6 belongs to another run (first-run); ignored" in caplog.text
+    assert "fast tier step 6 ignored: it belongs to another run (first-run)" in caplog.text
 
 
 def test_the_fast_tier_keeps_its_newest_step_and_the_one_before_it(tmp_path):
@@ -153,3 +153,36 @@ def test_an_older_start_whose_first_fast_tier_save_comes_late_never_claims_the_t
     restorer = checkpointer(tmp_path, w3)
     assert restorer.restore() == 2 and restorer._restored.tier == "memory"
     assert torch.equal(w3, torch.full((4,), 2.0))
+
+
+def test_a_checkpoint_root_deleted_to_start_over_leaves_the_old_fast_tier_unused(tmp_path, caplog):
+    """Without ``spotrun run`` nothing else tells the runs apart: the tier's steps count only as
+    a shortcut to incarnations the root recorded."""
+    import shutil
+
+    w = torch.zeros(4)
+    first = checkpointer(tmp_path, w)
+    train(first, w, 1, 4)
+    first.close()  # its event log writes under the root
+    shutil.rmtree(tmp_path / "store")
+    w2 = torch.zeros(4)
+    with caplog.at_level(logging.WARNING, logger="spotrun"):
+        assert checkpointer(tmp_path, w2).restore() == 0
+    assert torch.equal(w2, torch.zeros(4))
+    assert "fast tier step 4 ignored: the checkpoint root does not know its incarnation 0" in caplog.text
+
+
+def test_a_fast_tier_step_fenced_on_the_root_is_never_resumed(tmp_path, caplog):
+    """A newer start that resumed from an older step fences the older start's later steps on the
+    root; the tier's copies of them are fenced alike."""
+    from spotrun.checkpoint.claim import claim_incarnation
+
+    w = torch.zeros(4)
+    train(checkpointer(tmp_path, w, interval_steps=2), w, 1, 4)  # storage 2, 4; tier 2, 4 (incarnation 0)
+    claim_incarnation(LocalStorage(str(tmp_path / "store")), resumed_step=2, at_least=1, run_id="")
+    w2 = torch.zeros(4)
+    with caplog.at_level(logging.WARNING, logger="spotrun"):
+        restorer = checkpointer(tmp_path, w2)
+        assert restorer.restore() == 2
+    assert torch.equal(w2, torch.full((4,), 2.0))
+    assert "fast tier step 4 ignored: incarnation 1 fenced it on the checkpoint root" in caplog.text
