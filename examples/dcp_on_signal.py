@@ -149,6 +149,8 @@ def main(argv=None) -> int:
         if asked.item():
             if flag.signal_name:
                 record("signal", signal=flag.signal_name, received_unix_s=flag.received_unix_s)
+            if notice is None and args.notice == "poll":  # a peer saw this node's request first: read it too
+                notice = spotrun.preemption_notice()
             if notice is not None:
                 record("notice", reason=notice.reason, seconds_left=notice.seconds_left(), seen_unix_s=time.time())
             if notice is None or notice.save:
