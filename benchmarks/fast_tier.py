@@ -167,8 +167,16 @@ class Bench:
             self._restart_from(source, samples)
 
     def _restart_from(self, source: str, samples: dict[str, list[float]]) -> None:
-        if source == "memory":  # durable root empty: the tier alone has the step
+        if source == "memory":  # a copy of the trainer's durable root: no step, only its incarnations
             empty = tempfile.mkdtemp(prefix="durable-", dir=self.scratch)
+            # the tier's steps count only for incarnations the root recorded; a copy, so that this
+            # restore's claim never fences the trainer
+            shutil.copytree(
+                os.path.join(self.scratch, "trainer"),
+                empty,
+                dirs_exist_ok=True,
+                ignore=shutil.ignore_patterns("events"),
+            )
             make = lambda: self._checkpointer(  # noqa: E731
                 storage=LocalStorage(empty), memory_interval_steps=MEMORY_INTERVAL_STEPS, memory_dir=self.tier_root
             )
