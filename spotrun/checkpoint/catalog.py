@@ -91,15 +91,21 @@ def list_steps(storage: Storage) -> list[StepInfo]:
 def list_root(storage: Storage) -> tuple[list[StepInfo], Fences]:
     """Every step directory under the root, oldest first, and the incarnation table (one
     listing of the root)."""
-    by_step: dict[int, list[ObjectInfo]] = defaultdict(list)
     objects = storage.list("")
+    by_step = objects_by_step(objects)
+    fences = read_fences(storage, [o for o in objects if o.key.startswith(f"{INCARNATIONS_DIR}/")])
+    return [_inspect(storage, step, objects, fences) for step, objects in sorted(by_step.items())], fences
+
+
+def objects_by_step(objects: list[ObjectInfo]) -> dict[int, list[ObjectInfo]]:
+    """The objects of a root's listing under each step directory (a linked step dir too)."""
+    by_step: dict[int, list[ObjectInfo]] = defaultdict(list)
     for info in objects:
         top, sep, _rest = info.key.partition("/")
         step = parse_step_dir(top) if sep or info.refused is not None else None  # a linked step dir
         if step is not None:
             by_step[step].append(info)
-    fences = read_fences(storage, [o for o in objects if o.key.startswith(f"{INCARNATIONS_DIR}/")])
-    return [_inspect(storage, step, objects, fences) for step, objects in sorted(by_step.items())], fences
+    return by_step
 
 
 def newest_complete(storage: Storage, *, below: int | None = None) -> StepInfo | None:

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from spotrun.checkpoint import fencing
+from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.claim import claim_incarnation
-from spotrun.checkpoint.layout import parse_manifest_name, parse_step_dir
+from spotrun.checkpoint.layout import parse_manifest_name
 from spotrun.checkpoint.retention import delete_step
 from spotrun.checkpoint.save import prepare_save
 from spotrun.control.env import WorkerEnv
@@ -271,15 +271,14 @@ class FastTier:
         never holds more than two steps' bytes; the save then makes two again. One listing, no manifest
         parsed: this runs on the training thread."""
         try:
-            names: dict[int, list[str]] = {}
-            for info in self.storage.list(""):
-                top, sep, rest = info.key.partition("/")
-                step = parse_step_dir(top) if sep else None
-                if step is not None:
-                    names.setdefault(step, []).append(rest)
-            complete = [step for step, files in names.items() if any(parse_manifest_name(f)[0] for f in files)]
+            by_step = catalog.objects_by_step(self.storage.list(""))
+            complete = [
+                step
+                for step, objects in by_step.items()
+                if any(parse_manifest_name(o.key.partition("/")[2])[0] for o in objects)
+            ]
             keep = max(complete, default=None)
-            for step in names:
+            for step in by_step:
                 if step != keep:
                     delete_step(self.storage, step, why=f"fast tier: keeps the newest step ({keep}) and the next")
         except (SpotrunError, OSError) as exc:  # this rank alone: the tier stays on, the save may then not fit
