@@ -269,6 +269,11 @@ class Checkpointer:
             saved = stop(decision, self._saves, self._requests, step, asked)
             self.preempted = True
             report_stop(self._events, self._env.control_dir, step, saved=saved)
+            if saved and self._tier is not None:  # after storage, which the supervisor was told of
+                left_s = self._requests.emergency_timeout_s(
+                    asked or self._requests.read(), self._saves.options.save_timeout_s
+                )
+                self._tier.save_stopping(step, left_s)
         elif decision.action is Action.SAVE:
             served = self._saves.due(step, decision.reason, still_running)
             if served and decision.reason == "requested" and self._checkpoint_requests is not None:

@@ -47,6 +47,9 @@ KEPT_STEPS = 2
 FILE_OVERHEAD_BYTES = 64 * 1024
 FILES_PER_RANK = 3
 ENTRY_OVERHEAD_BYTES = 2048
+#: An emergency step goes into the tier too when the tier's saves take at most this share of the
+#: time left before the deadline (a tier save is a copy into memory: it should take far less).
+STOPPING_SAVE_SHARE = 0.5
 
 
 def tier_settings(options: CheckpointerOptions, env: WorkerEnv) -> tuple[str | None, int]:
@@ -134,6 +137,7 @@ class FastTier:
             max_failed_periodic_saves=0,
         )
         meter = SaveMeter(None, publishes=False, check_interval_steps=1, on_save_ended=on_save_ended)
+        self._meter = meter
         self.saves = Saves(
             tier_options,
             replace(env, keep_last=None, keep_every=None),
@@ -162,6 +166,13 @@ class FastTier:
     def save(self, step: int, still_running: bool | None) -> None:
         """Start the fast-tier save of ``step`` (collective; skipped while the previous one is in flight)."""
         self._guarded(lambda: self._save(step, still_running))
+
+    def save_stopping(self, step: int, left_s: float) -> None:
+        """The job stops after the emergency save of ``step`` to storage: write it into the tier too
+        (collective) when that costs about a copy, i.e. the tier's saves take at most
+        :data:`STOPPING_SAVE_SHARE` of the ``left_s`` seconds left; a restart by this supervisor
+        then reads it from memory."""
+        self._guarded(lambda: self._save_stopping(step, left_s))
 
     def restored(self, step: int) -> None:
         """A restore loaded ``step`` (from either tier): the tier's saves skip it."""
@@ -193,6 +204,26 @@ class FastTier:
         if not still_running and dist.rank() == 0:
             self._make_room()
         self.saves.due(step, MEMORY_REASON, still_running)
+
+    def _save_stopping(self, step: int, left_s: float) -> None:
+        self.report_ended()  # the save abandoned for the emergency one: ended before the tier is pruned
+        estimate_s = self._meter.full_save_s()  # None before a tier save committed: cost unknown
+        fits = self._checked and estimate_s is not None and estimate_s <= STOPPING_SAVE_SHARE * left_s
+        if dist.any_rank(not fits):
+            if dist.rank() == 0:
+                log.info(
+                    "the emergency step %d is not written to the fast tier: %s",
+                    step,
+                    "no fast-tier save has committed yet"
+                    if estimate_s is None or not self._checked
+                    else f"a fast-tier save takes {estimate_s:.2f} s and {max(left_s, 0.0):.2f} s are left",
+                )
+            return
+        if self._fenced_incarnation != self._identity.incarnation:
+            self._claim(step)
+        if dist.rank() == 0:
+            self._make_room()
+        self.saves.save_now(step, MEMORY_REASON, timeout_s=left_s)
 
     def _claim(self, step: int) -> None:
         """Record this start's incarnation in the tier (collective), so that an older start of the job

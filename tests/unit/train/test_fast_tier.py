@@ -186,3 +186,57 @@ def test_a_fast_tier_step_fenced_on_the_root_is_never_resumed(tmp_path, caplog):
         assert restorer.restore() == 2
     assert torch.equal(w2, torch.full((4,), 2.0))
     assert "fast tier step 4 ignored: incarnation 1 fenced it on the checkpoint root" in caplog.text
+
+
+def stop_at(tmp_path, w: torch.Tensor, monkeypatch, stop_step: int, **options) -> spotrun.Checkpointer:
+    """Train from step 1 until the emergency stop at ``stop_step`` (``$SPOTRUN_STOP_AT_STEP``)."""
+    monkeypatch.setenv("SPOTRUN_STOP_AT_STEP", str(stop_step))
+    ckpt = checkpointer(tmp_path, w, interval_steps=5, **options)
+    for step in range(1, stop_step + 1):
+        w.fill_(step)
+        if ckpt.end_of_step(step):
+            break
+        ckpt._tier.report_ended()
+    assert ckpt.preempted and step == stop_step
+    monkeypatch.delenv("SPOTRUN_STOP_AT_STEP")
+    return ckpt
+
+
+def test_an_emergency_step_lands_in_the_fast_tier_after_storage_and_a_restart_reads_it_from_memory(
+    tmp_path, monkeypatch, caplog
+):
+    w = torch.zeros(4)
+    ckpt = stop_at(tmp_path, w, monkeypatch, 7)
+    ckpt.close()
+    assert complete_steps(tmp_path / "store") == [5, 7]
+    assert complete_steps(tmp_path / "mem") == [6, 7]
+
+    w2 = torch.zeros(4)
+    with caplog.at_level(logging.INFO, logger="spotrun"):
+        restorer = checkpointer(tmp_path, w2)
+        assert restorer.restore() == 7
+    assert restorer._restored.tier == "memory"
+    assert torch.equal(w2, torch.full((4,), 7.0))
+
+
+def test_an_emergency_step_skips_the_fast_tier_when_its_saves_would_not_fit_the_time_left(
+    tmp_path, monkeypatch, caplog
+):
+    w = torch.zeros(4)
+    monkeypatch.setattr("spotrun.train.meter.SaveMeter.full_save_s", lambda self: 1e6)
+    with caplog.at_level(logging.INFO, logger="spotrun"):
+        ckpt = stop_at(tmp_path, w, monkeypatch, 7)
+    ckpt.close()
+    assert complete_steps(tmp_path / "store") == [5, 7]  # storage first, as always
+    assert complete_steps(tmp_path / "mem") == [4, 6]  # as the periodic tier saves left it
+    assert "emergency step 7 is not written to the fast tier: a fast-tier save takes 1000000.00 s" in caplog.text
+
+
+def test_an_emergency_step_skips_a_fast_tier_that_has_not_saved_yet(tmp_path, monkeypatch, caplog):
+    w = torch.zeros(4)
+    with caplog.at_level(logging.INFO, logger="spotrun"):
+        ckpt = stop_at(tmp_path, w, monkeypatch, 3, memory_interval_steps=10)
+    ckpt.close()
+    assert complete_steps(tmp_path / "store") == [3]
+    assert complete_steps(tmp_path / "mem") == []
+    assert "emergency step 3 is not written to the fast tier: no fast-tier save has committed yet" in caplog.text
