@@ -33,6 +33,32 @@ _WHAT_TO_SET = {
 }
 
 
+#: The float unary ops torch computes with MKL's vector math (VML) on x86 (``ATen/cpu/vml.h``,
+#: ``IMPLEMENT_VML_MKL``); a test checks the list against the installed torch's header.
+VML_OPS = (
+    "acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp",
+    "log", "log10", "log2", "sin", "sqrt", "tan", "tanh", "trunc",
+)  # fmt: skip
+
+
+def settle_vector_math() -> None:
+    """Call each of :data:`VML_OPS` once on one element, float and double, on this thread alone.
+
+    MKL picks each VML function's kernel at its first call. When that first call runs on several
+    intra-op threads at once (a fresh process's first large ``sqrt``: a resumed run's first
+    optimizer step, under load), one thread can compute its whole chunk with a low-accuracy
+    kernel (pytorch/pytorch#188792; measured here by ``benchmarks/vml_first_call.py``). A resumed
+    run then differs from an uninterrupted one although both computed the same thing. A call on
+    one element runs on the calling thread only and settles the choice first.
+    """
+    if not torch.backends.mkl.is_available():
+        return
+    for dtype in (torch.float32, torch.float64):
+        one = torch.full((1,), 0.5, dtype=dtype)
+        for op in VML_OPS:
+            getattr(torch, op)(one)
+
+
 def current_numerics() -> dict[str, Any]:
     """This process's settings, as JSON values.
 

@@ -19,7 +19,7 @@ from spotrun.control import files as control
 from spotrun.control import listeners
 from spotrun.control.env import DEFAULT_CHECKPOINT_URI, DEFAULT_SAVE_TIMEOUT_S, WorkerEnv
 from spotrun.errors import FencedError
-from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState
+from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState, settle_vector_math
 from spotrun.state.optimizer import pair_optimizers
 from spotrun.state.rng import RNGState
 from spotrun.storage import Storage, open_storage
@@ -86,6 +86,7 @@ class Checkpointer:
         memory_budget_bytes: int | None = None,
     ) -> None:
         check_state_names(state, rank_state)
+        settle_vector_math()  # before the restore and the first step: a resumed run computes as the first one did
         arguments = (
             locals()
         )  # the settings are named as the options' fields (tests/unit/train/test_checkpointer_options.py)
