@@ -355,8 +355,16 @@ def _commit(
                 "aborted": isinstance(exc, SaveAbortedError),
                 "retryable": not isinstance(exc, (FencedError, CommitUnsupportedError)),
             }
+        # a store spread over nodes (the fast tier across nodes) keeps the manifest on each of them
+        if outcome["ok"] and getattr(storage, "manifest_on_every_node", False):
+            outcome["manifest"] = manifest_json.decode()
     outcome = dist.broadcast_json(outcome, group=group)
     _raise_if_failed([outcome], lambda failed: f"commit of step {step} failed on rank 0: {failed[0]}")
+    if "manifest" in outcome and prepared.rank != 0 and dist.local_rank() == 0:
+        try:  # the step is committed: a node without its copy reads it from the others
+            storage.put(manifest_key(step, context.incarnation), outcome["manifest"].encode())
+        except (SpotrunError, OSError) as exc:
+            log.warning("step %d is committed, but this node's copy of its manifest failed: %s", step, exc)
     return manifest
 
 

@@ -51,6 +51,15 @@ MEMORY_DIR = "SPOTRUN_MEMORY_DIR"
 MEMORY_INTERVAL_STEPS = "SPOTRUN_MEMORY_INTERVAL_STEPS"
 #: Most bytes the fast tier of this node may hold (``--memory-budget-bytes``); unset: two steps.
 MEMORY_BUDGET_BYTES = "SPOTRUN_MEMORY_BUDGET_BYTES"
+#: The fast tier on several nodes: this node's name (its tier directory's), where its supervisor
+#: serves the tier to the job's other nodes (``HOST:PORT``), the file with the secret the servers
+#: prove, how many other nodes hold a replica (``--memory-replicas``; unset: 1 on several nodes),
+#: and the bound of a request to a peer in seconds.
+MEMORY_NODE = "SPOTRUN_MEMORY_NODE"
+MEMORY_PEER_ADDRESS = "SPOTRUN_MEMORY_PEER_ADDRESS"
+MEMORY_SECRET_FILE = "SPOTRUN_MEMORY_SECRET_FILE"
+MEMORY_REPLICAS = "SPOTRUN_MEMORY_REPLICAS"
+MEMORY_PEER_TIMEOUT_S = "SPOTRUN_MEMORY_PEER_TIMEOUT_S"
 
 DEFAULT_CHECKPOINT_URI = "./checkpoints"
 #: Default bound of one save's storage operations (``Checkpointer(save_timeout_s=...)``), in
@@ -87,6 +96,8 @@ class WorkerEnv:
         keep_last, keep_every: the retention the supervisor was given; ``None`` if unset.
         memory_dir, memory_interval_steps, memory_budget_bytes: the fast tier's directory, interval
             and budget; ``None`` if unset.
+        memory_node, memory_peer_address, memory_secret_file, memory_replicas, memory_peer_timeout_s:
+            the fast tier's server on this node and its replicas (several nodes); ``None`` if unset.
     """
 
     checkpoint_uri: str | None
@@ -102,6 +113,11 @@ class WorkerEnv:
     memory_dir: str | None = None
     memory_interval_steps: int | None = None
     memory_budget_bytes: int | None = None
+    memory_node: str | None = None
+    memory_peer_address: str | None = None
+    memory_secret_file: str | None = None
+    memory_replicas: int | None = None
+    memory_peer_timeout_s: float | None = None
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -145,4 +161,9 @@ class WorkerEnv:
             memory_dir=env.get(MEMORY_DIR) or None,
             memory_interval_steps=_int(MEMORY_INTERVAL_STEPS),
             memory_budget_bytes=_int(MEMORY_BUDGET_BYTES),
+            memory_node=env.get(MEMORY_NODE) or None,
+            memory_peer_address=env.get(MEMORY_PEER_ADDRESS) or None,
+            memory_secret_file=env.get(MEMORY_SECRET_FILE) or None,
+            memory_replicas=_int(MEMORY_REPLICAS),
+            memory_peer_timeout_s=_seconds(MEMORY_PEER_TIMEOUT_S),
         )

@@ -26,6 +26,9 @@ DEFAULT_MEMORY_DIR = "/dev/shm/spotrun"
 OWNER_FILE = "owner.json"
 #: The checkpoint root inside a tier directory.
 STEPS_DIR = "steps"
+#: Written into a tier directory by the node's workers for its supervisor when the job spans
+#: several nodes: the job's nodes, their tier servers and the replica count.
+PEERS_FILE = "peers.json"
 _PREFIX = "tier-"
 
 

@@ -206,6 +206,10 @@ class JobTier(Storage):
         timeout_s: bound of each request to a peer.
     """
 
+    #: A committed step's manifest is copied into every node's tier (:func:`spotrun.checkpoint.save.commit_save`),
+    #: so that each node holds whole steps: its replicator copies a step once its manifest is here.
+    manifest_on_every_node = True
+
     def __init__(self, tier_path: str, peers: Sequence[Peer], own_node: str, timeout_s: float) -> None:
         self.holdings = NodeHoldings(tier_path)
         self.local = self.holdings.own

@@ -274,6 +274,36 @@ class SupervisorConfig:
         "is said at the first save and the job runs with storage only (default: the free space of --memory-dir)",
         metavar="N",
     )
+    memory_replicas: int | None = option(
+        None,
+        "fast tier on several nodes: how many other nodes also hold each node's fast-tier step, copied "
+        "between the supervisors in the background (default: 1, or 0 on one node; passed as SPOTRUN_MEMORY_REPLICAS)",
+        metavar="R",
+    )
+    memory_replica_address: str | None = option(
+        None,
+        "where this node's supervisor serves its fast tier to the job's other nodes (default: the address "
+        "this node reaches torchrun's rendezvous from; 127.0.0.1 for a rendezvous on loopback)",
+        metavar="HOST",
+    )
+    memory_replica_rate_bytes_s: int = option(
+        256 * 1024 * 1024,
+        "most bytes per second this node sends to replicate its fast tier, so that copies leave the "
+        "training's network alone (default %(default)s)",
+        metavar="N",
+    )
+    memory_replica_secret_file: str | None = option(
+        None,
+        "a file holding the job's secret that the nodes' fast-tier servers prove to each other "
+        "(default: one generated per node and shared through the job's own process group)",
+        metavar="PATH",
+    )
+    memory_peer_timeout_s: float = option(
+        10.0,
+        "most seconds one request to another node's fast tier may take before that node is skipped "
+        "(default %(default)s)",
+        metavar="S",
+    )
     log_level: str | None = option(
         None,
         "log verbosity on stderr (default: info for run and drill, warning for the other commands)",
@@ -321,6 +351,12 @@ class SupervisorConfig:
             raise ConfigError(f"memory budget must be >= 0 bytes, got {self.memory_budget_bytes}")
         if self.memory_interval_steps and not self.memory_dir:
             raise ConfigError("--memory-interval-steps needs a --memory-dir")
+        if self.memory_replicas is not None and self.memory_replicas < 0:
+            raise ConfigError(f"memory replicas must be >= 0, got {self.memory_replicas}")
+        if self.memory_replica_rate_bytes_s <= 0:
+            raise ConfigError(f"memory replica rate must be > 0 bytes/s, got {self.memory_replica_rate_bytes_s}")
+        if not 0 < self.memory_peer_timeout_s < math.inf:
+            raise ConfigError(f"memory peer timeout must be a finite number > 0 s, got {self.memory_peer_timeout_s}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, command: Iterable[str], *, log_format: str | None) -> SupervisorConfig:

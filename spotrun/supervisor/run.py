@@ -35,6 +35,7 @@ from spotrun.supervisor.foreign import NoticeDelivery, describe_delivery
 from spotrun.supervisor.launch import LaunchPlan, describe_start, plan_launch
 from spotrun.supervisor.observers import Observers
 from spotrun.supervisor.tier import fast_tier_launch, lost, open_fast_tier
+from spotrun.supervisor.tier_replicas import TierService, start_tier_service
 from spotrun.supervisor.torchrun_command import TorchrunLaunch, read_torchrun_command
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,8 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
             log.info("%s", finished.finished_line(storage.uri, done, config.s3_endpoint_url))
             return EXIT_FINISHED
         tier = open_fast_tier(config, stack)
-        return _Supervisor(config, storage, inbox, control_root, launch, observers, tier).run()
+        service = start_tier_service(config, tier, launch, stack)
+        return _Supervisor(config, storage, inbox, control_root, launch, observers, tier, service).run()
 
 
 class _Supervisor:
@@ -125,9 +127,11 @@ class _Supervisor:
         launch: TorchrunLaunch | None,
         observers: Observers,
         tier: TierOwner | None = None,
+        tier_service: TierService | None = None,
     ):
         self.config = config
         self.tier = tier  # this run's fast tier; None: off
+        self.tier_service = tier_service  # serves it to the job's other nodes
         self.observers = observers
         self.launch = launch  # the rank count the torchrun command asks for; None: not torchrun
         self.storage = storage
@@ -188,7 +192,7 @@ class _Supervisor:
                 supervisor_pid=os.getpid(),
                 log_format=self.config.log_format,
                 retention=self.config.retention_env(),
-                **fast_tier_launch(self.config, self.tier),
+                **fast_tier_launch(self.config, self.tier, self.tier_service),
             )
             self.resumed_manifest = plan.resume.manifest if plan.resume is not None else None
             log.info("%s", describe_start(plan.resume, self.launch))

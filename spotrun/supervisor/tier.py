@@ -45,11 +45,16 @@ def open_fast_tier(config: SupervisorConfig, stack: contextlib.ExitStack) -> Tie
     return tier
 
 
-def fast_tier_launch(config: SupervisorConfig, tier: TierOwner | None) -> dict[str, Any]:
-    """The fast tier's arguments of :func:`~spotrun.supervisor.launch.plan_launch`."""
+def fast_tier_launch(config: SupervisorConfig, tier: TierOwner | None, service: Any = None) -> dict[str, Any]:
+    """The fast tier's arguments of :func:`~spotrun.supervisor.launch.plan_launch` (with ``service``,
+    a :class:`~spotrun.supervisor.tier_replicas.TierService`: how the workers reach the other nodes)."""
     if tier is None:
         return {}
-    return {"fast_tier": LocalStorage(tier.steps_root), "fast_tier_env": config.fast_tier_env(tier.steps_root)}
+    env = config.fast_tier_env(tier.steps_root)
+    if service is not None:
+        env.update(service.env())
+    view = service.view() if service is not None else LocalStorage(tier.steps_root)
+    return {"fast_tier": view, "fast_tier_env": env}
 
 
 def lost(tier: TierOwner | None, storage: Storage) -> str:

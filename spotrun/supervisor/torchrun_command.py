@@ -41,6 +41,8 @@ class TorchrunLaunch:
         standalone: ``--standalone`` (a rendezvous on this node only).
         last_call_timeout_s: seconds a dynamic rendezvous waits for more nodes once ``MIN``
             joined (``--rdzv-conf last_call_timeout=N``, else 30).
+        rendezvous_host: the host of ``--rdzv-endpoint`` (else ``--master-addr``), ``None``
+            without one (the fast tier's server listens where this node reaches it).
     """
 
     min_nodes: int
@@ -50,6 +52,7 @@ class TorchrunLaunch:
     rdzv_backend: str
     standalone: bool
     last_call_timeout_s: float
+    rendezvous_host: str | None = None
 
     @property
     def elastic(self) -> bool:
@@ -159,7 +162,18 @@ def read_torchrun_command(command: Sequence[str]) -> TorchrunLaunch | None:
         rdzv_backend=backend,
         standalone=bool(options.standalone),
         last_call_timeout_s=_last_call_timeout_s(str(options.rdzv_conf)),
+        rendezvous_host=_rendezvous_host(options),
     )
+
+
+def _rendezvous_host(options: argparse.Namespace) -> str | None:
+    """``HOST`` of ``--rdzv-endpoint HOST[:PORT]`` (``[v6]:PORT`` too), else ``--master-addr``."""
+    endpoint = getattr(options, "rdzv_endpoint", None) or ""
+    if endpoint:
+        if endpoint.startswith("["):
+            return endpoint[1:].partition("]")[0] or None
+        return endpoint.rpartition(":")[0] if endpoint.count(":") == 1 else endpoint
+    return getattr(options, "master_addr", None) or None
 
 
 def is_torchrun(argv: Sequence[str]) -> bool:

@@ -11,10 +11,11 @@ tier is logged and turns the tier off: training goes on with storage alone.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from spotrun.checkpoint import catalog, fencing
@@ -25,7 +26,8 @@ from spotrun.checkpoint.save import prepare_save
 from spotrun.control.env import WorkerEnv
 from spotrun.errors import CheckpointSaveError, SpotrunError
 from spotrun.storage import LocalStorage, Storage
-from spotrun.storage.tier_dir import free_bytes
+from spotrun.storage.tier_dir import PEERS_FILE, free_bytes
+from spotrun.storage.tier_peers import DEFAULT_PEER_TIMEOUT_S, JobTier, Peer
 from spotrun.tools import dist
 from spotrun.train.identity import Identity
 from spotrun.train.meter import SaveMeter
@@ -76,22 +78,97 @@ def open_fast_tier(
     on_save_ended: Callable[..., None] | None = None,
 ) -> FastTier | None:
     """The Checkpointer's fast tier when one is set (options, else ``spotrun run``'s environment);
-    ``None`` without one, or on more than one node (said: a node's tier alone cannot hold the
-    parts of a step that other nodes' ranks wrote). ``on_save_ended``: told of every fast-tier
-    save that ended, as :class:`~spotrun.train.meter.SaveMeter`'s (the event log's ``save``
-    records, with ``tier`` ``"memory"``)."""
+    ``None`` without one. On several nodes (collective) the tier is the job's: each node's
+    ranks write into their node's tier, and reads and listings reach the other nodes' through
+    their supervisors (:class:`~spotrun.storage.tier_peers.JobTier`); without ``spotrun run``'s
+    tier servers it is off (said). ``on_save_ended``: told of every fast-tier save that ended, as
+    :class:`~spotrun.train.meter.SaveMeter`'s (the event log's ``save`` records, with ``tier``
+    ``"memory"``)."""
     root, interval = tier_settings(options, env)
     if root is None:
         return None
-    if multi_node():
+    budget = options.memory_budget_bytes if options.memory_budget_bytes is not None else env.memory_budget_bytes
+    if not multi_node():
+        return FastTier(root, interval, budget, options, env, identity, state, rank_state, on_save_ended)
+    job = job_nodes(env)
+    if job is None:
+        return None
+    return FastTier(root, interval, budget, options, env, identity, state, rank_state, on_save_ended, job=job)
+
+
+@dataclass(frozen=True)
+class JobNodes:
+    """The job's nodes as the fast tier sees them (gathered once over the process group).
+
+    Attributes:
+        nodes: each node's tier server, in rank order (the node of rank 0 first).
+        node_of_rank: the node name of each rank.
+        own: this rank's node.
+        replicas: how many other nodes hold each node's step.
+        timeout_s: bound of one request to a peer.
+    """
+
+    nodes: list[Peer]
+    node_of_rank: list[str]
+    own: str
+    replicas: int
+    timeout_s: float
+
+    @property
+    def copies(self) -> int:
+        """Nodes that hold each file once the replicas are made."""
+        return 1 + self.replicas
+
+
+def job_nodes(env: WorkerEnv) -> JobNodes | None:
+    """Gather every rank's tier server (collective); ``None`` (said once) when a rank has none:
+    its node runs no ``spotrun run`` with the fast tier, so no node can reach its memory."""
+    mine: dict | None = None
+    problem = ""
+    if env.memory_node and env.memory_peer_address and env.memory_secret_file:
+        host, _, port = env.memory_peer_address.rpartition(":")
+        try:
+            with open(env.memory_secret_file) as file:
+                secret = bytes.fromhex(file.read().strip())
+            mine = Peer(env.memory_node, host.strip("[]"), int(port), secret).to_json()
+        except (OSError, ValueError) as exc:
+            problem = f"cannot read the fast tier's secret: {exc}"
+    else:
+        problem = "no fast-tier server on this node (the tier across nodes needs spotrun run on each node)"
+    gathered = dist.all_gather_json({"peer": mine, "problem": problem})
+    missing = {r: g["problem"] for r, g in enumerate(gathered) if g["peer"] is None}
+    if missing:
         if dist.rank() == 0:
             log.warning(
-                "the fast tier is off: this job spans several nodes, and a node's memory holds only its own "
-                "ranks' parts of a step (replicas on peer nodes are not built yet); storage only"
+                "the fast tier is off: it spans several nodes and rank(s) %s cannot share theirs (%s); storage only",
+                sorted(missing),
+                next(iter(missing.values())),
             )
         return None
-    budget = options.memory_budget_bytes if options.memory_budget_bytes is not None else env.memory_budget_bytes
-    return FastTier(root, interval, budget, options, env, identity, state, rank_state, on_save_ended)
+    peers = [Peer.from_json(g["peer"]) for g in gathered]
+    nodes: dict[str, Peer] = {}
+    for peer in peers:
+        nodes.setdefault(peer.node, peer)
+    wanted = env.memory_replicas if env.memory_replicas is not None else 1
+    job = JobNodes(
+        nodes=list(nodes.values()),
+        node_of_rank=[p.node for p in peers],
+        own=env.memory_node or "",
+        replicas=min(wanted, len(nodes) - 1),
+        timeout_s=env.memory_peer_timeout_s or DEFAULT_PEER_TIMEOUT_S,
+    )
+    return job
+
+
+def write_peers_file(tier_path: str, job: JobNodes) -> None:
+    """Tell this node's supervisor the job's nodes (local rank 0): it replicates to the next ones."""
+    doc = {"nodes": [p.to_json() for p in job.nodes], "replicas": job.replicas, "own": job.own}
+    path = os.path.join(tier_path, PEERS_FILE)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        json.dump(doc, file)
+    os.replace(tmp, path)
 
 
 class FastTier:
@@ -104,6 +181,7 @@ class FastTier:
         options, env, identity, state, rank_state: the Checkpointer's.
         on_save_ended: called with the figures of every fast-tier save that ended (as
             :class:`~spotrun.train.meter.SaveMeter`'s).
+        job: the job's nodes when it spans several (:func:`job_nodes`).
     """
 
     def __init__(
@@ -117,8 +195,19 @@ class FastTier:
         state: dict[str, Any],
         rank_state: dict[str, Any],
         on_save_ended: Callable[..., None] | None = None,
+        *,
+        job: JobNodes | None = None,
     ) -> None:
+        self.job = job
         self.storage: Storage = LocalStorage(root)
+        if job is not None:
+            tier_path = os.path.dirname(os.path.abspath(root))
+            peers = [p for p in job.nodes if p.node != job.own]
+            self.storage = JobTier(tier_path, peers, job.own, job.timeout_s)
+            if dist.local_rank() == 0:
+                write_peers_file(tier_path, job)
+            if dist.rank() == 0:
+                log.info("fast tier on %d nodes, each step also held by %d other node(s)", len(job.nodes), job.replicas)
         self._root = root
         self.interval_steps = interval_steps
         self.budget_bytes = budget_bytes
@@ -189,6 +278,8 @@ class FastTier:
             self.report_ended()
         finally:
             self.saves.saver.shutdown()
+            if isinstance(self.storage, JobTier):
+                self.storage.close()
 
     def _save(self, step: int, still_running: bool | None) -> None:
         if not self._checked:
@@ -262,22 +353,32 @@ class FastTier:
         # the files hold more than the tensors: headers, the rank's index, the manifest, and
         # each file fills whole pages of the tmpfs
         own_bytes += FILE_OVERHEAD_BYTES * FILES_PER_RANK + ENTRY_OVERHEAD_BYTES * len(prepared.tensors)
-        step_bytes = sum(dist.all_gather_json(own_bytes))
-        need = KEPT_STEPS * step_bytes
+        rank_bytes = dist.all_gather_json(own_bytes)
+        step_bytes = sum(rank_bytes)
+        if self.job is None:
+            need = KEPT_STEPS * step_bytes
+        else:  # a node holds its ranks' files and the replicas of the nodes before it
+            per_node: dict[str, int] = {}
+            for node, size in zip(self.job.node_of_rank, rank_bytes):
+                per_node[node] = per_node.get(node, 0) + size
+            need = KEPT_STEPS * self.job.copies * max(per_node.values())
         free = None
         if dist.local_rank() == 0:
             try:
                 free = free_bytes(self._root)
             except OSError as exc:  # said; the budget alone then decides
                 log.warning("cannot read the free space of the fast tier %s: %s", self._root, exc)
-        free = max([f for f in dist.all_gather_json(free) if f is not None], default=None)
+        frees = [f for f in dist.all_gather_json(free) if f is not None]
+        # on one node the ranks share the tier; across nodes the fullest node decides
+        free = (max(frees) if self.job is None else min(frees)) if frees else None
         room = free if self.budget_bytes is None else min(self.budget_bytes, free or self.budget_bytes)
         if room is not None and need > room:
             if dist.rank() == 0:
                 log.error(
-                    "the fast tier does not fit: %d steps of this node's ranks take %s, but %s allows %s "
+                    "the fast tier does not fit: %d steps of this node's ranks%s take %s, but %s allows %s "
                     "(budget %s, free in %s: %s); running with storage only",
                     KEPT_STEPS,
+                    f" and their {self.job.replicas} replica(s)" if self.job is not None and self.job.replicas else "",
                     _size(need),
                     "the budget" if self.budget_bytes is not None and room == self.budget_bytes else "memory",
                     _size(room),
@@ -308,10 +409,20 @@ class FastTier:
                 for step, objects in by_step.items()
                 if any(parse_manifest_name(o.key.partition("/")[2])[0] for o in objects)
             ]
-            keep = max(complete, default=None)
+            keep = {max(complete, default=None)}
+            if isinstance(self.storage, JobTier) and self.job is not None:
+                # and the newest step whose every file is held on as many nodes as asked: the
+                # replicas of the newest may still be copying when a node is lost
+                held = [
+                    step
+                    for step in complete
+                    if all(self.storage.holders(o.key) >= self.job.copies for o in by_step[step])
+                ]
+                keep.add(max(held, default=None))
+            kept = sorted(s for s in keep if s is not None)
             for step in by_step:
-                if step != keep:
-                    delete_step(self.storage, step, why=f"fast tier: keeps the newest step ({keep}) and the next")
+                if step not in keep:
+                    delete_step(self.storage, step, why=f"fast tier: keeps its newest step(s) {kept} and the next")
         except (SpotrunError, OSError) as exc:  # this rank alone: the tier stays on, the save may then not fit
             log.warning("the fast tier could not delete its older steps: %s", exc)
 

@@ -84,6 +84,8 @@ def restore_state(
     manifest = loaded.manifest if loaded is not None else None
     step, bytes_read = (manifest.step, loaded.bytes_read) if manifest is not None else (0, 0)
     tier = loaded.tier if loaded is not None else None
+    if tier == "memory" and isinstance(getattr(fast_tier, "read_from", None), set):
+        tier = _peer_reads(fast_tier, step)
     if manifest is not None:
         if dist.rank() == 0:
             log.info("%s", restored_onto(step, manifest.world_size, manifest.meshes, dist.world_size(), meshes))
@@ -102,10 +104,30 @@ def restore_state(
     if dist.rank() == 0:
         log.info(
             "%s (incarnation %d)",
-            f"restored step {step} from {fast_tier.uri if tier == 'memory' else storage.uri}"
+            f"restored step {step} from {fast_tier.uri if tier in ('memory', 'peer') else storage.uri}"
             + (" (the fast tier, in memory)" if tier == "memory" else "")
+            + (" (the fast tier, parts from other nodes' memory)" if tier == "peer" else "")
             if manifest
             else f"no checkpoint under {storage.uri}: starting from step 0",
             incarnation,
         )
     return Restored(step, manifest, run_id, incarnation, bytes_read, list(meshes), tier)
+
+
+def _peer_reads(fast_tier: Any, step: int) -> str:
+    """``"peer"`` when any rank read part of the restored step from another node's tier (said per
+    rank, with the bytes and the nodes), else ``"memory"`` (collective)."""
+    reads = dist.all_gather_json({"nodes": sorted(fast_tier.read_from), "bytes": fast_tier.peer_bytes_read})
+    if not any(r["nodes"] for r in reads):
+        return "memory"
+    if dist.rank() == 0:
+        for rank, r in enumerate(reads):
+            if r["nodes"]:
+                log.info(
+                    "rank %d read %d bytes of step %d from the fast tier of node(s) %s",
+                    rank,
+                    r["bytes"],
+                    step,
+                    ", ".join(r["nodes"]),
+                )
+    return "peer"
