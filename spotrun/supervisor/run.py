@@ -34,8 +34,7 @@ from spotrun.supervisor.exit_codes import EXIT_FENCED, EXIT_FINISHED, EXIT_PREEM
 from spotrun.supervisor.foreign import NoticeDelivery, describe_delivery
 from spotrun.supervisor.launch import LaunchPlan, describe_start, plan_launch
 from spotrun.supervisor.observers import Observers
-from spotrun.supervisor.tier import fast_tier_launch, lost, open_fast_tier
-from spotrun.supervisor.tier_replicas import TierService, start_tier_service
+from spotrun.supervisor.tier import TierService, fast_tier_launch, lost, open_fast_tier
 from spotrun.supervisor.torchrun_command import TorchrunLaunch, read_torchrun_command
 
 log = logging.getLogger(__name__)
@@ -97,21 +96,14 @@ def supervise(config: SupervisorConfig, observers: Observers | None = None) -> i
             log.debug("could not become a child subreaper; orphaned workers go to init")
         observers = observers or Observers()
         stack.callback(observers.close)
-        observers.emit(
-            "start",
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            command=list(config.command),
-            grace_period_s=config.grace_period_s,
-            checkpoint_uri=config.checkpoint_uri,
-        )
+        start = {"host": socket.gethostname(), "pid": os.getpid(), "command": list(config.command)}
+        observers.emit("start", **start, grace_period_s=config.grace_period_s, checkpoint_uri=config.checkpoint_uri)
         done = None if config.rerun_finished else finished.finished_step(storage, config.command)
         if done is not None:
             observers.emit("exit", code=EXIT_FINISHED, reason="finished", step=None)
             log.info("%s", finished.finished_line(storage.uri, done, config.s3_endpoint_url))
             return EXIT_FINISHED
-        tier = open_fast_tier(config, stack)
-        service = start_tier_service(config, tier, launch, stack)
+        tier, service = open_fast_tier(config, launch, stack)
         return _Supervisor(config, storage, inbox, control_root, launch, observers, tier, service).run()
 
 
@@ -130,8 +122,7 @@ class _Supervisor:
         tier_service: TierService | None = None,
     ):
         self.config = config
-        self.tier = tier  # this run's fast tier; None: off
-        self.tier_service = tier_service  # serves it to the job's other nodes
+        self.tier, self.tier_service = tier, tier_service  # this run's fast tier (None: off), its server
         self.observers = observers
         self.launch = launch  # the rank count the torchrun command asks for; None: not torchrun
         self.storage = storage

@@ -20,13 +20,23 @@ from spotrun.storage.tier_dir import (
 )
 from spotrun.supervisor.config import SupervisorConfig
 from spotrun.supervisor.launch import newest_in_fast_tier
+from spotrun.supervisor.tier_replicas import TierService, start_tier_service
+from spotrun.supervisor.torchrun_command import TorchrunLaunch
 
 log = logging.getLogger("spotrun.supervisor.run")  # said where the other start lines are
 
 
-def open_fast_tier(config: SupervisorConfig, stack: contextlib.ExitStack) -> TierOwner | None:
-    """This run's fast tier (``--memory-interval-steps``), after removing those of killed runs, removed
-    when ``stack`` closes; ``None`` when it is off or cannot be made (said: the job runs with storage only)."""
+def open_fast_tier(
+    config: SupervisorConfig, launch: TorchrunLaunch | None, stack: contextlib.ExitStack
+) -> tuple[TierOwner | None, TierService | None]:
+    """This run's fast tier (``--memory-interval-steps``), after removing those of killed runs, and its
+    server to the job's other nodes, both closed with ``stack``; ``(None, None)`` when it is off or
+    cannot be made (said: the job runs with storage only)."""
+    tier = _make_tier(config, stack)
+    return tier, start_tier_service(config, tier, launch, stack)
+
+
+def _make_tier(config: SupervisorConfig, stack: contextlib.ExitStack) -> TierOwner | None:
     if not config.memory_interval_steps:
         return None
     remove_stale_tiers(config.memory_dir)
@@ -45,9 +55,11 @@ def open_fast_tier(config: SupervisorConfig, stack: contextlib.ExitStack) -> Tie
     return tier
 
 
-def fast_tier_launch(config: SupervisorConfig, tier: TierOwner | None, service: Any = None) -> dict[str, Any]:
-    """The fast tier's arguments of :func:`~spotrun.supervisor.launch.plan_launch` (with ``service``,
-    a :class:`~spotrun.supervisor.tier_replicas.TierService`: how the workers reach the other nodes)."""
+def fast_tier_launch(
+    config: SupervisorConfig, tier: TierOwner | None, service: TierService | None = None
+) -> dict[str, Any]:
+    """The fast tier's arguments of :func:`~spotrun.supervisor.launch.plan_launch` (with ``service``:
+    how the workers reach the other nodes, and the supervisor's view of every node's tier)."""
     if tier is None:
         return {}
     env = config.fast_tier_env(tier.steps_root)

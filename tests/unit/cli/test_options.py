@@ -39,6 +39,11 @@ EXPECTED = {
     "memory_interval_steps": ("10", 10),
     "memory_dir": ("/dev/shm/job", "/dev/shm/job"),
     "memory_budget_bytes": ("8000000000", 8000000000),
+    "memory_replicas": ("2", 2),
+    "memory_replica_address": ("10.0.0.5", "10.0.0.5"),
+    "memory_replica_rate_bytes_s": ("100000000", 100000000),
+    "memory_replica_secret_file": ("/run/secrets/spotrun-tier", "/run/secrets/spotrun-tier"),
+    "memory_peer_timeout_s": ("5", 5.0),
     "log_level": ("debug", "debug"),
     "log_format": ("json", "json"),
 }
