@@ -12,10 +12,13 @@ says why; a replica with a flipped byte is caught by its digests and never train
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import re
 import shutil
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -24,6 +27,9 @@ import uuid
 import pytest
 import torch
 
+from spotrun.errors import StorageError
+from spotrun.storage import tier_protocol as wire
+from spotrun.storage.tier_peers import Peer, PeerClient
 from tests.support.trainrun import (
     TRAIN_ARGS,
     final_tensors,
@@ -159,19 +165,31 @@ def reference(tmp_path_factory):
 
 
 def lose_node_1(
-    tmp_path: pathlib.Path, processes: list, *, wipe_replicas_on_node_0: bool = False
+    tmp_path: pathlib.Path,
+    processes: list,
+    *,
+    wipe_replicas_on_node_0: bool = False,
+    while_running=lambda job: None,
+    before_replacement=lambda job, held: None,
 ) -> tuple[Job, int, str]:
     """Run the job until step KILL_AFTER is logged and node 0 holds node 1's replica of step
     KILL_AFTER - 1 or later; SIGKILL node 1's whole process tree, wipe its memory (and, when
-    asked, node 0's replicas too: both copies lost) and start a replacement node 1. Returns the
+    asked, node 0's replicas too: both copies lost) and start a replacement node 1;
+    ``while_running(job)`` runs once both nodes train, ``before_replacement(job, held)`` before the
+    replacement starts. Returns the
     job (run to its end), the newest step node 0 held a whole replica of at the loss, and node
     0's name (its tier directory's)."""
     job = Job(tmp_path, processes, "--step-sleep-s", str(STEP_SLEEP_S))
     job.start(0)
     job.start(1)
     deadline = time.monotonic() + WAIT_S
+    while not (job.log_file.exists() and read_log(job.log_file)):
+        assert all(proc.poll() is None for proc in job.nodes), "a node exited early" + job.outputs()
+        assert time.monotonic() < deadline, "the job never trained" + job.outputs()
+        time.sleep(0.05)
+    while_running(job)
     while True:
-        rows = read_log(job.log_file) if job.log_file.exists() else []
+        rows = read_log(job.log_file)
         held = replicated_on(job.memory_dir(0))
         if rows and held and rows[-1]["step"] >= KILL_AFTER and held[-1] >= KILL_AFTER - 1:
             break
@@ -184,6 +202,7 @@ def lose_node_1(
     shutil.rmtree(job.memory_dir(1))  # a new machine: nothing in its memory
     if wipe_replicas_on_node_0:
         shutil.rmtree(tier_of(job.memory_dir(0)) / "replicas")
+    before_replacement(job, held_at_loss)
     job.start(1, "node1-replacement.log")
     assert job.wait() == [0] * NODES, job.outputs()
     return job, held_at_loss, node_0
@@ -238,3 +257,203 @@ def test_with_both_copies_of_a_part_lost_the_restart_falls_through_to_storage_an
     text = "\n".join(job.log_text(n) for n in range(NODES))
     assert re.search(r"fast tier step \d+ ignored: .*missing", text), job.outputs()
     assert_same_as_reference(reference, job)
+
+
+def poke_with_a_stranger_and_a_malformed_frame(job: Job) -> None:
+    """Connect to node 0's tier server without the job's secret, then with a frame no peer sends."""
+    [port] = re.findall(r"fast tier served to the job's other nodes on 127\.0\.0\.1:(\d+)", job.log_text(0))
+    stranger = PeerClient(Peer("stranger", "127.0.0.1", int(port), b"not the job's secret" * 2), "stranger", 10)
+    with pytest.raises(StorageError, match="secret"):
+        stranger.list("")
+    secret = bytes.fromhex((tier_of(job.memory_dir(0)) / "secret").read_text())  # a peer gone astray
+    with socket.create_connection(("127.0.0.1", int(port)), timeout=10) as raw:
+        wire.client_handshake(raw, secret, "astray")
+        raw.sendall(struct.pack(">I", 10**9))
+        with contextlib.suppress(ConnectionResetError):
+            assert raw.recv(1) == b""
+
+
+def flip_a_byte_in_node_1s_replica(job: Job, step: int) -> None:
+    replica_dir = next(tier_of(job.memory_dir(0)).glob(f"replicas/*/step-{step:09d}"))
+    [shard] = [p for p in replica_dir.glob("rank-*.safetensors") if ".index." not in p.name]
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0x01  # tensor bytes, near the end
+    shard.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_a_replica_is_caught_by_its_digests_and_strangers_are_refused(reference, tmp_path, processes):
+    job, held_at_loss, _node_0 = lose_node_1(
+        tmp_path,
+        processes,
+        while_running=poke_with_a_stranger_and_a_malformed_frame,
+        before_replacement=flip_a_byte_in_node_1s_replica,
+    )
+    text = "\n".join(job.log_text(n) for n in range(NODES))
+    assert re.search(r"connection from 127\.0\.0\.1:\d+ refused: the job's secret was not proven", text), job.outputs()
+    assert re.search(r"connection from 127\.0\.0\.1:\d+ dropped: a header of 1000000000 bytes", text), job.outputs()
+    assert re.search(rf"checkpoint step {held_at_loss} in the fast tier failed verification", text), job.outputs()
+    assert restored_step(job) < held_at_loss  # never trained on
+    assert_same_as_reference(reference, job)
+
+
+# --- three nodes, one lost and not replaced: FSDP2 resharded from the replicas ------------------
+
+#: FSDP2, dropout off (per-rank dropout streams cannot map across world sizes), a global batch
+#: that divides by 3 and 2 ranks, one intra-op thread per rank.
+FSDP_ARGS = [
+    "--fsdp",
+    "--width",
+    "32",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--block-size",
+    "16",
+    "--max-bytes",
+    "20000",
+    "--batch-size",
+    "12",
+    "--warmup-steps",
+    "2",
+    "--dropout",
+    "0",
+    "--log-interval",
+    "1000",
+    "--intra-op-threads",
+    "1",
+]
+FSDP_STEPS = 16
+#: Relative tolerance of the losses after the change of layout (the reduction order differs);
+#: the global batches and learning rates are exact (tests/e2e/test_sharded_resume.py).
+LOSS_RTOL = 1e-5
+
+
+def trainer(ck: str, log_file: pathlib.Path, *extra: str) -> list[str]:
+    """The example trainer's module and arguments, FSDP2."""
+    return [
+        "-m",
+        "spotrun.examples.train_gpt",
+        "--checkpoint-uri",
+        ck,
+        "--steps",
+        str(FSDP_STEPS),
+        "--save-interval",
+        "100",  # storage: only the end; every restore before it is from the fast tier
+        "--log-file",
+        str(log_file),
+        *FSDP_ARGS,
+        *extra,
+    ]
+
+
+def elastic_torchrun(port: int, rdzv_id: str) -> list[str]:
+    """One node's torchrun of 2 to 3 nodes x 1 process; once 2 joined, the third is waited 3 s."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        rdzv_id,
+        "--rdzv-conf",
+        "last_call_timeout=3",
+    ]
+
+
+def test_three_nodes_lose_one_and_the_two_left_reshard_fsdp2_from_the_replicas(tmp_path, processes):
+    # the uninterrupted reference: FSDP2 on 2 ranks of one node (the global batches do not depend on the layout)
+    ref_log = tmp_path / "reference.jsonl"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            *trainer(str(tmp_path / "ref-ck"), ref_log),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    reference = read_log(ref_log)
+
+    port, rdzv_id, log_file, ck = (
+        rendezvous_port(),
+        uuid.uuid4().hex[:12],
+        tmp_path / "train.jsonl",
+        str(tmp_path / "ck"),
+    )
+    logs = [tmp_path / f"node{n}.log" for n in range(3)]
+    nodes = []
+    for node in range(3):
+        proc = start_supervised(
+            ck,
+            [*elastic_torchrun(port, rdzv_id), *trainer(ck, log_file, "--step-sleep-s", str(STEP_SLEEP_S))],
+            extra_options=[
+                "--notice",
+                "none",
+                "--memory-dir",
+                str(tmp_path / f"mem{node}"),
+                "--memory-interval-steps",
+                str(MEMORY_INTERVAL),
+                "--max-restarts",
+                "3",
+                "--restart-backoff-s",
+                "0",
+            ],
+            log_path=logs[node],
+        )
+        processes.append(proc)
+        nodes.append(proc)
+    outputs = lambda: tails(tuple(logs))  # noqa: E731
+    lost = 2
+    deadline = time.monotonic() + WAIT_S
+    while True:  # every node's step 6 or later held by its successor, and step 7 logged
+        rows = read_log(log_file) if log_file.exists() else []
+        held = [replicated_on(tmp_path / f"mem{n}") for n in range(3)]
+        if rows and rows[-1]["step"] >= 7 and all(h and h[-1] >= 6 for h in held):
+            break
+        assert all(p.poll() is None for p in nodes), "a node exited early" + outputs()
+        assert time.monotonic() < deadline, "the replicas of step 6 never landed" + outputs()
+        time.sleep(0.05)
+    lost_name = tier_of(tmp_path / f"mem{lost}").name
+    kill_tree(nodes[lost])  # the node is gone and not replaced
+    held_at_loss = max(
+        int(p.parent.name.removeprefix("step-"))
+        for n in range(3)
+        if n != lost
+        for p in (tmp_path / f"mem{n}").glob(f"tier-*/replicas/{lost_name}/step-*/manifest.*.json")
+    )
+    shutil.rmtree(tmp_path / f"mem{lost}")
+    assert [nodes[n].wait(timeout=600) for n in range(3) if n != lost] == [0, 0], outputs()
+
+    text = "\n".join(p.read_text(errors="replace") for p in logs)
+    steps = [row["step"] for row in read_log(log_file)]
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert steps[restart] - 1 == held_at_loss, outputs()
+    assert re.search(rf"restored step {held_at_loss} \(saved by 3 ranks, mesh 3\) onto 2 ranks, mesh 2", text), (
+        outputs()
+    )
+    assert "(the fast tier, parts from other nodes' memory)" in text
+    assert re.search(rf"read \d+ bytes of step {held_at_loss} from the fast tier of node\(s\) [^\n]*", text)
+    # the same global batches and learning rates as the uninterrupted run, losses within rounding
+    rows = read_log(log_file)
+    resumed = rows[restart:]
+    expected = [r for r in reference if r["step"] > held_at_loss]
+    assert [(r["step"], r["samples"], r["lr"]) for r in resumed] == [
+        (r["step"], r["samples"], r["lr"]) for r in expected
+    ]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in expected], rel=LOSS_RTOL)
+    before = rows[:restart]
+    assert [(r["step"], r["samples"]) for r in before] == [(r["step"], r["samples"]) for r in reference[: len(before)]]
