@@ -200,3 +200,60 @@ def test_the_handshake_refuses_another_protocol_version(served):
         answer = wire.recv_header(raw)
         assert answer.get("ok") is False
     assert json.dumps(answer)
+
+
+HANGING_SERVER = """
+import sys, time
+from spotrun.storage.tier_server import TierServer
+
+class StopsMidRead(TierServer):
+    def _answer(self, conn, request, node):
+        if request.get("op") == "read":  # answers listings, then never the bytes
+            time.sleep(3600)
+        super()._answer(conn, request, node)
+
+server = StopsMidRead(sys.argv[1], bytes.fromhex(sys.argv[2]), "127.0.0.1", 0, timeout_s=600).start()
+print(server.address[1], flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_restore_whose_peer_stops_answering_mid_read_falls_back_to_storage_within_the_timeout(tmp_path, caplog):
+    import logging
+
+    import torch
+
+    import spotrun
+    from spotrun.checkpoint.restore import load_newest
+
+    w = torch.zeros(4)
+    ckpt = spotrun.Checkpointer(
+        {"params": {"w": w}},
+        uri=str(tmp_path / "store"),
+        handle_signals=False,
+        background_saves=False,
+        interval_steps=4,
+        memory_interval_steps=2,
+        memory_dir=str(tmp_path / "peer" / "steps"),  # the other node's tier: storage 4, memory 4 and 6
+    )
+    for step in range(1, 7):
+        w.fill_(step)
+        ckpt.end_of_step(step)
+        ckpt._tier.report_ended()
+    ckpt.close()
+    server = subprocess.Popen(
+        [sys.executable, "-c", HANGING_SERVER, str(tmp_path / "peer"), SECRET.hex()], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        port = int(server.stdout.readline())
+        job = JobTier(make_tier(tmp_path, "own"), [Peer("peer", "127.0.0.1", port, SECRET)], "own", 1.0)
+        started = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="spotrun"):
+            loaded = load_newest(LocalStorage(str(tmp_path / "store")), supervisor_step=None, fast_tier=job)
+        elapsed = time.monotonic() - started
+    finally:
+        server.kill()
+        server.wait()
+    assert (loaded.manifest.step, loaded.tier) == (4, "storage")
+    assert "the fast tier of node peer (127.0.0.1:" in caplog.text and "is left out for 60 s" in caplog.text
+    assert elapsed < 20  # one timeout of 1 s, not a hang
