@@ -16,6 +16,11 @@ rotates each round), it measures:
   (evicted from the page cache first: a cold read) and from S3 (a moto server on 127.0.0.1,
   started here), then one training step. Process start and ``import torch`` are left out: they
   are the same for every source.
+* **from a peer** (issue 24): the same restart when the step is held only by another node's tier,
+  read over loopback from that node's tier server (a separate process) by ranged reads with the
+  job's secret; and **the replica copy's effect on step time**: training steps timed while this
+  node's newest step is copied to a peer at the default rate cap
+  (``--memory-replica-rate-bytes-s``), against steps without a copy.
 * **steps lost per crash**: the expected number of completed steps a crash at a uniformly random
   moment loses, with the fast tier every 2 steps against storage alone every 20, computed and
   simulated, for a save committed at once and one committed a step later.
@@ -31,8 +36,10 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -46,6 +53,8 @@ import torch  # noqa: E402
 
 import spotrun  # noqa: E402
 from spotrun.storage import LocalStorage  # noqa: E402
+from spotrun.storage.tier_peers import JobTier, Peer, PeerClient, RateLimit  # noqa: E402
+from spotrun.storage.tier_protocol import new_secret  # noqa: E402
 from tests.support.memory_probe import build_training_state, evict_from_page_cache, state_tensor_bytes  # noqa: E402
 
 GIB = 2**30
@@ -56,6 +65,8 @@ MEMORY_INTERVAL_STEPS = 2
 STORAGE_INTERVAL_STEPS = 20
 #: The stall target of issue 23, as a multiple of the memcpy.
 STALL_TARGET_X = 1.5
+#: ``spotrun run --memory-replica-rate-bytes-s``'s default.
+DEFAULT_REPLICA_RATE_BYTES_S = 256 * MIB
 
 
 def flat_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -109,7 +120,11 @@ class Bench:
         self.state = {"model": self.model, "optimizer": self.optimizer}
         self.state_bytes = state_tensor_bytes(self.model, self.optimizer)
         self.memcpy = Memcpy(flat_tensors(self.model, self.optimizer))
-        self.tier_root = tempfile.mkdtemp(prefix="spotrun-bench-fast-tier-", dir=memory_parent)
+        self.tier_dir = tempfile.mkdtemp(prefix="spotrun-bench-fast-tier-", dir=memory_parent)
+        self.tier_root = os.path.join(self.tier_dir, "steps")  # a tier directory's layout: served as one
+        os.mkdir(self.tier_root)
+        self.peer_parent = memory_parent
+        self.peers = Peers(self.tier_dir, memory_parent)
         self.scratch = scratch
         self.local_root = os.path.join(scratch, "local")
         self.s3_uri = s3_uri
@@ -167,7 +182,8 @@ class Bench:
             self._restart_from(source, samples)
 
     def _restart_from(self, source: str, samples: dict[str, list[float]]) -> None:
-        if source == "memory":  # a copy of the trainer's durable root: no step, only its incarnations
+        own_tier = None
+        if source in ("memory", "peer"):  # a copy of the trainer's durable root: no step, only its incarnations
             empty = tempfile.mkdtemp(prefix="durable-", dir=self.scratch)
             # the tier's steps count only for incarnations the root recorded; a copy, so that this
             # restore's claim never fences the trainer
@@ -177,8 +193,13 @@ class Bench:
                 dirs_exist_ok=True,
                 ignore=shutil.ignore_patterns("events"),
             )
+            memory_dir = self.tier_root
+            if source == "peer":  # this node's tier is empty: the step is on the other node
+                own_tier = tempfile.mkdtemp(prefix="spotrun-bench-own-tier-", dir=self.peer_parent)
+                memory_dir = os.path.join(own_tier, "steps")
+                os.mkdir(memory_dir)
             make = lambda: self._checkpointer(  # noqa: E731
-                storage=LocalStorage(empty), memory_interval_steps=MEMORY_INTERVAL_STEPS, memory_dir=self.tier_root
+                storage=LocalStorage(empty), memory_interval_steps=MEMORY_INTERVAL_STEPS, memory_dir=memory_dir
             )
         elif source == "local":
             make = lambda: self._checkpointer(storage=LocalStorage(self.local_root), keep_last=1)  # noqa: E731
@@ -186,25 +207,98 @@ class Bench:
             make = lambda: self._checkpointer(uri=self.s3_uri, keep_last=1)  # noqa: E731
         started = time.perf_counter()
         ckpt = make()
+        if own_tier is not None:  # what the Checkpointer makes on several nodes (one node here)
+            ckpt._tier.storage = self.peers.job_tier(own_tier)
         step = ckpt.restore()
         samples[f"restore from {source}"].append(time.perf_counter() - started)
         train_one_step(self.model, self.optimizer)
         samples[f"first trained step from {source}"].append(time.perf_counter() - started)
         tier = ckpt._restored.tier if ckpt._restored is not None else None
-        if step != self.step or tier != ("memory" if source == "memory" else "storage"):
+        expected = {"memory": "memory", "peer": "peer"}.get(source, "storage")
+        if step != self.step or tier != expected:
             raise RuntimeError(f"restore from {source}: step {step} from {tier}, expected step {self.step}")
-        if source == "memory":
+        if source in ("memory", "peer"):
             ckpt.close()
             shutil.rmtree(empty, ignore_errors=True)
+            if own_tier is not None:
+                shutil.rmtree(own_tier, ignore_errors=True)
         else:
             self.savers[source].close()
             self.savers[source] = ckpt
+
+    def replica_round(self, samples: dict[str, list[float]], steps: int, copy_first: bool) -> None:
+        """Training steps with the tier's newest step being copied to a peer at the rate cap, and without."""
+
+        def with_copy() -> None:
+            copier = threading.Thread(
+                target=lambda: samples["replica copy"].append(self.peers.replicate(self.tier_root))
+            )
+            copier.start()
+            for _ in range(steps):
+                if not copier.is_alive():
+                    break
+                timed(samples, "training step, replica copying", lambda: train_one_step(self.model, self.optimizer))
+            copier.join()
+
+        def without() -> None:
+            for _ in range(steps):
+                timed(samples, "training step, no copy", lambda: train_one_step(self.model, self.optimizer))
+
+        for part in (with_copy, without) if copy_first else (without, with_copy):
+            part()
 
     def close(self) -> None:
         self.trainer.close()
         for saver in self.savers.values():
             saver.close()
-        shutil.rmtree(self.tier_root, ignore_errors=True)
+        self.peers.close()
+        shutil.rmtree(self.tier_dir, ignore_errors=True)
+
+
+PEER_SERVER = """
+import sys, time
+from spotrun.storage.tier_server import TierServer
+server = TierServer(sys.argv[1], bytes.fromhex(sys.argv[2]), "127.0.0.1", 0).start()
+print(server.address[1], flush=True)
+time.sleep(10**6)
+"""
+
+
+class Peers:
+    """Another node serving the trainer's tier (as a peer holding the step), and a third receiving replicas."""
+
+    def __init__(self, tier_dir: str, memory_parent: str) -> None:
+        self.secret = new_secret()
+        self.receiver_dir = tempfile.mkdtemp(prefix="spotrun-bench-receiver-", dir=memory_parent)
+        os.mkdir(os.path.join(self.receiver_dir, "steps"))
+        self.servers = [self._serve(tier_dir), self._serve(self.receiver_dir)]
+
+    def _serve(self, tier_dir: str) -> tuple[subprocess.Popen, Peer]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", PEER_SERVER, tier_dir, self.secret.hex()], stdout=subprocess.PIPE, text=True
+        )
+        return proc, Peer(os.path.basename(tier_dir), "127.0.0.1", int(proc.stdout.readline()), self.secret)
+
+    def job_tier(self, own_tier: str) -> JobTier:
+        return JobTier(own_tier, [self.servers[0][1]], "bench-own", 60.0)
+
+    def replicate(self, steps_root: str) -> float:
+        """Copy the newest step under ``steps_root`` to the receiver at the default rate cap; its seconds."""
+        client = PeerClient(self.servers[1][1], "bench-own", 60.0)
+        rate = RateLimit(DEFAULT_REPLICA_RATE_BYTES_S)
+        step_dir = max(d for d in os.listdir(steps_root) if d.startswith("step-"))
+        started = time.perf_counter()
+        for name in sorted(os.listdir(os.path.join(steps_root, step_dir)), key=lambda n: n.startswith("manifest")):
+            client.put_file("bench-own", f"{step_dir}/{name}", os.path.join(steps_root, step_dir, name), rate)
+        client.replica_done("bench-own")
+        client.close()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        for proc, _peer in self.servers:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(self.receiver_dir, ignore_errors=True)
 
 
 def expected_steps_lost(interval_steps: int, lag_steps: int) -> float:
@@ -269,6 +363,17 @@ def print_restarts(samples: dict[str, list[float]], sources: list[str]) -> None:
             print(f"  ({name}, synchronous: {median(samples, name):.3f} s)")
 
 
+def print_replica_effect(samples: dict[str, list[float]], state_bytes: int) -> None:
+    if not samples.get("replica copy"):
+        return
+    print(f"\n(d) training steps while a step is copied to a peer at {DEFAULT_REPLICA_RATE_BYTES_S / MIB:.0f} MiB/s")
+    copy_s = median(samples, "replica copy")
+    with_copy = median(samples, "training step, replica copying")
+    without = median(samples, "training step, no copy")
+    print(f"  copy of one step: {copy_s:.2f} s ({state_bytes / MIB / copy_s:.0f} MiB/s)")
+    print(f"  training step: {with_copy:.3f} s while copying, {without:.3f} s without ({with_copy / without:.2f}x)")
+
+
 def print_steps_lost(crashes: int) -> None:
     rng = random.Random(0)
     print(
@@ -315,6 +420,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-s3", action="store_true", help="leave out the restore from S3 (moto)")
     parser.add_argument("--memory-dir", default="/dev/shm", help="where the tier lives (default /dev/shm)")
+    parser.add_argument("--replica-steps", type=int, default=3, help="training steps timed per arm in (d)")
     parser.add_argument("--crashes", type=int, default=200_000, help="simulated crashes for (c)")
     args = parser.parse_args()
     saved_env = dict(os.environ)
@@ -332,17 +438,19 @@ def main() -> None:
                     flush=True,
                 )
                 bench.first_save(samples)
-                sources = ["memory", "local"] + ([] if s3_uri is None else ["S3"])
+                sources = ["memory", "peer", "local"] + ([] if s3_uri is None else ["S3"])
                 for round_index in range(args.rounds):
                     bench.stall_round(samples, memcpy_first=round_index % 2 == 0)
                     shift = round_index % len(sources)
                     bench.restore_round(samples, sources[shift:] + sources[:shift])
+                    bench.replica_round(samples, args.replica_steps, copy_first=round_index % 2 == 0)
                     print(f"  round {round_index + 1}/{args.rounds} done", flush=True)
             finally:
                 bench.close()
         print_stall(samples, bench.state_bytes)
         print_restarts(samples, sources)
         print_steps_lost(args.crashes)
+        print_replica_effect(samples, bench.state_bytes)
     finally:
         for exits in reversed(cleanups):
             exits.close()
