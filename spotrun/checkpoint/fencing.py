@@ -213,12 +213,14 @@ class Claim:
         host: the claiming host.
         pid: the claiming process (rank 0 of that start).
         supervisor_pid: that node's ``spotrun run``; ``None`` without one (or an older record).
+        run_id: the job's identifier the workers recorded.
     """
 
     incarnation: int
     host: str | None = None
     pid: int | None = None
     supervisor_pid: int | None = None
+    run_id: str | None = None
 
     def describe(self) -> str:
         """``incarnation 3 (host h, pid 12, spotrun run pid 10)``, with what is known."""
@@ -253,4 +255,4 @@ def newest_claim(storage: Storage) -> Claim | None:
         value = doc.get(name)
         return value if type(value) is kind else None
 
-    return Claim(number, known("hostname", str), known("pid", int), known("supervisor_pid", int))
+    return Claim(number, known("hostname", str), known("pid", int), known("supervisor_pid", int), known("run_id", str))

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 #: Bytes handed to one ``write`` call; large shards are written in pieces of this size.
 DEFAULT_WRITE_CHUNK_BYTES = 8 * 1024 * 1024
 _TMP_MARK = ".tmp-"
+#: Times a write makes its directories again when a concurrent delete removed them in between.
+_MAKE_DIRS_ATTEMPTS = 5
 #: Objects streamed by ``put_stream`` from this size on are written with O_DIRECT.
 DIRECT_IO_MIN_BYTES = 4 * 1024 * 1024
 #: O_DIRECT transfers are multiples of this (covers 512-byte and 4 KiB logical blocks).
@@ -134,12 +136,20 @@ class LocalStorage(Storage):
         returns its path (removed again if anything fails)."""
         final = self._path(key)
         directory = os.path.dirname(final)
-        os.makedirs(self._root, exist_ok=True)
-        # the directories of the key, made where missing, none of them a link (a step directory
-        # planted as a link would take the save outside the root)
-        beneath.close_all(beneath.open_dirs(self._root, key.split("/")[:-1], create=True))
         tmp = os.path.join(directory, f".{os.path.basename(final)}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        for attempt in range(_MAKE_DIRS_ATTEMPTS):
+            os.makedirs(self._root, exist_ok=True)
+            try:
+                # the directories of the key, made where missing, none of them a link (a step
+                # directory planted as a link would take the save outside the root)
+                beneath.close_all(beneath.open_dirs(self._root, key.split("/")[:-1], create=True))
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                break
+            except FileNotFoundError:
+                # another writer's delete removed the directory as it emptied (two supervisors'
+                # preflight probes): made again; once the file is in it, it is not empty any more
+                if attempt == _MAKE_DIRS_ATTEMPTS - 1:
+                    raise
         try:
             write(fd)
             if self._fsync:

@@ -68,6 +68,20 @@ def choose_resume_point(
     return in_memory, "memory"
 
 
+def _run_of_previous_launch(storage: Storage, previous: LaunchPlan | None) -> str | None:
+    """The run id the previous launch's workers recorded when they claimed their incarnation (on
+    several nodes, that of rank 0's node, whichever supervisor chose it), else the one it was given."""
+    if previous is None:
+        return None
+    try:
+        claim = fencing.newest_claim(storage)
+    except (OSError, SpotrunError):
+        claim = None
+    if claim is not None and claim.run_id and claim.incarnation >= previous.incarnation:
+        return claim.run_id
+    return previous.run_id
+
+
 def newest_in_fast_tier(fast_tier: Storage, storage: Storage, run_id: str | None) -> StepInfo | None:
     """The newest step of the fast tier a restart may use (:mod:`spotrun.checkpoint.tier_steps`);
     ``None`` when it has none (a listing that fails is logged: the tier is only ever a shortcut)."""
@@ -179,9 +193,10 @@ def plan_launch(
     Raises:
         StorageError: listing the checkpoints failed.
     """
-    resume, resume_tier = choose_resume_point(storage, fast_tier, previous.run_id if previous else None)
+    known_run = _run_of_previous_launch(storage, previous)
+    resume, resume_tier = choose_resume_point(storage, fast_tier, known_run)
     manifest = resume.manifest if resume else None
-    run_id = (manifest.run_id if manifest else "") or (previous.run_id if previous else "")
+    run_id = (manifest.run_id if manifest else "") or known_run or ""
     run_id = run_id or uuid.uuid4().hex
     newest = fencing.read_fences(storage).newest
     incarnation = max(  # the workers claim this number, or the next free one
