@@ -16,11 +16,12 @@ import json
 import logging
 
 from spotrun.checkpoint.catalog import StepInfo, list_steps
+from spotrun.checkpoint.layout import step_dir
 from spotrun.cli._shared import URI_HELP, add_storage_options, human_size, location_of
 from spotrun.control.env import DEFAULT_CHECKPOINT_URI
 from spotrun.errors import SpotrunError
-from spotrun.storage import LocalStorage
 from spotrun.storage.tier_dir import DEFAULT_MEMORY_DIR, tiers_of
+from spotrun.storage.tier_peers import job_tier_of
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
     steps = list_steps(storage)
     if not steps:  # the one listing found no step: is anything stored there at all?
         location.check_objects_exist(storage)
+    holders: dict[int, list[str]] = {}  # id(a fast-tier step) -> the nodes holding its files
     rows = sorted(
-        [(s, STORAGE) for s in steps] + [(s, MEMORY) for s in memory_steps(location.uri, args.memory_dir)],
+        [(s, STORAGE) for s in steps] + [(s, MEMORY) for s in memory_steps(location.uri, args.memory_dir, holders)],
         key=lambda row: (row[0].step, row[1] == MEMORY),  # at one step, memory last: a resume tries it first
     )
     if args.json:
@@ -68,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
                         "meshes": s.manifest.meshes if s.manifest else None,
                         "layout": _layout(s),
                         "tier": tier,
+                        **({"holders": holders.get(id(s), [])} if tier == MEMORY else {}),
                     }
                     for s, tier in rows
                 ],
@@ -82,9 +85,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def memory_steps(root_uri: str, memory_dir: str) -> list[StepInfo]:
+def memory_steps(root_uri: str, memory_dir: str, holders: dict[int, list[str]] | None = None) -> list[StepInfo]:
     """The steps that live fast tiers under ``memory_dir`` hold of the root ``root_uri`` (one
-    spelling: :attr:`spotrun.storage.StorageLocation.uri`); stale tiers are named, not listed."""
+    spelling: :attr:`spotrun.storage.StorageLocation.uri`); stale tiers are named, not listed. A
+    tier of a job on several nodes is listed with the other nodes' (``holders``, filled for each
+    step: the nodes holding its files)."""
     live, stale = tiers_of(memory_dir, root_uri)
     for tier in stale:
         log.warning(
@@ -97,9 +102,16 @@ def memory_steps(root_uri: str, memory_dir: str) -> list[StepInfo]:
     steps = []
     for tier in live:
         try:
-            steps += list_steps(LocalStorage(tier.steps_root))
-        except (SpotrunError, OSError) as exc:  # released while listed (its job ended): nothing to show
+            job = job_tier_of(tier.path)
+            found = list_steps(job)
+            job.close()
+        except (SpotrunError, OSError, ValueError, KeyError, TypeError) as exc:  # released while listed
             log.warning("cannot list the fast tier %s: %s", tier.path, exc)
+            continue
+        for info in found:
+            if holders is not None:
+                holders[id(info)] = job.step_holders(step_dir(info.step))
+        steps += found
     return steps
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from spotrun.errors import ObjectNotFoundError, ObjectTooShortError, StorageError
 from spotrun.storage import tier_protocol as wire
 from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, Storage
+from spotrun.storage.tier_dir import PEERS_FILE
 from spotrun.storage.tier_holdings import NodeHoldings
 
 log = logging.getLogger("spotrun.checkpointer")
@@ -212,6 +213,7 @@ class JobTier(Storage):
 
     def __init__(self, tier_path: str, peers: Sequence[Peer], own_node: str, timeout_s: float) -> None:
         self.holdings = NodeHoldings(tier_path)
+        self.own_node = own_node
         self.local = self.holdings.own
         self.peers = [PeerClient(p, own_node, timeout_s) for p in peers]
         self._holders: dict[str, list[PeerClient]] = {}
@@ -232,6 +234,13 @@ class JobTier(Storage):
     @property
     def read_concurrency(self) -> int:
         return self.local.read_concurrency
+
+    def step_holders(self, step_dir: str) -> list[str]:
+        """The nodes that held files of the step directory ``step_dir`` at the last listing (this node first)."""
+        nodes = [self.own_node] if self.holdings.list(step_dir + "/") else []
+        with self._lock:
+            found = {p.peer.node for k, peers in self._holders.items() if k.startswith(step_dir + "/") for p in peers}
+        return nodes + sorted(found)
 
     def holders(self, key: str) -> int:
         """How many nodes held ``key`` at the last listing (this one counted)."""
@@ -345,3 +354,21 @@ class JobTier(Storage):
         with self._lock:
             self._down[peer.peer.node] = time.monotonic() + PEER_DOWN_S
         log.warning("the fast tier of %s is left out for %.0f s: %s", peer, PEER_DOWN_S, exc)
+
+
+def job_tier_of(tier_path: str, timeout_s: float = DEFAULT_PEER_TIMEOUT_S) -> JobTier:
+    """The job's fast tier seen from the tier directory ``tier_path``: its own files and replicas,
+    and the nodes its workers last named (:data:`~spotrun.storage.tier_dir.PEERS_FILE`; none: this
+    node alone).
+
+    Raises:
+        OSError, ValueError, KeyError: the peers file is there but cannot be read.
+    """
+    own = os.path.basename(os.path.normpath(tier_path))
+    try:
+        with open(os.path.join(tier_path, PEERS_FILE)) as file:
+            doc = json.load(file)
+    except FileNotFoundError:
+        doc = {"nodes": []}
+    peers = [p for p in (Peer.from_json(n) for n in doc["nodes"]) if p.node != own]
+    return JobTier(tier_path, peers, own, timeout_s)

@@ -25,7 +25,7 @@ from spotrun.errors import ConfigError, SpotrunError
 from spotrun.storage.base import Storage
 from spotrun.storage.tier_dir import PEERS_FILE, TierOwner
 from spotrun.storage.tier_holdings import NodeHoldings
-from spotrun.storage.tier_peers import JobTier, Peer, PeerClient, RateLimit
+from spotrun.storage.tier_peers import JobTier, Peer, PeerClient, RateLimit, job_tier_of
 from spotrun.storage.tier_protocol import new_secret
 from spotrun.storage.tier_server import TierServer
 from spotrun.supervisor.config import SupervisorConfig
@@ -110,12 +110,10 @@ class TierService:
         own and replicated files, and the nodes its workers last named (none after a fresh start on
         a new node: then its workers' restore may still find more than it does)."""
         try:
-            peers = [p for p in _read_peers(self.tier.path)[0] if p.node != self.node]
+            return job_tier_of(self.tier.path, self._config.memory_peer_timeout_s)
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            if not isinstance(exc, FileNotFoundError):
-                log.warning("cannot read the fast tier's peers file (%s): deciding from this node's tier", exc)
-            peers = []
-        return JobTier(self.tier.path, peers, self.node, self._config.memory_peer_timeout_s)
+            log.warning("cannot read the fast tier's peers file (%s): deciding from this node's tier", exc)
+            return JobTier(self.tier.path, [], self.node, self._config.memory_peer_timeout_s)
 
     def close(self) -> None:
         self._closed.set()

@@ -26,6 +26,7 @@ import uuid
 
 import pytest
 import torch
+from filelock import FileLock
 
 from spotrun.errors import StorageError
 from spotrun.storage import tier_protocol as wire
@@ -92,6 +93,7 @@ class Job:
         self.log_file = root / "train.jsonl"
         self.nodes: list[subprocess.Popen | None] = [None] * NODES
         self.logs: list[pathlib.Path] = [root / f"node{n}.log" for n in range(NODES)]
+        self.listed_before_loss: list[dict] = []
 
     @property
     def ck(self) -> str:
@@ -149,16 +151,22 @@ def tier_of(memory_dir: pathlib.Path) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One uninterrupted run of the same two nodes with the same fast tier."""
-    root = tmp_path_factory.mktemp("replicas-reference")
+    """One uninterrupted run of the same two nodes with the same fast tier, run once per test
+    session: the first xdist worker to need it runs it under a file lock, the others read it."""
+    root = tmp_path_factory.getbasetemp().parent / "replicas-reference"  # the same for every xdist worker
     job = Job(root, [])
-    try:
-        job.start(0)
-        job.start(1)
-        assert job.wait() == [0] * NODES, job.outputs()
-    finally:
-        for proc in job.nodes:
-            kill_tree(proc)
+    with FileLock(str(root) + ".lock"):
+        if not (root / "done").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            try:
+                job.start(0)
+                job.start(1)
+                assert job.wait() == [0] * NODES, job.outputs()
+            finally:
+                for proc in job.nodes:
+                    kill_tree(proc)
+            (root / "done").write_text("")
     losses = last_loss_per_step(job.log_file)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses, final_tensors(job.ck, STEPS)
@@ -196,6 +204,7 @@ def lose_node_1(
         assert all(proc.poll() is None for proc in job.nodes), "a node exited early" + job.outputs()
         assert time.monotonic() < deadline, f"node 1's step {KILL_AFTER - 1} never replicated" + job.outputs()
         time.sleep(0.05)
+    job.listed_before_loss = ls_json(job.ck, job.memory_dir(0))
     kill_tree(job.nodes[1])  # supervisor, torchrun and rank: the node is gone
     held_at_loss = replicated_on(job.memory_dir(0))[-1]  # nothing of node 1's arrives any more
     node_0 = tier_of(job.memory_dir(0)).name
@@ -224,6 +233,17 @@ def restored_step(job: Job) -> int:
     return steps[restart] - 1
 
 
+def ls_json(ck: str, memory_dir: pathlib.Path) -> list[dict]:
+    done = subprocess.run(
+        [sys.executable, "-m", "spotrun", "ls", ck, "--json", "--memory-dir", str(memory_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 def report_tiers(ck: str) -> list:
     done = subprocess.run(
         [sys.executable, "-m", "spotrun", "report", ck, "--json"], capture_output=True, text=True, timeout=120
@@ -244,6 +264,10 @@ def test_a_lost_node_is_replaced_and_resumes_from_its_replica_on_the_other_node(
         assert (int(read_step), source) == (step, node_0) and int(size) > 0
     assert "parts from other nodes' memory" in text
     assert "peer" in report_tiers(job.ck)
+    # `spotrun ls` on node 0 before the loss: the fast tier's steps, complete, held by both nodes
+    in_memory = [row for row in job.listed_before_loss if row["tier"] == "memory"]
+    assert in_memory and all(row["status"] == "complete" for row in in_memory), job.listed_before_loss
+    assert any(len(row["holders"]) == NODES and row["holders"][0] == node_0 for row in in_memory), in_memory
     assert_same_as_reference(reference, job)
     for node in range(NODES):  # both supervisors removed their tiers at the end
         assert list(job.memory_dir(node).iterdir()) == []
