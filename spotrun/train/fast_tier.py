@@ -355,13 +355,16 @@ class FastTier:
         own_bytes += FILE_OVERHEAD_BYTES * FILES_PER_RANK + ENTRY_OVERHEAD_BYTES * len(prepared.tensors)
         rank_bytes = dist.all_gather_json(own_bytes)
         step_bytes = sum(rank_bytes)
+        kept = KEPT_STEPS
         if self.job is None:
-            need = KEPT_STEPS * step_bytes
+            need = kept * step_bytes
         else:  # a node holds its ranks' files and the replicas of the nodes before it
             per_node: dict[str, int] = {}
             for node, size in zip(self.job.node_of_rank, rank_bytes):
                 per_node[node] = per_node.get(node, 0) + size
-            need = KEPT_STEPS * self.job.copies * max(per_node.values())
+            # one more step while the newest one's replicas copy (steps_to_keep)
+            kept = KEPT_STEPS + (1 if self.job.replicas else 0)
+            need = kept * self.job.copies * max(per_node.values())
         free = None
         if dist.local_rank() == 0:
             try:
@@ -377,8 +380,10 @@ class FastTier:
                 log.error(
                     "the fast tier does not fit: %d steps of this node's ranks%s take %s, but %s allows %s "
                     "(budget %s, free in %s: %s); running with storage only",
-                    KEPT_STEPS,
-                    f" and their {self.job.replicas} replica(s)" if self.job is not None and self.job.replicas else "",
+                    kept,
+                    f" and of the {self.job.replicas} node(s) it holds replicas of"
+                    if self.job and self.job.replicas
+                    else "",
                     _size(need),
                     "the budget" if self.budget_bytes is not None and room == self.budget_bytes else "memory",
                     _size(room),
@@ -404,25 +409,11 @@ class FastTier:
         parsed: this runs on the training thread."""
         try:
             by_step = catalog.objects_by_step(self.storage.list(""))
-            complete = [
-                step
-                for step, objects in by_step.items()
-                if any(parse_manifest_name(o.key.partition("/")[2])[0] for o in objects)
-            ]
-            keep = {max(complete, default=None)}
-            if isinstance(self.storage, JobTier) and self.job is not None:
-                # and the newest step whose every file is held on as many nodes as asked: the
-                # replicas of the newest may still be copying when a node is lost
-                held = [
-                    step
-                    for step in complete
-                    if all(self.storage.holders(o.key) >= self.job.copies for o in by_step[step])
-                ]
-                keep.add(max(held, default=None))
-            kept = sorted(s for s in keep if s is not None)
+            spread = isinstance(self.storage, JobTier) and self.job is not None
+            keep = steps_to_keep(by_step, self.storage.holders if spread else None, self.job.copies if spread else 1)
             for step in by_step:
                 if step not in keep:
-                    delete_step(self.storage, step, why=f"fast tier: keeps its newest step(s) {kept} and the next")
+                    delete_step(self.storage, step, why=f"fast tier: keeps {sorted(keep)} and the next")
         except (SpotrunError, OSError) as exc:  # this rank alone: the tier stays on, the save may then not fit
             log.warning("the fast tier could not delete its older steps: %s", exc)
 
@@ -437,6 +428,27 @@ class FastTier:
             log.error("the fast tier failed (%s: %s); running with storage only", type(exc).__name__, exc)
             if dist.rank() == 0:  # its memory goes back to training: keep only the newest complete step
                 self._make_room()
+
+
+def steps_to_keep(by_step: dict[int, list], holders: Callable[[str], int] | None, copies: int) -> set[int]:
+    """Of the tier's steps (step -> its objects), those a save keeps: the newest complete one (a
+    manifest is there) and, on several nodes (``holders(key)``: how many nodes hold it), the newest
+    complete one whose every object is held on ``copies`` nodes, since the replicas of the newest
+    may still be copying when a node is lost."""
+    complete = [
+        step
+        for step, objects in by_step.items()
+        if any(parse_manifest_name(o.key.partition("/")[2])[0] for o in objects)
+    ]
+    keep = {max(complete)} if complete else set()
+    if holders is not None:
+        held = [step for step in complete if all(holders(o.key) >= copies for o in by_step[step])]
+        keep |= {max(held)} if held else set()
+    return keep
+
+
+def _is_manifest(key: str) -> bool:
+    return parse_manifest_name(key.partition("/")[2])[0]
 
 
 def _size(size_bytes: int) -> str:

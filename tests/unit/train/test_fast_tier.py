@@ -240,3 +240,23 @@ def test_an_emergency_step_skips_a_fast_tier_that_has_not_saved_yet(tmp_path, mo
     assert complete_steps(tmp_path / "store") == [3]
     assert complete_steps(tmp_path / "mem") == []
     assert "emergency step 3 is not written to the fast tier: no fast-tier save has committed yet" in caplog.text
+
+
+def test_on_several_nodes_the_tier_keeps_the_newest_step_and_the_newest_one_fully_replicated():
+    """While the replicas of the newest step still copy, a lost node must still leave a whole step:
+    the newest step held on 1 + R nodes stays until a newer one is."""
+    from spotrun.storage.base import ObjectInfo
+    from spotrun.train.fast_tier import steps_to_keep
+
+    def objects(step: int, manifest: bool = True) -> list[ObjectInfo]:
+        names = ["rank-00000.i000000000.safetensors", "rank-00001.i000000000.safetensors"]
+        names += ["manifest.i000000000.json"] if manifest else []
+        return [ObjectInfo(f"step-{step:09d}/{n}", 1, 0.0) for n in names]
+
+    by_step = {22: objects(22), 24: objects(24), 26: objects(26), 28: objects(28, manifest=False)}
+    held_twice = {o.key for o in by_step[22] + by_step[24]}  # 26's replicas are still copying
+    holders = lambda key: 2 if key in held_twice else 1  # noqa: E731
+    assert steps_to_keep(by_step, holders, copies=2) == {24, 26}
+    assert steps_to_keep(by_step, lambda key: 2, copies=2) == {26}  # all replicated: the newest alone
+    assert steps_to_keep(by_step, None, copies=1) == {26}  # one node: the newest complete step
+    assert steps_to_keep({28: objects(28, manifest=False)}, holders, copies=2) == set()
