@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
 import re
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -31,6 +33,7 @@ from filelock import FileLock
 from spotrun.errors import StorageError
 from spotrun.storage import tier_protocol as wire
 from spotrun.storage.tier_peers import Peer, PeerClient
+from tests.e2e.test_fast_tier_crash import job_processes
 from tests.support.trainrun import (
     TRAIN_ARGS,
     final_tensors,
@@ -481,3 +484,37 @@ def test_three_nodes_lose_one_and_the_two_left_reshard_fsdp2_from_the_replicas(t
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in expected], rel=LOSS_RTOL)
     before = rows[:restart]
     assert [(r["step"], r["samples"]) for r in before] == [(r["step"], r["samples"]) for r in reference[: len(before)]]
+
+
+# --- a crash that leaves every node up (issue 23 on several nodes) ----------------------------
+
+
+def test_a_rank_killed_on_one_node_resumes_every_node_from_the_fast_tier_and_the_supervisors_agree(
+    reference, tmp_path, processes
+):
+    """SIGKILL node 1's rank after step KILL_AFTER: both nodes' torchruns end, both supervisors
+    start them again, and every rank resumes from the newest fast-tier step (not storage's 20),
+    each supervisor's start line naming that step in the fast tier; bit-identical at the end."""
+    job = Job(tmp_path, processes, "--step-sleep-s", str(STEP_SLEEP_S))
+    job.start(0)
+    job.start(1)
+    deadline = time.monotonic() + WAIT_S
+    while not (job.log_file.exists() and read_log(job.log_file) and read_log(job.log_file)[-1]["step"] >= KILL_AFTER):
+        assert all(proc.poll() is None for proc in job.nodes), "a node exited early" + job.outputs()
+        assert time.monotonic() < deadline, f"step {KILL_AFTER} never logged" + job.outputs()
+        time.sleep(0.05)
+    _torchrun, ranks = job_processes(job.nodes[1].pid)
+    assert len(ranks) == 1, job.outputs()
+    os.kill(ranks[0].pid, signal.SIGKILL)
+    time.sleep(1.0)  # nothing commits without the killed rank; a manifest copy in flight lands
+    newest = max(
+        int(path.parent.name.removeprefix("step-"))
+        for node in range(NODES)
+        for path in job.memory_dir(node).glob("tier-*/steps/step-*/manifest.*.json")
+    )
+    assert newest >= KILL_AFTER - 1
+    assert job.wait() == [0] * NODES, job.outputs()
+    assert restored_step(job) == newest, job.outputs()
+    for node in range(NODES):  # each supervisor decided as the workers did
+        assert f"resuming from step {newest} in the fast tier" in job.log_text(node), job.outputs()
+    assert_same_as_reference(reference, job)
