@@ -194,8 +194,9 @@ class TierService:
                 sent,
                 time.monotonic() - started,
             )
-        for old in [s for s in self._replicated if s < step]:
-            del self._replicated[old]
+        for table in (self._replicated, self._failures):
+            for old in [s for s in table if s < step]:
+                del table[old]
 
 
 def _read_peers(tier_path: str) -> tuple[list[Peer], int]:

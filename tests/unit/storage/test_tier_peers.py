@@ -257,3 +257,19 @@ def test_a_restore_whose_peer_stops_answering_mid_read_falls_back_to_storage_wit
     assert (loaded.manifest.step, loaded.tier) == (4, "storage")
     assert "the fast tier of node peer (127.0.0.1:" in caplog.text and "is left out for 60 s" in caplog.text
     assert elapsed < 20  # one timeout of 1 s, not a hang
+
+
+def test_a_peer_never_reads_or_deletes_outside_the_tiers_steps(served, tmp_path):
+    tier, server = served
+    secret_file = os.path.join(tier, "secret")
+    with open(secret_file, "w") as file:
+        file.write("the server's own files, beside steps/")
+    (tmp_path / "outside").write_bytes(b"not the tier's")
+    client = PeerClient(peer_of(server), "node1", timeout_s=5)
+    for key in ("../secret", "../../outside", "/etc/passwd", "step-000000026/../../secret"):
+        with pytest.raises(StorageError):
+            client.read_into(key, 0, memoryview(bytearray(4)))
+        with pytest.raises(StorageError):
+            client.delete(key)
+    assert os.path.exists(secret_file) and (tmp_path / "outside").exists()
+    assert client.list("")  # the connection and the server are fine
