@@ -38,12 +38,15 @@ class SaveRequest:
         save: True: save the step at the next boundary, then stop. False: stop there
             without saving (no time for a save; the newest complete checkpoint stays the
             resume point).
+        tier: where the emergency checkpoint goes: ``"storage"``, or ``"memory"`` (the fast
+            tier, copied to another node, when a save to storage cannot commit in time).
     """
 
     reason: str
     requested_unix_s: float
     deadline_unix_s: float | None
     save: bool = True
+    tier: str = "storage"
 
 
 @dataclass(frozen=True)
@@ -53,10 +56,12 @@ class CommitReport:
     Attributes:
         step: the committed step.
         committed_unix_s: when rank 0's manifest write returned.
+        tier: where it committed: ``"storage"`` or ``"memory"`` (the fast tier).
     """
 
     step: int
     committed_unix_s: float
+    tier: str = "storage"
 
 
 def _write_json_atomically(path: str, doc: dict) -> None:
@@ -99,14 +104,15 @@ def read_save_request(control_dir: str) -> SaveRequest | None:
         requested_unix_s=float(doc.get("requested_unix_s", 0.0)),
         deadline_unix_s=None if doc.get("deadline_unix_s") is None else float(doc["deadline_unix_s"]),
         save=doc.get("save", True) is not False,
+        tier="memory" if doc.get("tier") == "memory" else "storage",
     )
 
 
-def write_commit_report(control_dir: str, step: int) -> None:
-    """Worker side: report that the emergency checkpoint of ``step`` committed."""
+def write_commit_report(control_dir: str, step: int, tier: str = "storage") -> None:
+    """Worker side: report that the emergency checkpoint of ``step`` committed (to ``tier``)."""
     _write_json_atomically(
         os.path.join(control_dir, EMERGENCY_COMMIT_FILE),
-        asdict(CommitReport(step=step, committed_unix_s=time.time())),
+        asdict(CommitReport(step=step, committed_unix_s=time.time(), tier=tier)),
     )
 
 
@@ -115,7 +121,11 @@ def read_commit_report(control_dir: str) -> CommitReport | None:
     doc = _read_json(os.path.join(control_dir, EMERGENCY_COMMIT_FILE))
     if doc is None or type(doc.get("step")) is not int:
         return None
-    return CommitReport(step=doc["step"], committed_unix_s=float(doc.get("committed_unix_s", 0.0)))
+    return CommitReport(
+        step=doc["step"],
+        committed_unix_s=float(doc.get("committed_unix_s", 0.0)),
+        tier="memory" if doc.get("tier") == "memory" else "storage",
+    )
 
 
 def write_stop_report(control_dir: str, step: int) -> None:

@@ -86,13 +86,13 @@ class SaveEstimate:
         if self.allowance_s:
             scaled = f" ({self.write_scaled})" if self.write_scaled else ""
             parts.append(
-                f"{self.save_s:.1f} s to save {_amount(self.size_bytes)}: the recorded shard write of "
+                f"{self.save_s:.1f} s to save {amount(self.size_bytes)}: the recorded shard write of "
                 f"{self.save_s - self.allowance_s:.1f} s{scaled} + {self.allowance_s:.1f} s allowed for "
                 "the commit"
             )
         else:
             parts.append(
-                f"{self.save_s:.1f} s to save {_amount(self.size_bytes)} at {_amount(self.throughput_bytes_per_s)}/s"
+                f"{self.save_s:.1f} s to save {amount(self.size_bytes)} at {amount(self.throughput_bytes_per_s)}/s"
             )
         # a background save in flight goes on while the workers reach the boundary: the longer of the two counts
         how = (
@@ -159,7 +159,7 @@ def estimate_emergency_save(
         in_flight_background=in_progress is not None and in_progress.background,
         in_flight_written=None
         if in_progress is None or not in_progress.bytes_total
-        else f"{_amount(in_progress.bytes_done)} of {_amount(in_progress.bytes_total)} written",
+        else f"{amount(in_progress.bytes_done)} of {amount(in_progress.bytes_total)} written",
     )
 
 
@@ -234,7 +234,7 @@ def _throughput(size_bytes: int, duration_s: float) -> float:
     return max(size_bytes, 1) / max(duration_s, 1e-6)
 
 
-def _amount(size_bytes: float) -> str:
+def amount(size_bytes: float) -> str:
     """``"512 KiB"``, ``"3.2 MiB"``, ``"1.5 GiB"``."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
         if size_bytes >= scale:

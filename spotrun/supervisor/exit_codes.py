@@ -40,13 +40,16 @@ def preempted_exit_code(
     choice: DeliveryChoice | None,
     declined: bool,
     acknowledgements: list[tuple[Notice, Callable[[], object]]],
+    settle_memory_step: Callable[[int], bool] | None = None,
 ) -> tuple[int, int | None]:
     """The exit code after a notice (or workers that stopped or saved on their own), and the
     emergency checkpoint's step once it is complete (else ``None``).
 
     ``code``: the command's exit code; ``choice``: how its workers heard of the notice;
     ``declined``: the save was declined, or the workers stopped without one;
-    ``acknowledgements``: called once the save committed.
+    ``acknowledgements``: called once the save committed; ``settle_memory_step``: for an
+    emergency checkpoint in the fast tier, makes it safe (its copy on another node, or its
+    write to storage) and says whether it is.
     """
     try:
         report = outcome.commit_report(control_dir)
@@ -68,6 +71,19 @@ def preempted_exit_code(
         log.warning("no emergency checkpoint committed (command exit code %d)", code)
         outcome.check_resume_point(storage)
         return EXIT_PREEMPTED_NOT_SAVED, None
+    if report.tier == "memory":
+        if settle_memory_step is None or not settle_memory_step(report.step):
+            outcome.check_resume_point(storage)
+            return EXIT_PREEMPTED_NOT_SAVED, None
+        status, _problem = outcome.step_status(storage, report.step)
+        if status != catalog.COMPLETE:  # held by another node, which writes it to storage
+            log.info(
+                "emergency checkpoint of step %d is in the fast tier of another node: exiting %d",
+                report.step,
+                EXIT_PREEMPTED_SAVED,
+            )
+            acknowledge(acknowledgements)
+            return EXIT_PREEMPTED_SAVED, report.step
     status, problem = outcome.step_status(storage, report.step)
     if status != catalog.COMPLETE:
         log.error(

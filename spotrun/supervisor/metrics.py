@@ -128,7 +128,9 @@ class SupervisorMetrics:
     def _declare_notice_and_exit_metrics(self) -> None:
         self.notices = _counter("spotrun_notices", "Preemption notices, by source.", ("source",))
         self.decisions = _counter(
-            "spotrun_emergency_save_decisions", "Decisions after a notice: save or stop_without_save.", ("decision",)
+            "spotrun_emergency_save_decisions",
+            "Decisions after a notice: save, save_to_memory (the fast tier, copied to a node) or stop_without_save.",
+            ("decision",),
         )
         self.restarts = _counter("spotrun_restarts", "Restarts after a crash.")
         self.command_exit_code = _gauge("spotrun_last_command_exit_code", "Exit code of the command's last launch.")
@@ -175,7 +177,11 @@ class SupervisorMetrics:
         self.notices.labels(source=fields["source"]).inc()
 
     def _on_decision(self, fields: dict[str, Any]) -> None:
-        self.decisions.labels(decision="save" if fields["save"] else "stop_without_save").inc()
+        if not fields["save"]:
+            decision = "stop_without_save"
+        else:
+            decision = "save_to_memory" if fields.get("tier") == "memory" else "save"
+        self.decisions.labels(decision=decision).inc()
 
     def _on_command_exit(self, fields: dict[str, Any]) -> None:
         self._set(self.command_exit_code, fields["code"])

@@ -29,12 +29,12 @@ from spotrun.storage import Storage
 from spotrun.storage.tier_dir import TierOwner
 from spotrun.supervisor import exit_codes, finished, outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
-from spotrun.supervisor.estimate import decide, estimate_emergency_save
 from spotrun.supervisor.exit_codes import EXIT_FENCED, EXIT_FINISHED, EXIT_PREEMPTED_NOT_SAVED
 from spotrun.supervisor.foreign import NoticeDelivery, describe_delivery
 from spotrun.supervisor.launch import LaunchPlan, describe_start, plan_launch
 from spotrun.supervisor.observers import Observers
 from spotrun.supervisor.tier import TierService, fast_tier_launch, lost, open_fast_tier
+from spotrun.supervisor.tier_emergency import STORAGE, decide_emergency, settle_memory_step
 from spotrun.supervisor.torchrun_command import TorchrunLaunch, read_torchrun_command
 
 log = logging.getLogger(__name__)
@@ -373,7 +373,15 @@ class _Supervisor:
         self.deadline_unix_s = deadline_unix_s
         self.end_unix_s = end_s if self.end_unix_s is None else min(self.end_unix_s, end_s)
         if self.control_dir is not None:
-            save = self._save_fits(deadline_unix_s)
+            route = decide_emergency(
+                self.control_dir,
+                self.resumed_manifest,
+                self.launch.min_ranks if self.launch else None,
+                deadline_unix_s,
+                self.observers,
+                self.tier_service,
+            )
+            save = route is not None
             self.save_declined = not save
             if not save:  # nothing to commit: the workers may use the margin to stop cleanly
                 self.deadline_unix_s = max(deadline_unix_s, end_s - self.config.stop_timeout_s)
@@ -384,6 +392,7 @@ class _Supervisor:
                     requested_unix_s=time.time(),
                     deadline_unix_s=deadline_unix_s,
                     save=save,
+                    tier=route or STORAGE,
                 ),
             )
             self._deliver_notice()
@@ -395,30 +404,17 @@ class _Supervisor:
         if self.delivery is not None and self.child_returncode is None:
             self.delivery_recheck_unix_s = self.delivery.deliver(self.deadline_unix_s)
 
-    def _save_fits(self, deadline_unix_s: float) -> bool:
-        """Decide whether to ask for an emergency save, from the measured saves; log why."""
-        try:
-            stats = control.read_save_stats(self.control_dir)
-        except SpotrunError as exc:
-            log.warning("%s: estimating without this launch's measurements", exc)
-            stats = None
-        now_s = time.time()
-        left_s = deadline_unix_s - now_s
-        estimate = estimate_emergency_save(
-            stats, self.resumed_manifest, now_s, ranks_now=self.launch.min_ranks if self.launch else None
+    def _settle_memory_step(self, step: int) -> bool:
+        """The workers committed ``step`` to the fast tier: its copy on another node (this node got the
+        notice; until the processes must be gone), or its write to storage (this node stays)."""
+        kill_by_unix_s = None if self.end_unix_s is None else self.end_unix_s - self.config.safety_margin_s / 2
+        return settle_memory_step(
+            self.tier_service,
+            self.storage,
+            step,
+            deadline_unix_s=kill_by_unix_s if self.notice is not None else None,
+            wait_s=self.config.grace_period_s,
         )
-        if estimate is None:
-            message = (
-                f"emergency checkpoint requested: no save measured yet to estimate it from; "
-                f"the save is bounded by the deadline ({left_s:.1f} s left)"
-            )
-            log.warning("%s", message)
-            self.observers.emit("decision", save=True, message=message)
-            return True
-        decision = decide(estimate, left_s)
-        log.warning("%s", decision.message)
-        self.observers.emit("decision", save=decision.save, message=decision.message)
-        return decision.save
 
     def _deadline_passed(self) -> bool:
         return self.deadline_unix_s is not None and time.time() >= self.deadline_unix_s
@@ -441,5 +437,6 @@ class _Supervisor:
             choice=self.delivery.choice if self.delivery is not None else None,
             declined=self.save_declined or stopped_without_save,
             acknowledgements=self.acknowledgements,
+            settle_memory_step=self._settle_memory_step,
         )
         return code

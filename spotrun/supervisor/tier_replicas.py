@@ -39,6 +39,8 @@ SECRET_FILE = "secret"
 POLL_S = 0.2
 #: A step whose copy failed this many times is given up (said): the next step is copied instead.
 ATTEMPTS_PER_STEP = 3
+#: Bytes per second assumed for a replica's copy without a rate cap or a measurement.
+UNCAPPED_RATE_BYTES_S = 1 << 30
 
 
 def listen_host(given: str | None, launch: TorchrunLaunch | None) -> str:
@@ -86,6 +88,8 @@ class TierService:
         self._closed = threading.Event()
         self._replicated: dict[int, set[str]] = {}  # step -> nodes holding its replica
         self._failures: dict[int, int] = {}
+        self._copied = threading.Condition()  # told of every replica made or given up
+        self._measured_bytes_s: float | None = None  # of the newest replica copied
         self._clients: dict[str, PeerClient] = {}
         self._thread = threading.Thread(target=self._replicate_forever, name="spotrun-tier-replicas", daemon=True)
         self._thread.start()
@@ -115,6 +119,37 @@ class TierService:
             log.warning("cannot read the fast tier's peers file (%s): deciding from this node's tier", exc)
             return JobTier(self.tier.path, [], self.node, self._config.memory_peer_timeout_s)
 
+    def target_nodes(self) -> list[str]:
+        """The nodes this node's steps are copied to (none on one node, or before the workers said)."""
+        try:
+            nodes, replicas = _read_peers(self.tier.path)
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+        return [peer.node for peer in _next_nodes(self.node, nodes, replicas)]
+
+    def copy_rate_bytes_s(self) -> float:
+        """Bytes per second a replica copies at: as the newest one did, else the rate cap."""
+        cap = self._config.memory_replica_rate_bytes_s or UNCAPPED_RATE_BYTES_S
+        return min(cap, self._measured_bytes_s or cap)
+
+    @property
+    def own_steps(self) -> Storage:
+        """This node's own steps (its ranks' files and the manifests), without replicas or peers."""
+        return self._holdings.own
+
+    def wait_replicated(self, step: int, timeout_s: float) -> set[str]:
+        """Wait up to ``timeout_s`` seconds until every target holds ``step`` (or its copy was given
+        up); the nodes that hold it."""
+        give_up = time.monotonic() + max(0.0, timeout_s)
+        with self._copied:
+            while True:
+                held = set(self._replicated.get(step, set()))
+                wanted = set(self.target_nodes())
+                left_s = give_up - time.monotonic()
+                if (wanted and held >= wanted) or self._failures.get(step, 0) >= ATTEMPTS_PER_STEP or left_s <= 0:
+                    return held
+                self._copied.wait(min(left_s, 1.0))
+
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=10)
@@ -136,12 +171,7 @@ class TierService:
             nodes, replicas = _read_peers(self.tier.path)
         except FileNotFoundError:
             return []
-        names = [n.node for n in nodes]
-        if self.node not in names:
-            return []
-        at = names.index(self.node)
-        replicas = min(replicas, len(nodes) - 1)
-        targets = [nodes[(at + k) % len(nodes)] for k in range(1, replicas + 1)]
+        targets = _next_nodes(self.node, nodes, replicas)
         for peer in targets:
             known = self._clients.get(peer.node)
             if known is None or known.peer != peer:
@@ -177,7 +207,9 @@ class TierService:
                 )
                 client.replica_done(self.node)
             except (SpotrunError, OSError) as exc:
-                self._failures[step] = self._failures.get(step, 0) + 1
+                with self._copied:
+                    self._failures[step] = self._failures.get(step, 0) + 1
+                    self._copied.notify_all()
                 given_up = self._failures[step] >= ATTEMPTS_PER_STEP
                 log.warning(
                     "fast tier: step %d not replicated to %s: %s%s", step, client, exc, " (given up)" * given_up
@@ -185,18 +217,23 @@ class TierService:
                 continue
             if self._closed.is_set():
                 return
-            self._replicated.setdefault(step, set()).add(client.peer.node)
+            elapsed_s = time.monotonic() - started
+            with self._copied:
+                self._replicated.setdefault(step, set()).add(client.peer.node)
+                self._measured_bytes_s = sent / elapsed_s if sent and elapsed_s > 0 else self._measured_bytes_s
+                self._copied.notify_all()
             log.info(
                 "fast tier: step %d replicated to %s (%d files, %d bytes, %.2f s)",
                 step,
                 client,
                 len(files),
                 sent,
-                time.monotonic() - started,
+                elapsed_s,
             )
-        for table in (self._replicated, self._failures):
-            for old in [s for s in table if s < step]:
-                del table[old]
+        with self._copied:
+            for table in (self._replicated, self._failures):
+                for old in [s for s in table if s < step]:
+                    del table[old]
 
 
 def _read_peers(tier_path: str) -> tuple[list[Peer], int]:
@@ -204,6 +241,15 @@ def _read_peers(tier_path: str) -> tuple[list[Peer], int]:
     with open(os.path.join(tier_path, PEERS_FILE)) as file:
         doc = json.load(file)
     return [Peer.from_json(n) for n in doc["nodes"]], int(doc.get("replicas", 1))
+
+
+def _next_nodes(node: str, nodes: list[Peer], replicas: int) -> list[Peer]:
+    """The ``replicas`` nodes after ``node`` in rank order (none when it is not among them)."""
+    names = [n.node for n in nodes]
+    if node not in names:
+        return []
+    at = names.index(node)
+    return [nodes[(at + k) % len(nodes)] for k in range(1, min(replicas, len(nodes) - 1) + 1)]
 
 
 def _is_manifest(key: str) -> bool:

@@ -244,10 +244,11 @@ class Checkpointer:
             asked = self._requests.read()
             checkpoint = self._checkpoint_requests is not None and self._checkpoint_requests.pending()
             # one more flag in the same all-reduce: is a background save still being written anywhere?
-            save_and_stop, stop_without_save, checkpoint, still_running, tier_running = dist.any_rank_each(
+            save_and_stop, stop_without_save, to_memory, checkpoint, still_running, tier_running = dist.any_rank_each(
                 [
                     asked.save_and_stop,
                     asked.stop_without_save,
+                    asked.save_to_memory,
                     checkpoint,
                     self._saves.saver.running,
                     self._tier is not None and self._tier.running,
@@ -257,6 +258,7 @@ class Checkpointer:
                 context,
                 save_and_stop=save_and_stop,
                 stop_without_save=stop_without_save,
+                save_to_memory=to_memory,
                 checkpoint_requested=checkpoint,
             )
             if not still_running and self._saves.saver.in_flight is not None:  # ended on every rank:
@@ -267,10 +269,11 @@ class Checkpointer:
         if decision.stops:
             if self._tier is not None:  # the emergency save comes first; a fast-tier write is abandoned
                 self._tier.abandon()
-            saved = stop(decision, self._saves, self._requests, step, asked)
+            saved = stop(decision, self._saves, self._requests, step, asked, self._tier)
             self.preempted = True
-            report_stop(self._events, self._env.control_dir, step, saved=saved)
-            if saved and self._tier is not None:  # after storage, which the supervisor was told of
+            to_memory = decision.action is Action.SAVE_TO_MEMORY_AND_STOP
+            report_stop(self._events, self._env.control_dir, step, saved=saved, tier="memory" if to_memory else None)
+            if saved and self._tier is not None and not to_memory:  # after storage, which the supervisor was told of
                 left_s = self._requests.emergency_timeout_s(
                     asked or self._requests.read(), self._saves.options.save_timeout_s
                 )

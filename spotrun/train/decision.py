@@ -20,6 +20,7 @@ class Action(str, enum.Enum):
     CONTINUE = "continue"  # nothing to save at this step
     SAVE = "save"  # a due save (periodic, or a checkpoint the supervisor asked for); training goes on
     SAVE_AND_STOP = "save-and-stop"  # the emergency checkpoint of this step, then stop
+    SAVE_TO_MEMORY_AND_STOP = "save-to-memory-and-stop"  # the emergency checkpoint in the fast tier, then stop
     STOP_WITHOUT_SAVE = "stop-without-save"  # stop now; the newest complete checkpoint stays the resume point
 
 
@@ -38,6 +39,8 @@ class StepContext:
         stop_without_save: some rank's supervisor asked to stop without a save (it found no
             time to commit one before the deadline).
         checkpoint_requested: some rank's supervisor asked for an ordinary checkpoint.
+        save_to_memory: some rank's supervisor asked for the emergency checkpoint in the fast
+            tier (copied to another node), a save to storage not fitting before its deadline.
     """
 
     step: int
@@ -46,6 +49,7 @@ class StepContext:
     save_and_stop: bool = False
     stop_without_save: bool = False
     checkpoint_requested: bool = False
+    save_to_memory: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,15 +71,18 @@ class Decision:
     @property
     def stops(self) -> bool:
         """Whether the training loop stops at this step."""
-        return self.action in (Action.SAVE_AND_STOP, Action.STOP_WITHOUT_SAVE)
+        return self.action in (Action.SAVE_AND_STOP, Action.SAVE_TO_MEMORY_AND_STOP, Action.STOP_WITHOUT_SAVE)
 
 
 def decide(ctx: StepContext) -> Decision:
     """What to do at ``ctx.step``, in this order: a stop without a save (one node's
-    supervisor found no time, so nobody saves), an emergency save, ``$SPOTRUN_STOP_AT_STEP``,
-    a requested checkpoint, a periodic save."""
+    supervisor found no time, so nobody saves), an emergency save to the fast tier (one node's
+    supervisor found time for that only), to storage, ``$SPOTRUN_STOP_AT_STEP``, a requested
+    checkpoint, a periodic save."""
     if ctx.stop_without_save:
         return Decision(Action.STOP_WITHOUT_SAVE)
+    if ctx.save_to_memory:
+        return Decision(Action.SAVE_TO_MEMORY_AND_STOP)
     if ctx.save_and_stop:
         return Decision(Action.SAVE_AND_STOP)
     if ctx.stop_at_step is not None and ctx.step >= ctx.stop_at_step:

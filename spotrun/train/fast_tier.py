@@ -11,11 +11,10 @@ tier is logged and turns the tier off: training goes on with storage alone.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from spotrun.checkpoint import catalog, fencing
@@ -26,13 +25,14 @@ from spotrun.checkpoint.save import prepare_save
 from spotrun.control.env import WorkerEnv
 from spotrun.errors import CheckpointSaveError, SpotrunError
 from spotrun.storage import LocalStorage, Storage
-from spotrun.storage.tier_dir import PEERS_FILE, free_bytes
-from spotrun.storage.tier_peers import DEFAULT_PEER_TIMEOUT_S, JobTier, Peer
+from spotrun.storage.tier_dir import free_bytes
+from spotrun.storage.tier_peers import JobTier
 from spotrun.tools import dist
 from spotrun.train.identity import Identity
 from spotrun.train.meter import SaveMeter
 from spotrun.train.options import CheckpointerOptions
 from spotrun.train.saving import Saves
+from spotrun.train.tier_nodes import JobNodes, job_nodes, multi_node, write_peers_file
 
 log = logging.getLogger("spotrun.checkpointer")
 
@@ -63,12 +63,6 @@ def tier_settings(options: CheckpointerOptions, env: WorkerEnv) -> tuple[str | N
     return (root, interval) if root and interval > 0 else (None, 0)
 
 
-def multi_node() -> bool:
-    """Whether this job's ranks span more than one node (torchrun's ``LOCAL_WORLD_SIZE``)."""
-    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    return local.isdigit() and int(local) != dist.world_size()
-
-
 def open_fast_tier(
     options: CheckpointerOptions,
     env: WorkerEnv,
@@ -94,81 +88,6 @@ def open_fast_tier(
     if job is None:
         return None
     return FastTier(root, interval, budget, options, env, identity, state, rank_state, on_save_ended, job=job)
-
-
-@dataclass(frozen=True)
-class JobNodes:
-    """The job's nodes as the fast tier sees them (gathered once over the process group).
-
-    Attributes:
-        nodes: each node's tier server, in rank order (the node of rank 0 first).
-        node_of_rank: the node name of each rank.
-        own: this rank's node.
-        replicas: how many other nodes hold each node's step.
-        timeout_s: bound of one request to a peer.
-    """
-
-    nodes: list[Peer]
-    node_of_rank: list[str]
-    own: str
-    replicas: int
-    timeout_s: float
-
-    @property
-    def copies(self) -> int:
-        """Nodes that hold each file once the replicas are made."""
-        return 1 + self.replicas
-
-
-def job_nodes(env: WorkerEnv) -> JobNodes | None:
-    """Gather every rank's tier server (collective); ``None`` (said once) when a rank has none:
-    its node runs no ``spotrun run`` with the fast tier, so no node can reach its memory."""
-    mine: dict | None = None
-    problem = ""
-    if env.memory_node and env.memory_peer_address and env.memory_secret_file:
-        host, _, port = env.memory_peer_address.rpartition(":")
-        try:
-            with open(env.memory_secret_file) as file:
-                secret = bytes.fromhex(file.read().strip())
-            mine = Peer(env.memory_node, host.strip("[]"), int(port), secret).to_json()
-        except (OSError, ValueError) as exc:
-            problem = f"cannot read the fast tier's secret: {exc}"
-    else:
-        problem = "no fast-tier server on this node (the tier across nodes needs spotrun run on each node)"
-    gathered = dist.all_gather_json({"peer": mine, "problem": problem})
-    missing = {r: g["problem"] for r, g in enumerate(gathered) if g["peer"] is None}
-    if missing:
-        if dist.rank() == 0:
-            log.warning(
-                "the fast tier is off: it spans several nodes and rank(s) %s cannot share theirs (%s); storage only",
-                sorted(missing),
-                next(iter(missing.values())),
-            )
-        return None
-    peers = [Peer.from_json(g["peer"]) for g in gathered]
-    nodes: dict[str, Peer] = {}
-    for peer in peers:
-        nodes.setdefault(peer.node, peer)
-    wanted = env.memory_replicas if env.memory_replicas is not None else 1
-    job = JobNodes(
-        nodes=list(nodes.values()),
-        node_of_rank=[p.node for p in peers],
-        own=env.memory_node or "",
-        replicas=min(wanted, len(nodes) - 1),
-        timeout_s=env.memory_peer_timeout_s or DEFAULT_PEER_TIMEOUT_S,
-    )
-    return job
-
-
-def write_peers_file(tier_path: str, job: JobNodes) -> None:
-    """Tell this node's supervisor the job's nodes (local rank 0): it replicates to the next ones."""
-    doc = {"nodes": [p.to_json() for p in job.nodes], "replicas": job.replicas, "own": job.own}
-    path = os.path.join(tier_path, PEERS_FILE)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as file:
-        json.dump(doc, file)
-    os.replace(tmp, path)
 
 
 class FastTier:
@@ -263,6 +182,12 @@ class FastTier:
         then reads it from memory."""
         self._guarded(lambda: self._save_stopping(step, left_s))
 
+    def save_emergency(self, step: int, left_s: float) -> bool:
+        """The emergency checkpoint of ``step`` in the tier (collective), a save to storage not fitting
+        before the deadline: the supervisors copy it to another node. Whether it committed."""
+        self._guarded(lambda: self._save_emergency(step, left_s))
+        return self.enabled and self.saves.last_saved_step == step
+
     def restored(self, step: int) -> None:
         """A restore loaded ``step`` (from either tier): the tier's saves skip it."""
         self.saves.saved(step)
@@ -315,6 +240,14 @@ class FastTier:
         if dist.rank() == 0:
             self._make_room()
         self.saves.save_now(step, MEMORY_REASON, timeout_s=left_s)
+
+    def _save_emergency(self, step: int, left_s: float) -> None:
+        self.report_ended()  # the save in flight was abandoned for this one: ended before the tier is pruned
+        if self._fenced_incarnation != self._identity.incarnation:
+            self._claim(step)
+        if dist.rank() == 0:
+            self._make_room()
+        self.saves.save_now(step, "emergency", timeout_s=left_s)
 
     def _claim(self, step: int) -> None:
         """Record this start's incarnation in the tier (collective), so that an older start of the job

@@ -58,6 +58,12 @@ class Asked:
             return self.request.save
         return self.signal_name is not None or self.gone_supervisor_pid is not None
 
+    @property
+    def save_to_memory(self) -> bool:
+        """The supervisor asked for the emergency checkpoint in the fast tier, copied to another
+        node (a save to storage would not commit before the deadline)."""
+        return self.request is not None and self.request.save and self.request.tier == "memory"
+
     def describe(self) -> str:
         """Who asked, for the log (``"SIGTERM"``, ``"supervisor: SIGTERM"``, ``"another rank"``)."""
         if self.signal_name:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from typing import Any
 
 from spotrun.control import files as control
 from spotrun.tools import dist
@@ -61,23 +62,45 @@ def stop_without_save(saves: Saves, requests: StopRequests, step: int, asked: As
         )
 
 
-def report_stop(events: TrainingEvents, control_dir: str | None, step: int, *, saved: bool) -> None:
+def save_to_memory(tier: Any, saves: Saves, requests: StopRequests, step: int, asked: Asked) -> bool:
+    """Save ``step`` into the fast tier before the job stops, a save to storage not fitting before the
+    deadline (a save in flight to storage is finished or abandoned first); return whether it committed.
+    The supervisors copy it to another node, and a node that stays writes it to storage."""
+    timeout_s = requests.emergency_timeout_s(asked, saves.options.save_timeout_s)
+    if saves.options.background_saves:
+        saves.settle(step, timeout_s, may_save=False)
+    if dist.rank() == 0:
+        log.warning("save requested (%s): emergency checkpoint of step %d to the fast tier", asked.describe(), step)
+    saved = tier is not None and tier.save_emergency(step, requests.emergency_timeout_s(asked, timeout_s))
+    if not saved and dist.rank() == 0:
+        log.error("the emergency checkpoint of step %d to the fast tier failed: stopping without one", step)
+    return saved
+
+
+def report_stop(
+    events: TrainingEvents, control_dir: str | None, step: int, *, saved: bool, tier: str | None = None
+) -> None:
     """Record the stop after ``step``: in the event log, and (local rank 0, under ``spotrun run``)
-    to the supervisor as a commit report (``saved``) or a stop report (this step is lost; a save
-    that was in flight, if it committed, is the resume point)."""
+    to the supervisor as a commit report (``saved``, to ``tier``: storage by default) or a stop report
+    (this step is lost; a save that was in flight, if it committed, is the resume point)."""
     events.stopped(step, saved=saved)
     if control_dir and dist.local_rank() == 0:
         if saved:
-            control.write_commit_report(control_dir, step)
+            control.write_commit_report(control_dir, step, tier or "storage")
         else:
             control.write_stop_report(control_dir, step)
 
 
-def stop(decision: Decision, saves: Saves, requests: StopRequests, step: int, asked: Asked | None) -> bool:
-    """The stop ``decision`` asks for at ``step``: an emergency save, or a stop without one;
-    return whether ``step`` was saved. ``asked``: this rank's requests if read at this step."""
+def stop(
+    decision: Decision, saves: Saves, requests: StopRequests, step: int, asked: Asked | None, tier: Any = None
+) -> bool:
+    """The stop ``decision`` asks for at ``step``: an emergency save (to storage, or to the fast
+    ``tier``), or a stop without one; return whether ``step`` was saved. ``asked``: this rank's
+    requests if read at this step."""
     if decision.action is Action.STOP_WITHOUT_SAVE:
         stop_without_save(saves, requests, step, asked)
         return False
+    if decision.action is Action.SAVE_TO_MEMORY_AND_STOP:
+        return save_to_memory(tier, saves, requests, step, asked or requests.read())
     # $SPOTRUN_STOP_AT_STEP needs no look at the requests: read once here
     return emergency_save(saves, requests, step, asked or requests.read(), decision.why)

@@ -97,21 +97,25 @@ class Job:
         self.nodes: list[subprocess.Popen | None] = [None] * NODES
         self.logs: list[pathlib.Path] = [root / f"node{n}.log" for n in range(NODES)]
         self.listed_before_loss: list[dict] = []
+        self.uri: str | None = None  # the checkpoint root; None: a directory in ``root``
+        self.supervisor_options: list[str] = []  # more options of every `spotrun run`
+        self.drop_env: tuple[str, ...] = ()
 
     @property
     def ck(self) -> str:
-        return str(self.root / "ck")
+        return self.uri or str(self.root / "ck")
 
     def memory_dir(self, node: int) -> pathlib.Path:
         return self.root / f"mem{node}"
 
-    def start(self, node: int, log_name: str | None = None) -> None:
+    def start(self, node: int, log_name: str | None = None, *, grace_period_s: float = 60) -> None:
         if log_name is not None:
             self.logs[node] = self.root / log_name
         proc = start_supervised(
             self.ck,
             node_command(self.port, self.rdzv_id, self.log_file, *self.extra),
-            grace_period_s=60,
+            grace_period_s=grace_period_s,
+            drop_env=self.drop_env,
             extra_options=[
                 "--notice",
                 "none",
@@ -123,6 +127,7 @@ class Job:
                 "3",
                 "--restart-backoff-s",
                 "0",
+                *self.supervisor_options,
             ],
             log_path=self.logs[node],
         )
@@ -154,6 +159,10 @@ def tier_of(memory_dir: pathlib.Path) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    return reference_run(tmp_path_factory)
+
+
+def reference_run(tmp_path_factory):
     """One uninterrupted run of the same two nodes with the same fast tier, run once per test
     session: the first xdist worker to need it runs it under a file lock, the others read it."""
     root = tmp_path_factory.getbasetemp().parent / "replicas-reference"  # the same for every xdist worker

@@ -65,6 +65,21 @@ DECISIONS = [
         Decision(STOP_WITHOUT_SAVE),
     ),
     (
+        "a notice too short for storage, time for the fast tier: the emergency checkpoint goes there",
+        dict(step=23, interval_steps=10, save_and_stop=True, save_to_memory=True),
+        Decision(Action.SAVE_TO_MEMORY_AND_STOP),
+    ),
+    (
+        "one node has no time at all, another asks for the fast tier: nobody saves",
+        dict(step=23, save_and_stop=True, save_to_memory=True, stop_without_save=True),
+        Decision(STOP_WITHOUT_SAVE),
+    ),
+    (
+        "the fast tier beats the final step",
+        dict(step=8, stop_at_step=8, save_and_stop=True, save_to_memory=True),
+        Decision(Action.SAVE_TO_MEMORY_AND_STOP),
+    ),
+    (
         "final step: SPOTRUN_STOP_AT_STEP reached",
         dict(step=8, stop_at_step=8),
         Decision(SAVE_AND_STOP, why="SPOTRUN_STOP_AT_STEP=8"),
@@ -101,7 +116,7 @@ DECISIONS = [
 def test_decide_answers_each_case_of_the_table(fields, expected):
     decision = decide(StepContext(**fields))
     assert decision == expected
-    assert decision.stops is (expected.action in (SAVE_AND_STOP, STOP_WITHOUT_SAVE))
+    assert decision.stops is (expected.action in (SAVE_AND_STOP, Action.SAVE_TO_MEMORY_AND_STOP, STOP_WITHOUT_SAVE))
 
 
 NOW = 1_000_000.0
@@ -160,6 +175,19 @@ ASKED = [
 )
 def test_what_a_rank_was_asked(asked, save_and_stop, stop_without_save, who):
     assert (asked.save_and_stop, asked.stop_without_save, asked.describe()) == (save_and_stop, stop_without_save, who)
+
+
+def test_a_request_for_the_fast_tier_is_a_save_and_stop_to_memory_and_survives_the_file(tmp_path):
+    memory = control.SaveRequest("gcp preempted", NOW, NOW + 20, save=True, tier="memory")
+    control.write_save_request(str(tmp_path), memory)
+    read = control.read_save_request(str(tmp_path))
+    assert read == memory
+    asked = Asked(request=read)
+    assert (asked.save_and_stop, asked.save_to_memory, asked.stop_without_save) == (True, True, False)
+    assert not Asked(request=request(True)).save_to_memory  # storage, as before
+    assert not Asked(request=control.SaveRequest("x", NOW, NOW, save=False, tier="memory")).save_to_memory
+    control.write_commit_report(str(tmp_path), 26, "memory")
+    assert control.read_commit_report(str(tmp_path)).tier == "memory"
 
 
 def count_request_reads(monkeypatch) -> list[int]:
