@@ -239,10 +239,12 @@ def assert_same_as_reference(reference, job: Job) -> None:
 
 
 def restored_step(job: Job) -> int:
-    """The step the restart with the replacement node resumed from (the training log's step numbers go back)."""
-    steps = [row["step"] for row in read_log(job.log_file)]
-    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-    return steps[restart] - 1
+    """The step the restart with the replacement node resumed from, as rank 0 logged its restore
+    (the training log cannot tell: a restart from the last step logged repeats no step)."""
+    text = "\n".join(job.log_text(n) for n in range(NODES))
+    steps = {int(step) for step in re.findall(r"restored step (\d+) from ", text)}
+    assert len(steps) == 1, f"restores of steps {sorted(steps)}" + job.outputs()
+    return steps.pop()
 
 
 def ls_json(ck: str, memory_dir: pathlib.Path) -> list[dict]:
