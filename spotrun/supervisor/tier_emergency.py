@@ -131,7 +131,13 @@ def settle_memory_step(
             return True
         log.error("the emergency checkpoint of step %d reached no other node before the deadline: it is lost", step)
         return False
-    return drain_to_storage(service.view(), storage, step, wait_s=wait_s)
+    view = service.view()
+    try:
+        return drain_to_storage(view, storage, step, wait_s=wait_s)
+    finally:
+        close = getattr(view, "close", None)  # a view over other nodes holds their connections
+        if close is not None:
+            close()
 
 
 def drain_to_storage(tier: Storage, storage: Storage, step: int, *, wait_s: float) -> bool:
