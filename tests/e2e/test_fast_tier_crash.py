@@ -137,10 +137,15 @@ class Crash:
 
     @property
     def resumed_steps(self) -> list[int]:
-        """The steps the restart trained: the training log from where its step numbers go back."""
+        """The steps the restart trained: the training log from where its step numbers go back, or,
+        when they never do (a restart from the last step logged repeats none), after the step that
+        incarnation 1's start record names."""
         steps = [row["step"] for row in read_log(self.tmp_path / "train.jsonl")]
-        restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-        return steps[restart:]
+        back = [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
+        if back:
+            return steps[back[-1] :]
+        assert steps == sorted(set(steps)), steps
+        return [step for step in steps if step > self.start_record(1)["resumed_step"]]
 
     def start_record(self, incarnation: int) -> dict:
         """The ``start`` record of ``incarnation`` in rank 0's event log."""
