@@ -54,12 +54,13 @@ MEMORY_BUDGET_BYTES = "SPOTRUN_MEMORY_BUDGET_BYTES"
 #: The fast tier on several nodes: this node's name (its tier directory's), where its supervisor
 #: serves the tier to the job's other nodes (``HOST:PORT``), the file with the secret the servers
 #: prove, how many other nodes hold a replica (``--memory-replicas``; unset: 1 on several nodes),
-#: and the bound of a request to a peer in seconds.
+#: the bound of a request to a peer in seconds, and this node's failure domain (``--memory-failure-domain``).
 MEMORY_NODE = "SPOTRUN_MEMORY_NODE"
 MEMORY_PEER_ADDRESS = "SPOTRUN_MEMORY_PEER_ADDRESS"
 MEMORY_SECRET_FILE = "SPOTRUN_MEMORY_SECRET_FILE"
 MEMORY_REPLICAS = "SPOTRUN_MEMORY_REPLICAS"
 MEMORY_PEER_TIMEOUT_S = "SPOTRUN_MEMORY_PEER_TIMEOUT_S"
+MEMORY_FAILURE_DOMAIN = "SPOTRUN_MEMORY_FAILURE_DOMAIN"
 
 DEFAULT_CHECKPOINT_URI = "./checkpoints"
 #: Default bound of one save's storage operations (``Checkpointer(save_timeout_s=...)``), in
@@ -96,8 +97,9 @@ class WorkerEnv:
         keep_last, keep_every: the retention the supervisor was given; ``None`` if unset.
         memory_dir, memory_interval_steps, memory_budget_bytes: the fast tier's directory, interval
             and budget; ``None`` if unset.
-        memory_node, memory_peer_address, memory_secret_file, memory_replicas, memory_peer_timeout_s:
-            the fast tier's server on this node and its replicas (several nodes); ``None`` if unset.
+        memory_node, memory_peer_address, memory_secret_file, memory_replicas, memory_peer_timeout_s,
+            memory_failure_domain: the fast tier's server on this node, its replicas and this node's
+            failure domain (several nodes); ``None`` if unset.
     """
 
     checkpoint_uri: str | None
@@ -118,6 +120,7 @@ class WorkerEnv:
     memory_secret_file: str | None = None
     memory_replicas: int | None = None
     memory_peer_timeout_s: float | None = None
+    memory_failure_domain: str | None = None
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -166,4 +169,5 @@ class WorkerEnv:
             memory_secret_file=env.get(MEMORY_SECRET_FILE) or None,
             memory_replicas=_int(MEMORY_REPLICAS),
             memory_peer_timeout_s=_seconds(MEMORY_PEER_TIMEOUT_S),
+            memory_failure_domain=env.get(MEMORY_FAILURE_DOMAIN) or None,
         )

@@ -45,19 +45,29 @@ class Peer:
         node: the node's name (its tier directory's name).
         host, port: where its supervisor serves it.
         secret: the job's secret as that node holds it.
+        domain: the node's failure domain (``--memory-failure-domain``), if it was given one.
     """
 
     node: str
     host: str
     port: int
     secret: bytes
+    domain: str | None = None
 
     def to_json(self) -> dict:
-        return {"node": self.node, "host": self.host, "port": self.port, "secret": self.secret.hex()}
+        doc = {"node": self.node, "host": self.host, "port": self.port, "secret": self.secret.hex()}
+        return doc if self.domain is None else {**doc, "domain": self.domain}
 
     @staticmethod
     def from_json(value: dict) -> Peer:
-        return Peer(str(value["node"]), str(value["host"]), int(value["port"]), bytes.fromhex(value["secret"]))
+        domain = value.get("domain")
+        return Peer(
+            str(value["node"]),
+            str(value["host"]),
+            int(value["port"]),
+            bytes.fromhex(value["secret"]),
+            None if domain is None else str(domain),
+        )
 
 
 class PeerError(StorageError):

@@ -298,6 +298,12 @@ class SupervisorConfig:
         "(default: one generated per node and shared through the job's own process group)",
         metavar="PATH",
     )
+    memory_failure_domain: str | None = option(
+        None,
+        "fast tier on several nodes: this node's failure domain (a zone, a rack, a host of several "
+        "simulated nodes); each node's replicas go to nodes of other domains first (passed to the workers)",
+        metavar="LABEL",
+    )
     memory_peer_timeout_s: float = option(
         10.0,
         "most seconds one request to another node's fast tier may take before that node is skipped "
@@ -360,22 +366,15 @@ class SupervisorConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, command: Iterable[str], *, log_format: str | None) -> SupervisorConfig:
-        """The config of parsed ``spotrun run`` arguments (every option's value is ``args.<name>``),
-        with the log format in effect (the flag, the file or ``$SPOTRUN_LOG_FORMAT``).
-
-        Raises:
-            ConfigError: as the constructor.
-        """
+        """The config of parsed ``spotrun run`` arguments (``args.<name>``), with the log format in
+        effect (the flag, the file or ``$SPOTRUN_LOG_FORMAT``); raises ConfigError as the constructor."""
         values = {spec.name: getattr(args, spec.name) for spec in option_specs()}
         return cls(command=tuple(command), **{**values, "log_format": log_format})
 
     @property
     def location(self) -> StorageLocation:
-        """Where the checkpoints are (:attr:`checkpoint_uri` and :attr:`s3_endpoint_url`).
-
-        Raises:
-            ConfigError: an empty URI or an unsupported scheme.
-        """
+        """Where the checkpoints are (:attr:`checkpoint_uri`, :attr:`s3_endpoint_url`); raises
+        ConfigError for an empty URI or an unsupported scheme."""
         return parse_location(self.checkpoint_uri, endpoint_url=self.s3_endpoint_url)
 
     @property

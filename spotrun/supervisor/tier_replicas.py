@@ -107,6 +107,8 @@ class TierService:
         }
         if self._config.memory_replicas is not None:
             env[spotrun_env.MEMORY_REPLICAS] = str(self._config.memory_replicas)
+        if self._config.memory_failure_domain:
+            env[spotrun_env.MEMORY_FAILURE_DOMAIN] = self._config.memory_failure_domain
         return env
 
     def view(self) -> Storage:
@@ -125,7 +127,7 @@ class TierService:
             nodes, replicas = _read_peers(self.tier.path)
         except (OSError, ValueError, KeyError, TypeError):
             return []
-        return [peer.node for peer in _next_nodes(self.node, nodes, replicas)]
+        return [peer.node for peer in replica_targets(self.node, nodes, replicas)]
 
     def copy_rate_bytes_s(self) -> float:
         """Bytes per second a replica copies at: as the newest one did, else the rate cap."""
@@ -171,7 +173,7 @@ class TierService:
             nodes, replicas = _read_peers(self.tier.path)
         except FileNotFoundError:
             return []
-        targets = _next_nodes(self.node, nodes, replicas)
+        targets = replica_targets(self.node, nodes, replicas)
         for peer in targets:
             known = self._clients.get(peer.node)
             if known is None or known.peer != peer:
@@ -243,13 +245,35 @@ def _read_peers(tier_path: str) -> tuple[list[Peer], int]:
     return [Peer.from_json(n) for n in doc["nodes"]], int(doc.get("replicas", 1))
 
 
-def _next_nodes(node: str, nodes: list[Peer], replicas: int) -> list[Peer]:
-    """The ``replicas`` nodes after ``node`` in rank order (none when it is not among them)."""
-    names = [n.node for n in nodes]
+def replica_targets(node: str, nodes: list[Peer], replicas: int) -> list[Peer]:
+    """The ``replicas`` nodes that hold ``node``'s steps (none when ``node`` is not among ``nodes``).
+
+    The nodes form a ring: rank order, or, with failure domains, the domains taken in turn (each in
+    rank order), so that a node's successor is in another domain where the domains are even; a
+    node's targets are the next ones in the ring, those of another domain first. Each step is then on
+    ``replicas`` + 1 distinct nodes (any ``replicas`` lost nodes leave a copy), a lost domain leaves
+    a copy while another domain holds one, and with even domains every node holds ``replicas``
+    replicas.
+    """
+    ring = _ring(nodes)
+    names = [n.node for n in ring]
     if node not in names:
         return []
     at = names.index(node)
-    return [nodes[(at + k) % len(nodes)] for k in range(1, min(replicas, len(nodes) - 1) + 1)]
+    after = [ring[(at + k) % len(ring)] for k in range(1, len(ring))]
+    domain = ring[at].domain
+    if domain is not None:
+        after = [n for n in after if n.domain != domain] + [n for n in after if n.domain == domain]
+    return after[: max(0, replicas)]
+
+
+def _ring(nodes: list[Peer]) -> list[Peer]:
+    """The nodes with the domains taken in turn (a node without a domain is a domain of its own)."""
+    groups: dict[object, list[Peer]] = {}
+    for index, peer in enumerate(nodes):
+        groups.setdefault(peer.domain if peer.domain is not None else ("no domain", index), []).append(peer)
+    columns = list(groups.values())
+    return [column[row] for row in range(max(map(len, columns), default=0)) for column in columns if row < len(column)]
 
 
 def _is_manifest(key: str) -> bool:

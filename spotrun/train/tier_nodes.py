@@ -56,7 +56,7 @@ def job_nodes(env: WorkerEnv) -> JobNodes | None:
         try:
             with open(env.memory_secret_file) as file:
                 secret = bytes.fromhex(file.read().strip())
-            mine = Peer(env.memory_node, host.strip("[]"), int(port), secret).to_json()
+            mine = Peer(env.memory_node, host.strip("[]"), int(port), secret, env.memory_failure_domain).to_json()
         except (OSError, ValueError) as exc:
             problem = f"cannot read the fast tier's secret: {exc}"
     else:

@@ -43,6 +43,7 @@ EXPECTED = {
     "memory_replica_address": ("10.0.0.5", "10.0.0.5"),
     "memory_replica_rate_bytes_s": ("100000000", 100000000),
     "memory_replica_secret_file": ("/run/secrets/spotrun-tier", "/run/secrets/spotrun-tier"),
+    "memory_failure_domain": ("us-east-1a", "us-east-1a"),
     "memory_peer_timeout_s": ("5", 5.0),
     "log_level": ("debug", "debug"),
     "log_format": ("json", "json"),
