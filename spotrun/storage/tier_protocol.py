@@ -17,6 +17,7 @@ import json
 import secrets
 import socket
 import struct
+import time
 from typing import Any
 
 #: Largest header a peer may send (an op and its key; a listing is a payload).
@@ -97,9 +98,34 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     return bytes(buffer)
 
 
-def server_handshake(sock: socket.socket, secret: bytes) -> dict[str, Any]:
-    """The server's side of the handshake; returns the client's hello (its ``node``), or raises
-    :class:`ProtocolError` (a wrong MAC, another version)."""
+class _Deadline:
+    """A socket whose reads and writes share one deadline: a peer that sends a byte at a time
+    cannot stretch the handshake past it (each call's timeout is the time left)."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        self._sock, self._end = sock, time.monotonic() + timeout_s
+
+    def _left(self) -> float:
+        left_s = self._end - time.monotonic()
+        if left_s <= 0:
+            raise TimeoutError("the handshake took too long")
+        return left_s
+
+    def recv_into(self, view: memoryview) -> int:
+        self._sock.settimeout(self._left())
+        return self._sock.recv_into(view)
+
+    def sendall(self, data: bytes | memoryview) -> None:
+        self._sock.settimeout(self._left())
+        self._sock.sendall(data)
+
+
+def server_handshake(sock: socket.socket, secret: bytes, timeout_s: float | None = None) -> dict[str, Any]:
+    """The server's side of the handshake, all of it within ``timeout_s`` seconds when given;
+    returns the client's hello (its ``node``), or raises :class:`ProtocolError` (a wrong MAC,
+    another version) or :class:`TimeoutError`."""
+    if timeout_s is not None:
+        sock = _Deadline(sock, timeout_s)  # type: ignore[assignment]
     challenge = secrets.token_bytes(CHALLENGE_BYTES)
     send_frame(sock, {"challenge": challenge.hex(), "version": VERSION})
     hello = recv_header(sock)

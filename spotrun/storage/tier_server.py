@@ -25,6 +25,10 @@ log = logging.getLogger("spotrun.supervisor.tier")
 
 #: Connections served at once (a node's ranks reading, its peers replicating into it).
 MAX_CONNECTIONS = 64
+#: Seconds a connection has to complete the handshake, however it sends (a byte at a time too).
+HANDSHAKE_TIMEOUT_S = 5.0
+#: Handshakes under way at once from one address: a stranger cannot take every connection.
+MAX_HANDSHAKES_PER_ADDRESS = 8
 #: Replicated steps kept per source node (as the tier keeps: the newest and the one before).
 KEPT_REPLICA_STEPS = 2
 _RECV_PIECE_BYTES = 1024 * 1024
@@ -63,6 +67,8 @@ class TierServer:
         self._listener.bind((host, port))
         self._listener.listen(MAX_CONNECTIONS)
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._handshakes: dict[str, int] = {}  # address -> handshakes under way
+        self._handshakes_lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="spotrun-tier-server", daemon=True)
         #: refused connections so far (a bad secret, a malformed frame), for tests and the log
@@ -100,18 +106,11 @@ class TierServer:
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         try:
-            conn.settimeout(self._timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            try:
-                hello = wire.server_handshake(conn, self._secret)
-            except (wire.ProtocolError, ConfigError) as exc:
-                self.refused += 1
-                log.warning("fast tier server: connection from %s refused: %s", _peer(peer), exc)
-                try:
-                    wire.send_frame(conn, {"ok": False, "error": "refused"})
-                except OSError:
-                    pass
+            hello = self._handshake(conn, peer)
+            if hello is None:
                 return
+            conn.settimeout(self._timeout_s)
             node = hello.get("node")
             while not self._closed.is_set():
                 try:
@@ -128,6 +127,42 @@ class TierServer:
         finally:
             conn.close()
             self._slots.release()
+
+    def _handshake(self, conn: socket.socket, peer: Any) -> dict[str, Any] | None:
+        """The client's hello once it proved the job's secret within :data:`HANDSHAKE_TIMEOUT_S`;
+        ``None`` (logged) for a stranger, a slow one, or one address with too many handshakes at once."""
+        address = peer[0] if isinstance(peer, tuple) else str(peer)
+        with self._handshakes_lock:
+            busy = self._handshakes.get(address, 0)
+            if busy < MAX_HANDSHAKES_PER_ADDRESS:
+                self._handshakes[address] = busy + 1
+        if busy >= MAX_HANDSHAKES_PER_ADDRESS:
+            self.refused += 1
+            log.warning("fast tier server: %s refused: %d handshakes from it under way", _peer(peer), busy)
+            return None
+        timeout_s = min(HANDSHAKE_TIMEOUT_S, self._timeout_s)
+        try:
+            return wire.server_handshake(conn, self._secret, timeout_s)
+        except TimeoutError:
+            self.refused += 1
+            log.warning(
+                "fast tier server: connection from %s refused: no handshake within %.1f s", _peer(peer), timeout_s
+            )
+            return None
+        except (wire.ProtocolError, ConfigError) as exc:
+            self.refused += 1
+            log.warning("fast tier server: connection from %s refused: %s", _peer(peer), exc)
+            try:
+                conn.settimeout(1.0)
+                wire.send_frame(conn, {"ok": False, "error": "refused"})
+            except OSError:
+                pass
+            return None
+        finally:
+            with self._handshakes_lock:
+                self._handshakes[address] -= 1
+                if not self._handshakes[address]:
+                    del self._handshakes[address]
 
     def _answer(self, conn: socket.socket, request: dict[str, Any], node: Any) -> None:
         op = request.get("op")

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from typing import Any
@@ -74,7 +75,7 @@ class TierService:
         self.tier = tier
         self.node = os.path.basename(tier.path)
         self._config = config
-        secret = _read_secret(config.memory_replica_secret_file) if config.memory_replica_secret_file else new_secret()
+        secret = read_secret(config.memory_replica_secret_file) if config.memory_replica_secret_file else new_secret()
         self.secret_file = os.path.join(tier.path, SECRET_FILE)
         fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as file:
@@ -281,9 +282,14 @@ def _is_manifest(key: str) -> bool:
     return name.startswith("manifest") and name.endswith(".json")
 
 
-def _read_secret(path: str) -> bytes:
+def read_secret(path: str) -> bytes:
+    """The job's secret from ``path``, a regular file of at least 16 bytes (never waits: a FIFO
+    without a writer is refused, not read)."""
     try:
-        with open(path, "rb") as file:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise ConfigError(f"the fast tier's secret file {path} is not a regular file")
             data = file.read(4096).strip()
     except OSError as exc:
         raise ConfigError(f"cannot read the fast tier's secret file {path}: {exc}") from exc

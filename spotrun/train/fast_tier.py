@@ -79,14 +79,14 @@ def open_fast_tier(
     :class:`~spotrun.train.meter.SaveMeter`'s (the event log's ``save`` records, with ``tier``
     ``"memory"``)."""
     root, interval = tier_settings(options, env)
+    job = None
+    if multi_node():  # every rank gathers, with a tier or without: one that stayed away would hang the rest
+        job = job_nodes(env, wanted=root is not None, interval_steps=interval)
+        if job is None:
+            return None
     if root is None:
         return None
     budget = options.memory_budget_bytes if options.memory_budget_bytes is not None else env.memory_budget_bytes
-    if not multi_node():
-        return FastTier(root, interval, budget, options, env, identity, state, rank_state, on_save_ended)
-    job = job_nodes(env)
-    if job is None:
-        return None
     return FastTier(root, interval, budget, options, env, identity, state, rank_state, on_save_ended, job=job)
 
 

@@ -46,12 +46,15 @@ class JobNodes:
         return 1 + self.replicas
 
 
-def job_nodes(env: WorkerEnv) -> JobNodes | None:
-    """Gather every rank's tier server (collective); ``None`` (said once) when a rank has none:
-    its node runs no ``spotrun run`` with the fast tier, so no node can reach its memory."""
+def job_nodes(env: WorkerEnv, *, wanted: bool, interval_steps: int) -> JobNodes | None:
+    """Gather every rank's tier server (collective: every rank calls it, ``wanted`` or not);
+    ``None`` when no rank wants a tier, and (said once) when a rank has none or the ranks
+    disagree on the interval: the tier's saves are collectives, so it is on everywhere or nowhere."""
     mine: dict | None = None
     problem = ""
-    if env.memory_node and env.memory_peer_address and env.memory_secret_file:
+    if not wanted:
+        problem = "no fast tier on its node (--memory-interval-steps unset)"
+    elif env.memory_node and env.memory_peer_address and env.memory_secret_file:
         host, _, port = env.memory_peer_address.rpartition(":")
         try:
             with open(env.memory_secret_file) as file:
@@ -61,15 +64,19 @@ def job_nodes(env: WorkerEnv) -> JobNodes | None:
             problem = f"cannot read the fast tier's secret: {exc}"
     else:
         problem = "no fast-tier server on this node (the tier across nodes needs spotrun run on each node)"
-    gathered = dist.all_gather_json({"peer": mine, "problem": problem})
+    gathered = dist.all_gather_json({"wanted": wanted, "interval": interval_steps, "peer": mine, "problem": problem})
+    if not any(g["wanted"] for g in gathered):
+        return None
     missing = {r: g["problem"] for r, g in enumerate(gathered) if g["peer"] is None}
-    if missing:
+    intervals = sorted({g["interval"] for g in gathered})
+    if missing or len(intervals) > 1:
         if dist.rank() == 0:
-            log.warning(
-                "the fast tier is off: it spans several nodes and rank(s) %s cannot share theirs (%s); storage only",
-                sorted(missing),
-                next(iter(missing.values())),
+            why = (
+                f"rank(s) {sorted(missing)} cannot share theirs ({next(iter(missing.values()))})"
+                if missing
+                else f"the nodes save it at different intervals ({', '.join(map(str, intervals))} steps)"
             )
+            log.warning("the fast tier is off: it spans several nodes and %s; storage only", why)
         return None
     peers = [Peer.from_json(g["peer"]) for g in gathered]
     nodes: dict[str, Peer] = {}

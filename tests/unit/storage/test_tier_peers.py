@@ -273,3 +273,46 @@ def test_a_peer_never_reads_or_deletes_outside_the_tiers_steps(served, tmp_path)
             client.delete(key)
     assert os.path.exists(secret_file) and (tmp_path / "outside").exists()
     assert client.list("")  # the connection and the server are fine
+
+
+def drip(server: TierServer) -> socket.socket:
+    """A stranger that announces a long hello and sends it a byte at a time, as slowly as it may."""
+    conn = socket.create_connection(server.address, timeout=10)
+    try:
+        wire.recv_header(conn)  # the server's challenge
+        conn.sendall(struct.pack(">I", 60_000) + b"{")
+    except ConnectionError:
+        pass  # refused at once
+    return conn
+
+
+def test_a_stranger_that_sends_a_byte_at_a_time_is_dropped_and_cannot_take_every_connection(
+    served, monkeypatch, caplog
+):
+    tier, server = served
+    monkeypatch.setattr("spotrun.storage.tier_server.HANDSHAKE_TIMEOUT_S", 1.0)
+    drippers = [drip(server) for _ in range(20)]  # more than one address may hold in handshakes
+    started = time.monotonic()
+    for _ in range(4):  # a byte now and then: each recv alone would stay within the timeout
+        for conn in drippers:
+            try:
+                conn.sendall(b" ")
+            except OSError:
+                pass
+        time.sleep(0.4)
+    # every dripper was closed by the server: at once over the per-address bound, the others at
+    # the handshake's deadline, however often they sent a byte
+    for conn in drippers:
+        conn.settimeout(5)
+        try:
+            assert conn.recv(1 << 16) == b""
+        except ConnectionResetError:
+            pass
+        conn.close()
+    assert server.refused >= 20, caplog.text
+    assert "handshakes from it under way" in caplog.text
+    assert "refused: no handshake within 1.0 s" in caplog.text
+    assert time.monotonic() - started < 20
+    client = PeerClient(peer_of(server), "node1", timeout_s=5)  # the job's peers are served again
+    assert client.list("step-000000026/")
+    client.close()

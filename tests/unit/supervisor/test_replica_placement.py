@@ -96,7 +96,31 @@ def test_a_workers_failure_domain_reaches_its_supervisors_placement(tmp_path):
         memory_secret_file=str(secret_file),
         memory_failure_domain="zone-a",
     )
-    job = job_nodes(env)  # one process: the job's only node
+    job = job_nodes(env, wanted=True, interval_steps=2)  # one process: the job's only node
     write_peers_file(str(tmp_path), job)
     peers, _replicas = _read_peers(str(tmp_path))
     assert [(p.node, p.domain) for p in peers] == [("n0", "zone-a")]
+
+
+@pytest.mark.parametrize("kind", ["missing", "short", "directory", "fifo-without-writer"])
+def test_a_secret_file_that_cannot_serve_is_a_clear_error_at_once(tmp_path, kind):
+    import os
+    import time
+
+    from spotrun.errors import ConfigError
+    from spotrun.supervisor.tier_replicas import read_secret
+
+    path = tmp_path / "secret"
+    if kind == "short":
+        path.write_text("12345")
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "fifo-without-writer":
+        os.mkfifo(path)  # an open() for reading would wait for a writer forever
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="the fast tier's secret file"):
+        read_secret(str(path))
+    assert time.monotonic() - started < 5
+    path_ok = tmp_path / "good"
+    path_ok.write_text("k" * 32)
+    assert read_secret(str(path_ok)) == b"k" * 32
