@@ -152,6 +152,29 @@ def replicated_on(memory_dir: pathlib.Path) -> list[int]:
     )
 
 
+def settled_replicas(
+    memory_dir: pathlib.Path, source: str = "*", quiet_s: float = 2.0, bound_s: float = 60.0
+) -> list[int]:
+    """The steps of which ``memory_dir``'s tier holds a whole replica of ``source`` (a node's name),
+    once a lost node's last copy has landed: what it sent before it died is still written by this
+    node's server for a moment (on a busy machine, seconds), so wait until no replica file of it is
+    half-written and the steps held stay the same for ``quiet_s``."""
+    give_up = time.monotonic() + bound_s
+    seen, since = None, time.monotonic()
+    while time.monotonic() < give_up:
+        writing = any(".tmp-" in path.name for path in memory_dir.glob(f"tier-*/replicas/{source}/**/*"))
+        now = sorted(
+            int(path.parent.name.removeprefix("step-"))
+            for path in memory_dir.glob(f"tier-*/replicas/{source}/step-*/manifest.*.json")
+        )
+        if writing or now != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return now
+        time.sleep(0.1)
+    raise AssertionError(f"the replicas under {memory_dir} kept changing for {bound_s} s")
+
+
 def tier_of(memory_dir: pathlib.Path) -> pathlib.Path:
     [tier] = memory_dir.glob("tier-*")
     return tier
@@ -218,7 +241,7 @@ def lose_node_1(
         time.sleep(0.05)
     job.listed_before_loss = ls_json(job.ck, job.memory_dir(0))
     kill_tree(job.nodes[1])  # supervisor, torchrun and rank: the node is gone
-    held_at_loss = replicated_on(job.memory_dir(0))[-1]  # nothing of node 1's arrives any more
+    held_at_loss = settled_replicas(job.memory_dir(0))[-1]  # nothing of node 1's arrives any more
     node_0 = tier_of(job.memory_dir(0)).name
     shutil.rmtree(job.memory_dir(1))  # a new machine: nothing in its memory
     if wipe_replicas_on_node_0:
@@ -467,11 +490,8 @@ def test_three_nodes_lose_one_and_the_two_left_reshard_fsdp2_from_the_replicas(t
         time.sleep(0.05)
     lost_name = tier_of(tmp_path / f"mem{lost}").name
     kill_tree(nodes[lost])  # the node is gone and not replaced
-    held_at_loss = max(
-        int(p.parent.name.removeprefix("step-"))
-        for n in range(3)
-        if n != lost
-        for p in (tmp_path / f"mem{n}").glob(f"tier-*/replicas/{lost_name}/step-*/manifest.*.json")
+    held_at_loss = max(  # once the copies it sent before it died have landed
+        step for n in range(3) if n != lost for step in settled_replicas(tmp_path / f"mem{n}", lost_name)
     )
     shutil.rmtree(tmp_path / f"mem{lost}")
     assert [nodes[n].wait(timeout=600) for n in range(3) if n != lost] == [0, 0], outputs()
