@@ -135,9 +135,7 @@ def settle_memory_step(
     try:
         return drain_to_storage(view, storage, step, wait_s=wait_s)
     finally:
-        close = getattr(view, "close", None)  # a view over other nodes holds their connections
-        if close is not None:
-            close()
+        view.close()  # it holds connections to the other nodes
 
 
 def drain_to_storage(tier: Storage, storage: Storage, step: int, *, wait_s: float) -> bool:

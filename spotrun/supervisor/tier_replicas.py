@@ -112,7 +112,7 @@ class TierService:
             env[spotrun_env.MEMORY_FAILURE_DOMAIN] = self._config.memory_failure_domain
         return env
 
-    def view(self) -> Storage:
+    def view(self) -> JobTier:
         """The job's fast tier as this supervisor can see it for its resume decision: this node's
         own and replicated files, and the nodes its workers last named (none after a fresh start on
         a new node: then its workers' restore may still find more than it does)."""
@@ -144,10 +144,10 @@ class TierService:
         """Wait up to ``timeout_s`` seconds until every target holds ``step`` (or its copy was given
         up); the nodes that hold it."""
         give_up = time.monotonic() + max(0.0, timeout_s)
+        wanted = set(self.target_nodes())  # read once: the job's nodes do not change while it stops
         with self._copied:
             while True:
                 held = set(self._replicated.get(step, set()))
-                wanted = set(self.target_nodes())
                 left_s = give_up - time.monotonic()
                 if (wanted and held >= wanted) or self._failures.get(step, 0) >= ATTEMPTS_PER_STEP or left_s <= 0:
                     return held
