@@ -97,6 +97,7 @@ class _Job:
     context: SaveContext
     limits: ShardLimits | None
     timeout_s: float
+    before_write: Callable[[], None] | None = None
 
 
 class BackgroundSaver:
@@ -147,6 +148,7 @@ class BackgroundSaver:
         timeout_s: float,
         reason: str,
         waited_s: float = 0.0,
+        before_write: Callable[[], None] | None = None,
     ) -> InFlightSave:
         """Stage this rank's part of ``step`` into the reused buffers, then write and commit it
         in the background (collective on every rank: the first call makes the process group,
@@ -162,6 +164,10 @@ class BackgroundSaver:
             timeout_s: bound of the save's storage operations, seconds.
             reason: ``periodic`` or ``requested``.
             waited_s: seconds training already waited for the save before (part of the stall).
+            before_write: called on the worker thread, under the save's deadline, before this
+                rank joins the save's first collective (the fast tier deletes its older step there,
+                off the training thread; the other ranks write nothing before that collective).
+                What it raises is logged, never raised: one rank failing alone would strand the rest.
 
         Raises:
             RuntimeError: a save is already in flight (take its outcome first).
@@ -190,7 +196,7 @@ class BackgroundSaver:
             self._thread = threading.Thread(target=self._run, name="spotrun-background-save", daemon=True)
             self._thread.start()
         self._current = save
-        self._jobs.put(_Job(save, storage, prepared, save_context, limits, timeout_s))
+        self._jobs.put(_Job(save, storage, prepared, save_context, limits, timeout_s, before_write))
         return save
 
     def publish_progress(self) -> None:
@@ -272,6 +278,8 @@ class BackgroundSaver:
             save = job.save
             try:
                 with job.storage.deadline(job.timeout_s):  # thread-local: entered on this thread
+                    if job.before_write is not None:
+                        _call_logged(job.before_write, save.step)
                     save.saved = commit_save(
                         job.storage,
                         job.prepared,
@@ -318,6 +326,13 @@ class BackgroundSaver:
                 (save.ended_s or 0.0) - save.started_s,
                 save.stall_s,
             )
+
+
+def _call_logged(action: Callable[[], None], step: int) -> None:
+    try:
+        action()
+    except Exception:  # noqa: BLE001 - this rank alone: raising would leave the other ranks waiting for it
+        log.exception("before writing the background save of step %d", step)
 
 
 def settle(

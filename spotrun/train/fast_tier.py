@@ -215,11 +215,9 @@ class FastTier:
                 return
         if self._fenced_incarnation is None or self._fenced_incarnation != self._identity.incarnation:
             self._claim(step)
-        if still_running is None:
-            still_running = dist.any_rank(self.saves.saver.running)
-        if not still_running and dist.rank() == 0:
-            self._make_room()
-        self.saves.due(step, MEMORY_REASON, still_running)
+        # the older step goes on the save's thread, before any rank writes: deleting a step's
+        # files frees its pages, which took longer than the staging copy on the training thread
+        self.saves.due(step, MEMORY_REASON, still_running, before_write=self._make_room if dist.rank() == 0 else None)
 
     def _save_stopping(self, step: int, left_s: float) -> None:
         self.report_ended()  # the save abandoned for the emergency one: ended before the tier is pruned
@@ -337,9 +335,9 @@ class FastTier:
         return True
 
     def _make_room(self) -> None:
-        """Before a save (rank 0, none in flight): keep only the newest complete step, so that the tier
-        never holds more than two steps' bytes; the save then makes two again. One listing, no manifest
-        parsed: this runs on the training thread."""
+        """Before a save writes (rank 0, none in flight): keep only the newest complete step, so that
+        the tier never holds more than two steps' bytes; the save then makes two again. One listing,
+        no manifest parsed."""
         try:
             by_step = catalog.objects_by_step(self.storage.list(""))
             spread = isinstance(self.storage, JobTier) and self.job is not None

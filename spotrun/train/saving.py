@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from spotrun.checkpoint.background import BackgroundSaver, InFlightSave, settle
@@ -121,17 +122,27 @@ class Saves:
             )
         self._retain(step, reason)
 
-    def due(self, step: int, reason: str, still_running: bool | None) -> bool:
+    def due(
+        self,
+        step: int,
+        reason: str,
+        still_running: bool | None,
+        *,
+        before_write: Callable[[], None] | None = None,
+    ) -> bool:
         """A due save (periodic, or requested by the supervisor); False when skipped because
         the save before it is still in flight (``on_save_in_flight="skip"``).
 
         ``still_running``: whether some rank still writes the save in flight, if this step's
-        all-reduce already asked; else one all-reduce asks here.
+        all-reduce already asked; else one all-reduce asks here. ``before_write``: run before the
+        save writes (:meth:`~spotrun.checkpoint.background.BackgroundSaver.start`; a save now runs it here).
         """
         if self._last_saved_step == step:
             return True
         if not self.options.background_saves:
             try:
+                if before_write is not None:
+                    before_write()
                 self.save_now(step, reason)
                 self._failed_in_a_row = 0
             except CheckpointSaveError as exc:
@@ -164,6 +175,7 @@ class Saves:
                 timeout_s=self.options.save_timeout_s,
                 reason=reason,
                 waited_s=waited_s,
+                before_write=before_write,
             )
         except CheckpointSaveError as exc:
             self._count_failure(step, exc)

@@ -176,6 +176,26 @@ def test_staging_buffers_are_allocated_once_and_reused(tmp_path):
     assert statuses(tmp_path) == {1: "complete", 2: "complete", 3: "complete"}
 
 
+def test_a_failure_before_the_write_is_logged_and_the_save_still_commits(tmp_path, caplog):
+    """What runs on the save's thread before its write (the fast tier's pruning) runs on one rank:
+    raising there would leave the other ranks waiting for it in the save's first collective."""
+    model, opt = build()
+    ckpt = checkpointer(LocalStorage(str(tmp_path)), model, opt)
+    ran_on = []
+
+    def failing_prune() -> None:
+        ran_on.append(threading.current_thread().name)
+        raise OSError(28, "No space left on device")
+
+    with caplog.at_level(logging.ERROR, logger="spotrun"):
+        assert ckpt._saves.due(1, "periodic", None, before_write=failing_prune)
+        ckpt.wait_for_save()
+    assert ran_on == ["spotrun-background-save"]
+    assert "before writing the background save of step 1" in caplog.text
+    assert statuses(tmp_path) == {1: "complete"}
+    ckpt.close()
+
+
 # --- failures, policies, close ------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ import glob
 import logging
 import os
 import re
+import threading
 
 import torch
 
@@ -102,6 +103,29 @@ def test_the_fast_tier_keeps_its_newest_step_and_the_one_before_it(tmp_path):
         assert complete_steps(tmp_path / "mem") == [s for s in (last - 2, last) if s > 0]
     ckpt.close()
     assert sorted(os.listdir(tmp_path / "mem")) == ["incarnations", "step-000000008", "step-000000010"]
+
+
+def test_the_fast_tier_deletes_its_older_step_off_the_training_thread_before_writing_the_next(tmp_path, monkeypatch):
+    """Freeing a step's pages took longer than the staging copy: on the training thread it tripled
+    a save's stall. On the save's thread, before the next step is written, the tier still never
+    holds more than two steps."""
+    from spotrun.train import fast_tier
+
+    deleted = []
+    real_delete = fast_tier.delete_step
+
+    def recording_delete(storage, step, *, why):
+        on_training_thread = threading.current_thread() is threading.main_thread()
+        deleted.append((step, on_training_thread, sorted(os.listdir(tmp_path / "mem"))))
+        real_delete(storage, step, why=why)
+
+    monkeypatch.setattr(fast_tier, "delete_step", recording_delete)
+    w = torch.zeros(4)
+    ckpt = checkpointer(tmp_path, w)
+    train(ckpt, w, 1, 6)
+    ckpt.close()
+    assert deleted == [(2, False, ["incarnations", "step-000000002", "step-000000004"])]
+    assert complete_steps(tmp_path / "mem") == [4, 6]
 
 
 def test_a_fast_tier_over_its_budget_is_refused_with_the_sizes_and_training_goes_on_with_storage(tmp_path, caplog):
