@@ -26,13 +26,14 @@ from spotrun.control.env import WorkerEnv
 from spotrun.errors import CheckpointSaveError, SpotrunError
 from spotrun.storage import LocalStorage, Storage
 from spotrun.storage.tier_dir import free_bytes
+from spotrun.storage.tier_holdings import NodeHoldings
 from spotrun.storage.tier_peers import JobTier
 from spotrun.tools import dist
 from spotrun.train.identity import Identity
 from spotrun.train.meter import SaveMeter
 from spotrun.train.options import CheckpointerOptions
 from spotrun.train.saving import Saves
-from spotrun.train.tier_nodes import JobNodes, job_nodes, multi_node, write_peers_file
+from spotrun.train.tier_nodes import JobNodes, forget_peers, job_nodes, multi_node, write_peers_file
 
 log = logging.getLogger("spotrun.checkpointer")
 
@@ -84,10 +85,26 @@ def open_fast_tier(
         job = job_nodes(env, wanted=root is not None, interval_steps=interval)
         if job is None:
             return None
+    elif _supervised(root, env) and _holds_replicas(root):
+        # the job spanned several nodes and goes on with this one: the replicas it holds of the nodes
+        # that left complete their steps (a 2-node step restored onto 1 node), and its pruning frees them
+        job = job_nodes(env, wanted=True, interval_steps=interval)
     if root is None:
         return None
     budget = options.memory_budget_bytes if options.memory_budget_bytes is not None else env.memory_budget_bytes
     return FastTier(root, interval, budget, options, env, identity, state, rank_state, on_save_ended, job=job)
+
+
+def _supervised(root: str | None, env: WorkerEnv) -> bool:
+    """Whether ``root`` is the fast tier of ``spotrun run``'s tier server on this node."""
+    return root is not None and bool(env.memory_node) and root == env.memory_dir
+
+
+def _holds_replicas(root: str) -> bool:
+    """Whether this node's tier holds other nodes' replicas, as local rank 0 saw it (collective on
+    this node's ranks alone; they share the tier): every rank then takes the same path."""
+    held = bool(NodeHoldings(os.path.dirname(os.path.abspath(root))).replica_nodes()) if dist.rank() == 0 else None
+    return bool(dist.broadcast_json(held))
 
 
 class FastTier:
@@ -127,6 +144,8 @@ class FastTier:
                 write_peers_file(tier_path, job)
             if dist.rank() == 0:
                 log.info("fast tier on %d nodes, each step also held by %d other node(s)", len(job.nodes), job.replicas)
+        elif _supervised(root, env) and dist.local_rank() == 0:
+            forget_peers(os.path.dirname(os.path.abspath(root)))
         self._root = root
         self.interval_steps = interval_steps
         self.budget_bytes = budget_bytes

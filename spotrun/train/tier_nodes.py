@@ -102,3 +102,12 @@ def write_peers_file(tier_path: str, job: JobNodes) -> None:
     with os.fdopen(fd, "w") as file:
         json.dump(doc, file)
     os.replace(tmp, path)
+
+
+def forget_peers(tier_path: str) -> None:
+    """Tell this node's supervisor that the job is this node alone now (local rank 0): a peers file
+    left by a start on several nodes would have it replicate to nodes that left."""
+    try:
+        os.remove(os.path.join(tier_path, PEERS_FILE))
+    except FileNotFoundError:
+        pass
