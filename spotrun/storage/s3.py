@@ -12,8 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import urllib3.exceptions
@@ -28,7 +27,8 @@ from spotrun.errors import (
     StorageError,
 )
 from spotrun.storage import s3_download, s3_transfer
-from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, Storage, UnfinishedUpload
+from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, UnfinishedUpload
+from spotrun.storage.retry import RetryingStorage
 from spotrun.storage.s3_config import S3Options, make_client
 from spotrun.storage.s3_errors import (
     is_conditional_conflict,
@@ -49,7 +49,7 @@ _BOTO_ERRORS = (ClientError, BotoCoreError, urllib3.exceptions.HTTPError)
 MAX_SINGLE_PUT_BYTES = 5 * 1024**3
 
 
-class S3Storage(Storage):
+class S3Storage(RetryingStorage):
     """Objects under ``s3://bucket/prefix``.
 
     Args:
@@ -81,13 +81,14 @@ class S3Storage(Storage):
         self._bucket = bucket_
         self._prefix = prefix_
         self._options = options or S3Options()
-        self._retry = RetryPolicy(
-            deadline_s=self._options.retry_deadline_s,
-            sleep=self._options.sleep,
-            clock=self._options.clock,
+        super().__init__(
+            RetryPolicy(
+                deadline_s=self._options.retry_deadline_s,
+                sleep=self._options.sleep,
+                clock=self._options.clock,
+            )
         )
         self._client = client if client is not None else make_client(self._options)
-        self._local = threading.local()
 
     @classmethod
     def from_uri(cls, uri: str, **options: Any) -> S3Storage:
@@ -122,24 +123,6 @@ class S3Storage(Storage):
         """The boto3 S3 client in use."""
         return self._client
 
-    @contextlib.contextmanager
-    def deadline(self, timeout_s: float) -> Iterator[None]:
-        """Bound every operation this thread starts inside the block to ``timeout_s`` from now.
-
-        Operations then stop retrying before the deadline (or before their own
-        ``retry_deadline_s``, whichever comes first); one that starts after it has
-        passed raises :class:`StorageError` at once. Blocks nest; the earliest wins.
-        The deadline bounds retrying, not a request in flight: one attempt can still
-        take up to ``connect_timeout_s`` plus ``read_timeout_s`` (per socket read).
-        """
-        previous = getattr(self._local, "deadline_at", None)
-        at = self._retry.clock() + timeout_s
-        self._local.deadline_at = at if previous is None else min(previous, at)
-        try:
-            yield
-        finally:
-            self._local.deadline_at = previous
-
     # --- plumbing ---------------------------------------------------------------
 
     def _key(self, key: str) -> str:
@@ -147,16 +130,6 @@ class S3Storage(Storage):
 
     def _what(self, operation: str, key: str) -> str:
         return f"{operation} s3://{self._bucket}/{self._key(key)}"
-
-    def _caller(self, what: str) -> Callable[[Callable[[], Any], str], Any]:
-        """A ``call(fn, what)`` that retries under this operation's deadline."""
-        deadline_at = self._retry.deadline_from_now()
-        contextual = getattr(self._local, "deadline_at", None)
-        if contextual is not None:
-            deadline_at = min(deadline_at, contextual)
-        if self._retry.clock() >= deadline_at:
-            raise StorageError(errno.ETIMEDOUT, f"{what}: deadline passed before it started")
-        return lambda fn, label: self._retry.call(fn, what=label, deadline_at=deadline_at)
 
     @contextlib.contextmanager
     def _translated(self, what: str) -> Iterator[None]:

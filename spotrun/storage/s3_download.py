@@ -26,8 +26,9 @@ from typing import Any
 from botocore.exceptions import ClientError, IncompleteReadError
 
 from spotrun.errors import ObjectTooShortError, StorageError
+from spotrun.storage.retry import CallWithRetry
 from spotrun.storage.s3_errors import error_code, is_precondition_failed
-from spotrun.storage.s3_transfer import CallWithRetry, part_ranges, run_parts
+from spotrun.storage.transfer import part_ranges, run_parts, slice_views
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 #: Largest slice handed to one ``readinto`` of a response body (bounds its temporary copy).
@@ -85,18 +86,6 @@ def read_body_into(body: Any, views: Sequence[memoryview]) -> None:
                 raise IncompleteReadError(actual_bytes=done, expected_bytes=expected)
             position += count
             done += count
-
-
-def slice_views(views: Sequence[memoryview], start: int, stop: int) -> list[memoryview]:
-    """The parts of ``views`` (taken as one range, in order) that cover ``[start, stop)``."""
-    out: list[memoryview] = []
-    base = 0
-    for view in views:
-        end = base + len(view)
-        if end > start and base < stop:
-            out.append(view[max(start, base) - base : min(stop, end) - base])
-        base = end
-    return out
 
 
 def _fetch_all(
