@@ -148,7 +148,7 @@ class _Sweeper:
     def uploads(self, uploads: list[UnfinishedUpload], *, now_unix_s: float, older_than_s: float) -> None:
         for upload in uploads:
             age_s = now_unix_s - upload.time_unix_s
-            what = "multipart upload" if upload.upload_id is not None else "temporary file"
+            what = self.storage.unfinished_upload_kind
             if age_s < older_than_s:
                 self.kept_uploads += 1
                 print(

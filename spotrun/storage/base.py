@@ -124,6 +124,8 @@ class Storage(abc.ABC):
     #: ignores it: the preflight's message (:mod:`spotrun.supervisor.preflight`) names both.
     commit_requirement: ClassVar[str] = "a no-overwrite write"
     commit_advice: ClassVar[str] = "use a store that enforces it"
+    #: What :meth:`unfinished_uploads` lists here, in words (``spotrun gc``'s lines).
+    unfinished_upload_kind: ClassVar[str] = "unfinished write"
 
     @property
     def read_concurrency(self) -> int:

@@ -89,6 +89,7 @@ class LocalStorage(Storage):
     """
 
     commit_requirement = "a no-overwrite commit (hard link or rename without replace)"
+    unfinished_upload_kind = "temporary file"
     commit_advice = "put the checkpoint root on a local filesystem (ext4, xfs, btrfs, tmpfs...)"
 
     def __init__(

@@ -13,15 +13,17 @@ Adding a backend: a module with a :class:`~spotrun.storage.base.Storage` subclas
 from __future__ import annotations
 
 import abc
+import errno
 import importlib
 import urllib.parse
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
 from spotrun.control import env as spotrun_env
-from spotrun.errors import ConfigError
+from spotrun.errors import ConfigError, ObjectNotFoundError
 from spotrun.storage.base import Storage
 
 #: URI scheme -> ``"module:class"`` of its :class:`StorageLocation`, imported when a URI of that
@@ -30,6 +32,8 @@ BACKENDS: Mapping[str, str] = MappingProxyType(
     {
         "file": "spotrun.storage.local_location:LocalLocation",
         "s3": "spotrun.storage.s3_location:S3Location",
+        "gs": "spotrun.storage.gcs_location:GCSLocation",
+        "az": "spotrun.storage.azure_location:AzureLocation",
     }
 )
 
@@ -127,6 +131,34 @@ class StorageLocation(abc.ABC):
     def __repr__(self) -> str:
         endpoint = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
         return f"{type(self).__name__}({self.uri!r}{endpoint})"
+
+
+class ObjectStoreLocation(StorageLocation):
+    """A root in an object store, ``<scheme>://<bucket>[/<prefix>]``: it exists through its
+    objects, and a sibling root is a prefix beside it. A subclass parses the URI into
+    ``self.bucket`` and ``self.prefix`` (no leading or trailing ``/``) and names its ``scheme``."""
+
+    is_remote = True
+    scheme: ClassVar[str]
+    bucket: str
+    prefix: str
+
+    @property
+    def uri(self) -> str:
+        base = f"{self.scheme}://{self.bucket}"
+        return f"{base}/{self.prefix}" if self.prefix else base
+
+    def scratch_sibling(self, label: str) -> ScratchSibling:
+        random_name = uuid.uuid4().hex[:12]
+        if self.prefix:
+            sibling = f"{self.uri}-{label}/{random_name}"
+        else:  # a bucket-wide root: there is no prefix to put a sibling beside
+            sibling = f"{self.uri}/spotrun-{label}/{random_name}"
+        return ScratchSibling(location=type(self)(sibling, endpoint_url=self.endpoint_url))
+
+    def check_objects_exist(self, storage: Storage) -> None:
+        if not storage.list(""):
+            raise ObjectNotFoundError(errno.ENOENT, f"nothing is stored under {storage.uri} (no such prefix)")
 
 
 def parse_location(uri: str, *, endpoint_url: str | None = None) -> StorageLocation:

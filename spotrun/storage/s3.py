@@ -64,6 +64,7 @@ class S3Storage(RetryingStorage):
         ConfigError: bad bucket, prefix or options.
     """
 
+    unfinished_upload_kind = "multipart upload"
     commit_requirement = "conditional writes (PutObject with If-None-Match: *)"
     commit_advice = "use a store that enforces them (AWS S3, MinIO, Ceph RGW), or upgrade this store or its gateway"
 

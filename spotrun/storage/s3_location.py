@@ -5,14 +5,12 @@ Imports no boto3: the backend (:mod:`spotrun.storage.s3`) is imported when the r
 
 from __future__ import annotations
 
-import errno
-import uuid
 from typing import Any
 
 from spotrun.control import env as spotrun_env
-from spotrun.errors import ConfigError, ObjectNotFoundError
+from spotrun.errors import ConfigError
 from spotrun.storage.base import Storage
-from spotrun.storage.location import ScratchSibling, StorageLocation
+from spotrun.storage.location import ObjectStoreLocation
 
 #: boto3's variable for the S3 endpoint, set for the workers; it wins over ``AWS_ENDPOINT_URL``
 #: and touches no other AWS service the training script may use.
@@ -39,19 +37,15 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, prefix
 
 
-class S3Location(StorageLocation):
+class S3Location(ObjectStoreLocation):
     """``s3://bucket[/prefix]``; the endpoint (MinIO, R2, moto) overrides boto3's standard
     settings (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, AWS itself)."""
 
-    is_remote = True
+    scheme = "s3"
 
     def __init__(self, uri: str, *, endpoint_url: str | None = None) -> None:
         super().__init__(uri, endpoint_url=endpoint_url)
-        self._bucket, self._prefix = parse_s3_uri(uri)
-
-    @property
-    def uri(self) -> str:
-        return f"s3://{self._bucket}/{self._prefix}" if self._prefix else f"s3://{self._bucket}"
+        self.bucket, self.prefix = parse_s3_uri(uri)
 
     def open(self, *, timeout_s: float | None = None, **options: Any) -> Storage:
         from spotrun.storage.s3 import S3Storage
@@ -71,15 +65,3 @@ class S3Location(StorageLocation):
         if self.endpoint_url:
             env[S3_ENDPOINT_URL] = self.endpoint_url
         return env
-
-    def scratch_sibling(self, label: str) -> ScratchSibling:
-        random_name = uuid.uuid4().hex[:12]
-        if self._prefix:
-            sibling = f"{self.uri}-{label}/{random_name}"
-        else:  # a bucket-wide root: there is no prefix to put a sibling beside
-            sibling = f"{self.uri}/spotrun-{label}/{random_name}"
-        return ScratchSibling(location=S3Location(sibling, endpoint_url=self.endpoint_url))
-
-    def check_objects_exist(self, storage: Storage) -> None:
-        if not storage.list(""):
-            raise ObjectNotFoundError(errno.ENOENT, f"nothing is stored under {storage.uri} (no such prefix)")
