@@ -17,9 +17,11 @@ from filelock import FileLock
 # Helpers keep pytest's assertion messages (they were test modules' own functions before).
 pytest.register_assert_rewrite("tests.support")
 
+# The S3 servers, the Ceph gateway and the GCS and Azure emulators, as fixtures for every test
+# (started only when asked for).
+from tests.support.azurite_server import azure_container, azurite_endpoint  # noqa: E402, F401
 from tests.support.fake_launch import Spotrun  # noqa: E402
-
-# The S3 servers and the Ceph gateway, as fixtures for every test (started only when asked for).
+from tests.support.gcs_server import gcs_bucket, gcs_endpoint  # noqa: E402, F401
 from tests.support.rgw_server import rgw_bucket, rgw_endpoint  # noqa: E402, F401
 from tests.support.s3_server import moto_endpoint, moto_endpoint_enforcing_auth, s3_bucket  # noqa: E402, F401
 from tests.support.trainrun import (  # noqa: E402

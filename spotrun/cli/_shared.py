@@ -10,7 +10,7 @@ from spotrun.errors import ConfigError
 from spotrun.storage import StorageLocation, parse_location
 from spotrun.supervisor.config import add_option
 
-URI_HELP = f"checkpoint root: local dir, file:// or s3://bucket/prefix (default {DEFAULT_CHECKPOINT_URI})"
+URI_HELP = f"checkpoint root: local dir, file://, s3://, gs:// or az://bucket/prefix (default {DEFAULT_CHECKPOINT_URI})"
 
 
 def add_storage_options(parser: argparse.ArgumentParser) -> None:

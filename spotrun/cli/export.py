@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "checkpoints are assembled into full tensors, one output file in memory at a time. Tensor names "
         "are the state_dict() keys. Other files in OUT (config.json, a tokenizer) are left alone.",
     )
-    p.add_argument("uri", metavar="URI", help="checkpoint root: local dir, file:// or s3://bucket/prefix")
+    p.add_argument("uri", metavar="URI", help="checkpoint root: local dir, file://, s3://, gs:// or az://bucket/prefix")
     p.add_argument("out", metavar="OUT", help="output directory or s3://bucket/prefix")
     p.add_argument("--format", choices=("hf",), default="hf", help="output format (default %(default)s)")
     p.add_argument(

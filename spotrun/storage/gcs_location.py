@@ -6,14 +6,13 @@ is imported when the root is opened; a missing extra is one clear line at parse 
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from typing import Any
 
 from spotrun.control import env as spotrun_env
 from spotrun.errors import ConfigError
 from spotrun.storage.base import Storage
-from spotrun.storage.location import ObjectStoreLocation
+from spotrun.storage.location import ObjectStoreLocation, module_installed
 
 #: GCS bucket names: 3-63 characters of lowercase letters, digits, ``-``, ``_`` and ``.``
 #: (dotted names up to 222), starting and ending with a letter or digit.
@@ -52,7 +51,7 @@ class GCSLocation(ObjectStoreLocation):
     def __init__(self, uri: str, *, endpoint_url: str | None = None) -> None:
         super().__init__(uri, endpoint_url=None)
         self.bucket, self.prefix = parse_gs_uri(uri)
-        if importlib.util.find_spec("google.cloud.storage") is None:
+        if not module_installed("google.cloud.storage"):
             raise ConfigError(MISSING_EXTRA)
 
     def open(self, *, timeout_s: float | None = None, **options: Any) -> Storage:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import errno
 import importlib
+import importlib.util
 import urllib.parse
 import uuid
 from collections.abc import Mapping
@@ -159,6 +160,15 @@ class ObjectStoreLocation(StorageLocation):
     def check_objects_exist(self, storage: Storage) -> None:
         if not storage.list(""):
             raise ObjectNotFoundError(errno.ENOENT, f"nothing is stored under {storage.uri} (no such prefix)")
+
+
+def module_installed(name: str) -> bool:
+    """Whether module ``name`` (an optional extra's, ``google.cloud.storage``) can be imported;
+    asked without importing it, so that a root's scheme is checked at once and cheaply."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent package (``google``, ``azure``) is missing too
+        return False
 
 
 def parse_location(uri: str, *, endpoint_url: str | None = None) -> StorageLocation:

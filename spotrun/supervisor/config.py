@@ -139,7 +139,7 @@ class SupervisorConfig:
     command: tuple[str, ...] = field(metadata={"doc": "the launch command and its arguments (torchrun ...)"})
     checkpoint_uri: str = option(
         DEFAULT_CHECKPOINT_URI,
-        "checkpoint root: local dir, file:// or s3://bucket/prefix (default %(default)s)",
+        "checkpoint root: local dir, file://, s3://, gs:// or az://bucket/prefix (default %(default)s)",
         metavar="URI",
     )
     s3_endpoint_url: str | None = option(

@@ -5,7 +5,9 @@ run by tests/unit/checkpoint/test_sharded_s3.py with real torchrun and gloo.
 
 Each rank first points ``AWS_ENDPOINT_URL`` at entry ``RANK`` of the comma-separated
 ``SPOTRUN_TEST_RANK_ENDPOINTS`` when that is set (one counting proxy per rank), so that
-every byte a rank reads from S3 passes through a proxy of its own.
+every byte a rank reads from S3 passes through a proxy of its own; for another store,
+``SPOTRUN_TEST_RANK_ENV`` (a JSON list) gives each rank the variables of entry ``RANK``
+(``STORAGE_EMULATOR_HOST``, an Azure connection string).
 
 * ``save``: trains one step (AdamW state exists), saves it as step 1.
 * ``restore``: builds the same model sharded over this world size, restores, and does
@@ -88,6 +90,9 @@ def main() -> None:
     endpoints = os.environ.get("SPOTRUN_TEST_RANK_ENDPOINTS")
     if endpoints:
         os.environ["AWS_ENDPOINT_URL"] = endpoints.split(",")[rank]
+    rank_env = os.environ.get("SPOTRUN_TEST_RANK_ENV")  # another store's variables, one JSON object per rank
+    if rank_env:
+        os.environ.update(json.loads(rank_env)[rank])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
 

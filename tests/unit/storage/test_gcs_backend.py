@@ -221,11 +221,18 @@ def test_unknown_options_are_refused(gcs_bucket):
         open_storage(gcs_bucket.uri, max_concurrency=0)
 
 
-def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
+@pytest.mark.parametrize("missing", ["the-module", "its-parent-package"])
+def test_a_missing_extra_is_one_line_naming_it(monkeypatch, missing):
     real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name.startswith("google.cloud") else real(name, *a)
-    )
+
+    def find_spec(name, *args):
+        if not name.startswith("google.cloud"):
+            return real(name, *args)
+        if missing == "the-module":
+            return None
+        raise ModuleNotFoundError("No module named 'google'", name="google")
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(ConfigError) as info:
         parse_location("gs://bucket/job")
     assert str(info.value) == "gs:// checkpoint roots need Google's client library: pip install 'spotrun[gcs]'"

@@ -91,14 +91,29 @@ def client_error(code: str, status: int, operation: str = "PutObject") -> Client
 
 #: Installing Ceph (first use on a fresh machine) and starting it count against the first test.
 RGW_SETUP_TIMEOUT_S = 1200
+#: Installing Azurite from npm (first use on a fresh machine) and starting it, likewise.
+AZURITE_SETUP_TIMEOUT_S = 600
 
 
 @pytest.fixture(
-    params=["local", "s3-prefix", "s3-root", pytest.param("rgw", marks=pytest.mark.timeout(RGW_SETUP_TIMEOUT_S))]
+    params=[
+        "local",
+        "s3-prefix",
+        "s3-root",
+        pytest.param("rgw", marks=pytest.mark.timeout(RGW_SETUP_TIMEOUT_S)),
+        "gcs",
+        pytest.param("azure", marks=pytest.mark.timeout(AZURITE_SETUP_TIMEOUT_S)),
+    ]
 )
 def storage(request: pytest.FixtureRequest, tmp_path) -> Any:
     if request.param == "local":
         return LocalStorage(str(tmp_path / "store"), fsync=False)
+    if request.param == "gcs":  # gcp-storage-emulator behind the precondition proxy (tests/support/gcs_server.py)
+        bucket = request.getfixturevalue("gcs_bucket")
+        return open_storage(f"{bucket.uri}/runs/exp1", **SMALL_TRANSFER)
+    if request.param == "azure":  # Azurite (tests/support/azurite_server.py)
+        container = request.getfixturevalue("azure_container")
+        return open_storage(f"{container.uri}/runs/exp1", **SMALL_TRANSFER)
     if request.param == "rgw":
         bucket = request.getfixturevalue("rgw_bucket")
         return open_storage(f"{bucket.uri}/runs/exp1", **SMALL_TRANSFER)
@@ -309,13 +324,14 @@ class TestStorageContract:
         assert storage.list() == []
 
 
-def open_uploads_of(storage: Any) -> list[dict]:
-    """Multipart uploads left open under an S3 storage's root ([] for other backends)."""
-    if not isinstance(storage, S3Storage):
-        return []
-    _, root = parse_s3_uri(storage.uri)
-    uploads = storage.client.list_multipart_uploads(Bucket=storage.bucket, Prefix=root)
-    return uploads.get("Uploads", [])
+def open_uploads_of(storage: Any) -> list[Any]:
+    """Writes left unfinished under a storage's root: S3 multipart uploads (asked of the
+    store itself), and every backend's own account of them (``unfinished_uploads``)."""
+    found: list[Any] = list(storage.unfinished_uploads(""))
+    if isinstance(storage, S3Storage):
+        _, root = parse_s3_uri(storage.uri)
+        found += storage.client.list_multipart_uploads(Bucket=storage.bucket, Prefix=root).get("Uploads", [])
+    return found
 
 
 # --- S3: multipart, ranged reads, layout -------------------------------------------

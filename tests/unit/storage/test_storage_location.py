@@ -57,10 +57,10 @@ def test_parsing_an_s3_uri_imports_no_boto3():
     [
         ("", None, "checkpoint URI is empty"),
         (
-            "gs://bucket/job",
+            "hdfs://namenode/job",
             None,
-            r"unsupported checkpoint URI scheme in 'gs://bucket/job': use a local path, "
-            r"file:// or s3://",
+            r"unsupported checkpoint URI scheme in 'hdfs://namenode/job': use a local path, "
+            r"file://, s3://, gs:// or az://",
         ),
         ("./ck", "minio:9000", "--s3-endpoint-url must be an http:// or https:// URL"),
     ],
