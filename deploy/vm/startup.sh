@@ -59,7 +59,9 @@ if [ "$(cat "$PREFIX/installed-rev" 2>/dev/null || true)" != "$wanted" ]; then
     [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
     "$VENV/bin/pip" install --quiet --upgrade pip
     "$VENV/bin/pip" install --quiet --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
-    "$VENV/bin/pip" install --quiet "$SRC"
+    # The gs:// and az:// backends' client libraries come with the extras (configs/gce-spot.yaml
+    # and configs/azure-spot.yaml use them).
+    "$VENV/bin/pip" install --quiet "${SRC}[gcs,azure]"
     install -m 0644 "$SRC/deploy/vm/spotrun-train.service" /etc/systemd/system/spotrun-train.service
     echo "$wanted" > "$PREFIX/installed-rev"
 fi
@@ -70,9 +72,11 @@ if [ ! -f /etc/spotrun/config.yaml ]; then
     install -m 0644 "$SRC/configs/$SPOTRUN_CONFIG_NAME.yaml" /etc/spotrun/config.yaml
 fi
 # Variables for the unit (and for ${...} in the config). Credentials: on AWS the
-# instance profile needs none; for another S3-compatible store add AWS_ACCESS_KEY_ID,
-# AWS_SECRET_ACCESS_KEY and SPOTRUN_S3_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 here, or
-# better from the cloud's secret manager. Mode 0600: only root (systemd) reads it.
+# instance profile, on GCE the VM's service account, on Azure its managed identity need
+# none (Azure needs the account's name: AZURE_STORAGE_ACCOUNT); for another S3-compatible
+# store add AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and SPOTRUN_S3_ENDPOINT_URL /
+# AWS_ENDPOINT_URL_S3 here, or better from the cloud's secret manager. Mode 0600: only
+# root (systemd) reads it.
 if [ ! -f /etc/spotrun/env ]; then
     umask 077
     cat > /etc/spotrun/env <<ENV
@@ -82,6 +86,9 @@ SPOTRUN_NPROC_PER_NODE=$SPOTRUN_NPROC_PER_NODE
 SPOTRUN_TRAIN_MODULE=$SPOTRUN_TRAIN_MODULE
 SPOTRUN_TRAIN_ARGS=$SPOTRUN_TRAIN_ARGS
 ENV
+    if [ -n "${AZURE_STORAGE_ACCOUNT:-}" ]; then
+        echo "AZURE_STORAGE_ACCOUNT=$AZURE_STORAGE_ACCOUNT" >> /etc/spotrun/env
+    fi
 fi
 
 systemctl daemon-reload
