@@ -87,7 +87,9 @@ def _build_parser(run_defaults: dict[str, object] | None = None) -> argparse.Arg
         parents=[common],
         help="check that the checkpoint storage can be written, read, listed and deleted",
     )
-    check.add_argument("uri", metavar="URI", help="checkpoint root: local dir, file://, s3://, gs:// or az://bucket/prefix")
+    check.add_argument(
+        "uri", metavar="URI", help="checkpoint root: local dir, file://, s3://, gs:// or az://bucket/prefix"
+    )
     add_storage_options(check)
     check.set_defaults(handler=_cmd_preflight, default_log_level="warning")
     register_all(sub, common)

@@ -41,7 +41,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "anything younger than the threshold is kept. Corrupt steps are reported, not deleted. Prints one "
         "line per step and upload, then a summary. Exit code 0, or 2 on an error.",
     )
-    gc.add_argument("uri", metavar="URI", help="checkpoint root: local dir, file://, s3://, gs:// or az://bucket/prefix")
+    gc.add_argument(
+        "uri", metavar="URI", help="checkpoint root: local dir, file://, s3://, gs:// or az://bucket/prefix"
+    )
     gc.add_argument(
         "--keep-last",
         type=int,

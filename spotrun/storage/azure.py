@@ -27,8 +27,13 @@ from spotrun.storage.azure_location import parse_az_uri
 from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, UnfinishedUpload
 from spotrun.storage.retry import CallWithRetry, RetryingStorage, RetryPolicy
 from spotrun.storage.transfer import MemorySource
+from spotrun.tools import private_random
 
 __all__ = ["AzureOptions", "AzureStorage", "parse_az_uri"]
+
+# azure-core jitters each token refresh of DefaultAzureCredential with the global random generator:
+# the training's, which a resume restores (spotrun.tools.private_random).
+private_random.isolate("azure.core.pipeline.policies._authentication")
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,24 @@ from google.cloud import storage
 
 from spotrun.errors import ConfigError
 from spotrun.storage.gcs_errors import no_credentials_error
+from spotrun.tools import private_random
 
 MIB = 1024 * 1024
 #: Most source objects one compose request may name (GCS's limit).
 MAX_COMPOSE_SOURCES = 32
 #: Most parts of one composite upload: two levels of composes.
 MAX_PARTS = MAX_COMPOSE_SOURCES * MAX_COMPOSE_SOURCES
+
+# google-cloud-storage draws each multipart upload's boundary from the global random generator
+# (2.x: google.resumable_media), google-auth its backoff jitter: the training's generator, which a
+# resume restores (spotrun.tools.private_random).
+private_random.isolate(
+    "google.cloud.storage._media._upload",
+    "google.resumable_media._upload",
+    "google.resumable_media._helpers",
+    "google.cloud.storage._media._helpers",
+    "google.auth._exponential_backoff",
+)
 
 
 @dataclass(frozen=True)

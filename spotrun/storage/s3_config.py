@@ -17,11 +17,16 @@ from botocore.config import Config
 from botocore.exceptions import ProfileNotFound
 
 from spotrun.errors import ConfigError
+from spotrun.tools import private_random
 
 MIB = 1024 * 1024
 #: S3's smallest allowed multipart part (all parts but the last).
 MIN_PART_SIZE_BYTES = 5 * MIB
 DEFAULT_REGION = "us-east-1"
+
+# botocore jitters the refresh of instance-role credentials with the global random generator: the
+# training's, which a resume restores (spotrun.tools.private_random).
+private_random.isolate("botocore.utils")
 
 
 @dataclass(frozen=True)

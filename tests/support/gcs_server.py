@@ -101,7 +101,7 @@ class _Fault:
 class GcsProxy:
     """A threaded HTTP proxy on 127.0.0.1 in front of the emulator (module docstring)."""
 
-    def __init__(self, upstream_url: str) -> None:
+    def __init__(self, upstream_url: str, *, port: int = 0) -> None:
         parts = urllib.parse.urlsplit(upstream_url)
         self._upstream = (parts.hostname, parts.port)
         self.enforce_preconditions = True
@@ -112,7 +112,7 @@ class GcsProxy:
         self._seen: list[Seen] = []
         self._lock = threading.Lock()  # the records and faults
         self._writes = threading.Lock()  # mutating requests, one at a time
-        self._server = _QuietServer(("127.0.0.1", 0), _handler_class(self))
+        self._server = _QuietServer(("127.0.0.1", port), _handler_class(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="gcs-proxy", daemon=True)
 
@@ -394,3 +394,27 @@ def gcs_bucket(gcs_endpoint: GcsServer, monkeypatch: pytest.MonkeyPatch) -> Iter
     finally:
         gcs_endpoint.proxy.reset()
         empty_and_delete_bucket(gcs_endpoint, name)
+
+
+def main() -> None:
+    """``python -m tests.support.gcs_server [--port P]``: the emulator and the proxy for a try by
+    hand (docs/guide/cloud-storage.md), until Ctrl-C; prints the ``STORAGE_EMULATOR_HOST`` to set."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--port", type=int, default=0, help="the proxy's port (default: a free one)")
+    parser.add_argument("--bucket", action="append", default=[], help="create this bucket (repeatable)")
+    args = parser.parse_args()
+    with gcs_emulator() as emulator_url, GcsProxy(emulator_url, port=args.port) as proxy:
+        server = GcsServer(url=proxy.url, emulator_url=emulator_url, proxy=proxy)
+        for bucket in args.bucket:
+            create_bucket(server, bucket)
+        print(f"export STORAGE_EMULATOR_HOST={proxy.url}", flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()
