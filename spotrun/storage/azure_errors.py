@@ -128,6 +128,14 @@ def translate(exc: BaseException, *, what: str, container: str, endpoint: str = 
         )
     if isinstance(exc, ClientAuthenticationError):  # no answer from the store: no token was obtained
         return StoragePermissionError(errno.EACCES, f"{what}: {NO_IDENTITY} ({type(exc).__name__})")
+    if code == "InvalidHeaderValue" and status == 400:
+        # What an emulator or an Azure Stack older than the SDK answers to every request: the
+        # SDK's x-ms-version is one it does not know.
+        return StorageError(
+            errno.EIO,
+            f"{what}: Azure error InvalidHeaderValue (HTTP 400): the store may not support this SDK's API "
+            "version (x-ms-version); upgrade it, or start Azurite with --skipApiVersionCheck",
+        )
     if status:
         return StorageError(errno.EIO, f"{what}: Azure error {code or '?'} (HTTP {status})")
     if isinstance(exc, ServiceRequestError):

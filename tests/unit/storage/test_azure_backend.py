@@ -684,3 +684,9 @@ def test_an_uncommitted_blob_is_invisible_to_listings_and_the_catalog(azure_cont
         block_id(int(time.time()), "d" * 16, 0), b"x"
     )
     assert storage.list() == [] and catalog.list_steps(storage) == []
+
+
+def test_an_api_version_the_store_does_not_know_says_so():
+    """Azurite (and an Azure Stack) older than the SDK answers 400 InvalidHeaderValue to every request."""
+    error = translate(http_error(400, "InvalidHeaderValue"), what="list az://c-1/", container="c-1")
+    assert "API version" in str(error) and "--skipApiVersionCheck" in str(error)
