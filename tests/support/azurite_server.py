@@ -266,16 +266,44 @@ def _send_azure_error(handler: Any, status: int, code: str) -> None:
         handler.wfile.write(body)
 
 
+@dataclass(frozen=True)
+class Relayed:
+    """One answer a proxy forwarded: the request's ``method``, ``path`` (with its query) and
+    ``range`` (its ``x-ms-range``, else ``Range``, header; ``""`` if none), the answer's
+    ``status`` and its body's size in bytes."""
+
+    method: str
+    path: str
+    range: str
+    status: int
+    body_bytes: int
+
+
+@contextlib.contextmanager
+def counting_proxy(upstream_url: str) -> Iterator[tuple[str, list[Relayed]]]:
+    """A loopback proxy in front of Azurite that forwards everything and records each answer;
+    yields ``(endpoint_url, relayed)``."""
+    relayed: list[Relayed] = []
+    with throttling_proxy(upstream_url, fail_first=0, relayed=relayed) as (url, _requests):
+        yield url, relayed
+
+
 @contextlib.contextmanager
 def throttling_proxy(
-    upstream_url: str | None, *, fail_first: int | None, status: int = 503, code: str = "ServerBusy"
+    upstream_url: str | None,
+    *,
+    fail_first: int | None,
+    status: int = 503,
+    code: str = "ServerBusy",
+    relayed: list[Relayed] | None = None,
 ) -> Iterator[tuple[str, list[str]]]:
     """A loopback HTTP proxy in front of Azurite that answers the first ``fail_first`` requests
     (every request when ``None``, or when there is no ``upstream_url``) with an Azure error, and
     forwards the others.
 
     Yields ``(endpoint_url, requests)``: ``requests`` collects ``"METHOD /path?query"`` of each
-    request received, so a test can count what actually reached the wire.
+    request received, so a test can count what actually reached the wire; ``relayed``, when
+    given, gets a :class:`Relayed` for each answer forwarded from Azurite.
     """
     import http.client
     import http.server
@@ -306,6 +334,11 @@ def throttling_proxy(
                 content = answer.read()
             finally:
                 connection.close()
+            if relayed is not None:
+                ranged = self.headers.get("x-ms-range") or self.headers.get("Range") or ""
+                seen = Relayed(self.command, self.path, ranged, answer.status, len(content))
+                with lock:
+                    relayed.append(seen)
             self.send_response(answer.status, answer.reason)
             dropped = ("transfer-encoding", "connection", "keep-alive") + (
                 () if self.command == "HEAD" else ("content-length",)
