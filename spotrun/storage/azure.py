@@ -25,7 +25,7 @@ from spotrun.storage.azure_config import MAX_SINGLE_PUT_BYTES, AzureOptions, mak
 from spotrun.storage.azure_errors import AZURE_ERRORS, error_code, is_already_exists, is_retryable, translate
 from spotrun.storage.azure_location import parse_az_uri
 from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, UnfinishedUpload
-from spotrun.storage.retry import CallWithRetry, RetryingStorage, RetryPolicy
+from spotrun.storage.retry import CallWithRetry, RetryingStorage
 from spotrun.storage.transfer import MemorySource
 from spotrun.tools import private_random
 
@@ -68,14 +68,7 @@ class AzureStorage(RetryingStorage):
             raise ConfigError(f"bad Azure container name {container!r}")
         self._container_name, self._prefix = parse_az_uri(f"az://{container}/{prefix}")
         self._options = options or AzureOptions()
-        super().__init__(
-            RetryPolicy(
-                deadline_s=self._options.retry_deadline_s,
-                sleep=self._options.sleep,
-                clock=self._options.clock,
-                should_retry=is_retryable,
-            )
-        )
+        super().__init__(self._options, is_retryable)
         self._service = service if service is not None else make_service(self._options, what=self.uri)
         self._container = self._service.get_container_client(self._container_name)
 
@@ -100,22 +93,11 @@ class AzureStorage(RetryingStorage):
         return "conditional Put Blob (If-None-Match: *)"
 
     @property
-    def read_concurrency(self) -> int:
-        """Ranged GETs a reader keeps in flight: ``max_concurrency``."""
-        return self._options.max_concurrency
-
-    @property
     def container(self) -> Any:
         """The SDK's ``ContainerClient`` in use."""
         return self._container
 
     # --- plumbing ---------------------------------------------------------------
-
-    def _name(self, key: str) -> str:
-        return f"{self._prefix}/{key}" if self._prefix else key
-
-    def _root(self) -> str:
-        return f"{self._prefix}/" if self._prefix else ""
 
     def _target(self, key: str) -> str:
         return f"az://{self._container_name}/{self._name(key)}"
@@ -229,17 +211,6 @@ class AzureStorage(RetryingStorage):
             if attempts > 1 and self._own_earlier_attempt_landed(key, body):
                 return
             raise ObjectExistsError(errno.EEXIST, f"{what}: the object already exists") from exc.__cause__
-
-    def _own_earlier_attempt_landed(self, key: str, body: bytes) -> bool:
-        """After a retried conditional put lost, whether the blob there is our own first try
-        (it landed, its answer was lost): equal bytes mean it did."""
-        try:
-            landed = self._get(key) == body
-        except StorageError:
-            return False
-        if landed:
-            log.info("put_if_absent %s: an earlier attempt of this call had stored it", key)
-        return landed
 
     def _get(self, key: str) -> bytes:
         what = self._what("get", key)

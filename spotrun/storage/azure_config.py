@@ -15,13 +15,12 @@ import errno
 import logging
 import os
 import re
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from spotrun.errors import ConfigError, StoragePermissionError
 from spotrun.storage.azure_location import MISSING_EXTRA
+from spotrun.storage.options import ObjectStoreOptions
 
 MIB = 1024 * 1024
 #: Most bytes one Put Blob may carry (service versions since 2019-12-12), so the most
@@ -55,54 +54,19 @@ NO_IDENTITY = (
 
 
 @dataclass(frozen=True)
-class AzureOptions:
-    """Options of :class:`~spotrun.storage.azure.AzureStorage`; each may be passed to
-    ``open_storage(uri, ...)`` as a keyword argument.
+class AzureOptions(ObjectStoreOptions):
+    """Options of :class:`~spotrun.storage.azure.AzureStorage`: those of
+    :class:`~spotrun.storage.options.ObjectStoreOptions`, parts being staged blocks (no minimum
+    size; at most Azure's largest block)."""
 
-    Attributes:
-        multipart_threshold_bytes: objects of at least this size are uploaded as blocks staged
-            in parallel and committed with one block list.
-        part_size_bytes: bytes per staged block and per ranged read (no minimum on Azure).
-        max_concurrency: blocks or ranges transferred at the same time by one call.
-        retry_deadline_s: most seconds one operation spends retrying.
-        connect_timeout_s: TCP/TLS connect timeout of one request, seconds.
-        read_timeout_s: socket read timeout of one request, seconds.
-        sleep: waits between retries (tests inject a fake so they never wait).
-        clock: monotonic clock for deadlines, seconds (tests inject a fake).
-
-    Raises:
-        ConfigError: an out-of-range value.
-    """
-
-    multipart_threshold_bytes: int = 64 * MIB
-    part_size_bytes: int = 16 * MIB
-    max_concurrency: int = 8
-    retry_deadline_s: float = 120.0
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
-    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
-    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    store: ClassVar[str] = "Azure"
 
     def __post_init__(self) -> None:
-        for name in ("multipart_threshold_bytes", "part_size_bytes", "max_concurrency"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        super().__post_init__()
         if self.part_size_bytes > MAX_BLOCK_BYTES:
             raise ConfigError(
                 f"part_size_bytes must be <= {MAX_BLOCK_BYTES} (Azure's largest block), got {self.part_size_bytes}"
             )
-        for name in ("retry_deadline_s", "connect_timeout_s", "read_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-
-    @classmethod
-    def from_kwargs(cls, **options: Any) -> AzureOptions:
-        """Build options from keyword arguments; an unknown name is a :class:`ConfigError`."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(f"unknown Azure storage option(s) {unknown}; known: {sorted(known)}")
-        return cls(**options)
 
 
 def account_url() -> str | None:

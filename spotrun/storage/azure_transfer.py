@@ -23,7 +23,7 @@ from spotrun.storage.azure_config import MAX_BLOCKS
 from spotrun.storage.azure_errors import http_status, is_precondition_failed
 from spotrun.storage.base import ByteSource, ChunkCallback
 from spotrun.storage.retry import CallWithRetry
-from spotrun.storage.transfer import PartBuffers, fill_buffer, part_ranges, run_parts, slice_views
+from spotrun.storage.transfer import PartBuffers, ViewWriter, fill_buffer, part_ranges, run_parts, slice_views
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(-?\d+)/(\d+)")
 
@@ -144,29 +144,6 @@ def _open_range(blob: Any, *, what: str, start: int, stop: int, etag: str | None
     return downloader
 
 
-class _ViewWriter:
-    """A ``write``-able target that fills byte views in order (the SDK's ``readinto`` target)."""
-
-    def __init__(self, views: Sequence[memoryview]) -> None:
-        self._views = [v for v in views if len(v)]
-        self._index = 0
-        self._position = 0
-
-    def write(self, data: Any) -> int:
-        data = memoryview(data).cast("B")
-        done = 0
-        while done < len(data):
-            view = self._views[self._index]
-            count = min(len(view) - self._position, len(data) - done)
-            view[self._position : self._position + count] = data[done : done + count]
-            done += count
-            self._position += count
-            if self._position == len(view):
-                self._index += 1
-                self._position = 0
-        return len(data)
-
-
 def _run_pinned(tasks: list[Callable[[], Any]], *, what: str, max_concurrency: int) -> list[Any]:
     """Run the later ranges' tasks in parallel; a replaced object is an EAGAIN StorageError."""
     try:
@@ -209,12 +186,12 @@ def read_into(
     if size is not None and offset + total > size:
         raise _past_end(what, offset, offset + total, size)
     etag = first.properties.etag
-    first.readinto(_ViewWriter(slice_views(views, 0, stop - offset)))
+    first.readinto(ViewWriter(slice_views(views, 0, stop - offset)))
 
     def fetch(a: int, b: int) -> None:
         def attempt() -> None:
             downloader = _open_range(blob, what=what, start=a, stop=b, etag=etag)
-            downloader.readinto(_ViewWriter(slice_views(views, a - offset, b - offset)))
+            downloader.readinto(ViewWriter(slice_views(views, a - offset, b - offset)))
 
         call(attempt, f"get bytes {a}-{b - 1} of {what}")
 

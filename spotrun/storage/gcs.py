@@ -23,7 +23,7 @@ from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, Unfinish
 from spotrun.storage.gcs_config import GCSOptions, make_client
 from spotrun.storage.gcs_errors import GCS_ERRORS, is_precondition_failed, is_retryable, translate
 from spotrun.storage.gcs_location import parse_gs_uri
-from spotrun.storage.retry import RetryingStorage, RetryPolicy
+from spotrun.storage.retry import RetryingStorage
 from spotrun.storage.transfer import MemorySource, fill_buffer, part_ranges, run_parts, slice_views
 
 __all__ = ["GCSOptions", "GCSStorage"]
@@ -52,14 +52,7 @@ class GCSStorage(RetryingStorage):
     def __init__(self, bucket: str, prefix: str = "", options: GCSOptions | None = None, *, client: Any = None) -> None:
         self._bucket_name, self._prefix = parse_gs_uri(f"gs://{bucket}/{prefix}")
         self._options = options or GCSOptions()
-        super().__init__(
-            RetryPolicy(
-                deadline_s=self._options.retry_deadline_s,
-                sleep=self._options.sleep,
-                clock=self._options.clock,
-                should_retry=is_retryable,
-            )
-        )
+        super().__init__(self._options, is_retryable)
         self._client = client if client is not None else make_client(self._options, what=f"open {self.uri}")
         self._bucket = self._client.bucket(self._bucket_name)
 
@@ -78,10 +71,6 @@ class GCSStorage(RetryingStorage):
         return "create-only upload (ifGenerationMatch=0)"
 
     @property
-    def read_concurrency(self) -> int:
-        return self._options.max_concurrency
-
-    @property
     def bucket(self) -> str:
         """The bucket name."""
         return self._bucket_name
@@ -92,12 +81,6 @@ class GCSStorage(RetryingStorage):
         return self._client
 
     # --- plumbing ---------------------------------------------------------------
-
-    def _name(self, key: str) -> str:
-        return f"{self._prefix}/{key}" if self._prefix else key
-
-    def _root(self) -> str:
-        return f"{self._prefix}/" if self._prefix else ""
 
     def _blob(self, name: str) -> Any:
         """A fresh Blob for a full object name (no cached metadata: every URL is built here)."""
@@ -170,17 +153,6 @@ class GCSStorage(RetryingStorage):
             if attempts > 1 and self._own_earlier_attempt_landed(key, data):
                 return
             raise ObjectExistsError(errno.EEXIST, f"{what}: the object already exists") from exc.__cause__
-
-    def _own_earlier_attempt_landed(self, key: str, data: memoryview) -> bool:
-        """After a retried create-only upload lost, whether the winner was our own first try
-        (its response lost on the way): equal bytes mean success."""
-        try:
-            landed = self._get(key) == bytes(data)
-        except StorageError:
-            return False
-        if landed:
-            log.info("put_if_absent %s: an earlier attempt of this call had stored it", key)
-        return landed
 
     def _get(self, key: str) -> bytes:
         what = self._what("get", key)

@@ -9,16 +9,14 @@ emulator (anonymous credentials then).
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import google.auth.exceptions
 from google.cloud import storage
 
-from spotrun.errors import ConfigError
 from spotrun.storage.gcs_errors import no_credentials_error
+from spotrun.storage.options import ObjectStoreOptions
 from spotrun.tools import private_random
 
 MIB = 1024 * 1024
@@ -40,53 +38,18 @@ private_random.isolate(
 
 
 @dataclass(frozen=True)
-class GCSOptions:
-    """Options of :class:`~spotrun.storage.gcs.GCSStorage`; each may be passed to
-    ``open_storage(uri, ...)`` as a keyword argument.
+class GCSOptions(ObjectStoreOptions):
+    """Options of :class:`~spotrun.storage.gcs.GCSStorage`: those of
+    :class:`~spotrun.storage.options.ObjectStoreOptions` (parts are composed into the object), and
 
     Attributes:
         project: the project billed for requests (``None``: ``GOOGLE_CLOUD_PROJECT``, else
             none; reading and writing objects needs no project).
-        multipart_threshold_bytes: objects of at least this size are uploaded as parallel parts,
-            composed into the object.
-        part_size_bytes: bytes per uploaded part and per ranged read.
-        max_concurrency: parts transferred at the same time by one call.
-        retry_deadline_s: most seconds one operation spends retrying.
-        connect_timeout_s: TCP/TLS connect timeout of one request, seconds.
-        read_timeout_s: socket read timeout of one request, seconds.
-        sleep: waits between retries (tests inject a fake so they never wait).
-        clock: monotonic clock for deadlines, seconds (tests inject a fake).
-
-    Raises:
-        ConfigError: an out-of-range value.
     """
 
+    store: ClassVar[str] = "GCS"
+
     project: str | None = None
-    multipart_threshold_bytes: int = 64 * MIB
-    part_size_bytes: int = 16 * MIB
-    max_concurrency: int = 8
-    retry_deadline_s: float = 120.0
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
-    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
-    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
-
-    def __post_init__(self) -> None:
-        for name in ("multipart_threshold_bytes", "part_size_bytes", "max_concurrency"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("retry_deadline_s", "connect_timeout_s", "read_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-
-    @classmethod
-    def from_kwargs(cls, **options: Any) -> GCSOptions:
-        """Build options from keyword arguments; an unknown name is a :class:`ConfigError`."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(f"unknown GCS storage option(s) {unknown}; known: {sorted(known)}")
-        return cls(**options)
 
     @property
     def timeout(self) -> tuple[float, float]:

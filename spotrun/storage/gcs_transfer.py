@@ -24,7 +24,7 @@ from google.api_core import exceptions as api_exceptions
 from spotrun.storage.base import ByteSource, ChunkCallback
 from spotrun.storage.gcs_config import MAX_COMPOSE_SOURCES, MAX_PARTS
 from spotrun.storage.retry import CallWithRetry
-from spotrun.storage.transfer import PartBuffers, fill_buffer, part_ranges, run_parts
+from spotrun.storage.transfer import PartBuffers, ViewWriter, fill_buffer, part_ranges, run_parts
 
 log = logging.getLogger(__name__)
 
@@ -44,39 +44,12 @@ def composite_part_size(size_bytes: int, part_size_bytes: int, chunk_bytes: int)
     return -(-wanted // chunk_bytes) * chunk_bytes
 
 
-class _ViewWriter:
-    """A file-like ``write`` target that fills a list of views in order (a ranged download)."""
-
-    def __init__(self, views: Sequence[memoryview]) -> None:
-        self._views = list(views)
-        self._index = 0
-        self._position = 0
-        self.written = 0
-
-    def write(self, data: bytes) -> int:
-        data = memoryview(data).cast("B")
-        done = 0
-        while done < len(data):
-            if self._index >= len(self._views):
-                raise OverflowError("the server sent more bytes than the range asked for")
-            view = self._views[self._index]
-            count = min(len(view) - self._position, len(data) - done)
-            view[self._position : self._position + count] = data[done : done + count]
-            done += count
-            self._position += count
-            if self._position == len(view):
-                self._index += 1
-                self._position = 0
-        self.written += done
-        return done
-
-
 def read_range(
     blob: Any, views: Sequence[memoryview], *, start: int, stop: int, generation: int | None, timeout: Any
 ) -> int:
     """One ranged GET of bytes ``[start, stop)`` into ``views``; returns the bytes received (fewer
     when the object ends first). ``generation`` pins the read to that generation (412 otherwise)."""
-    writer = _ViewWriter([v for v in views if len(v)])
+    writer = ViewWriter([v for v in views if len(v)])
     blob.download_to_file(
         writer,
         start=start,

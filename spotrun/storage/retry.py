@@ -23,6 +23,7 @@ import tenacity
 
 from spotrun.errors import StorageError
 from spotrun.storage.base import Storage
+from spotrun.storage.options import ObjectStoreOptions
 
 log = logging.getLogger(__name__)
 
@@ -126,16 +127,47 @@ class RetryPolicy:
 
 
 class RetryingStorage(Storage):
-    """A :class:`~spotrun.storage.base.Storage` whose requests retry under :class:`RetryPolicy`,
-    bounded by the operation's own deadline and by any :meth:`deadline` block around it.
+    """A :class:`~spotrun.storage.base.Storage` in an object store: its requests retry under
+    :class:`RetryPolicy`, bounded by the operation's own deadline and by any :meth:`deadline`
+    block around it; keys live under ``self._prefix``.
 
     Args:
-        retry: the policy (the backend passes its ``should_retry``).
+        options: the backend's transfer, retry and connection options.
+        should_retry: which of the client library's errors are worth another attempt.
     """
 
-    def __init__(self, retry: RetryPolicy) -> None:
-        self._retry = retry
+    _prefix: str
+
+    def __init__(self, options: ObjectStoreOptions, should_retry: Callable[[BaseException], bool]) -> None:
+        self._options = options
+        self._retry = RetryPolicy(
+            deadline_s=options.retry_deadline_s, sleep=options.sleep, clock=options.clock, should_retry=should_retry
+        )
         self._local = threading.local()
+
+    @property
+    def read_concurrency(self) -> int:
+        """Ranged GETs a reader keeps in flight: ``max_concurrency``."""
+        return self._options.max_concurrency
+
+    def _name(self, key: str) -> str:
+        """The store's name of the object at ``key``: ``prefix/key``."""
+        return f"{self._prefix}/{key}" if self._prefix else key
+
+    def _root(self) -> str:
+        """What every object name under this root starts with (``prefix/``, or nothing)."""
+        return f"{self._prefix}/" if self._prefix else ""
+
+    def _own_earlier_attempt_landed(self, key: str, body: bytes | memoryview) -> bool:
+        """After a retried create-only write lost, whether the object there is our own first try
+        (it landed, its answer was lost on the way): equal bytes mean it did."""
+        try:
+            landed = self._get(key) == bytes(body)
+        except StorageError:
+            return False
+        if landed:
+            log.info("put_if_absent %s: an earlier attempt of this call had stored it", key)
+        return landed
 
     @contextlib.contextmanager
     def deadline(self, timeout_s: float) -> Iterator[None]:

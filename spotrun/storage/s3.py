@@ -34,10 +34,10 @@ from spotrun.storage.s3_errors import (
     is_conditional_conflict,
     is_not_implemented,
     is_precondition_failed,
+    is_retryable,
     translate,
 )
 from spotrun.storage.s3_location import parse_s3_uri
-from spotrun.storage.s3_retry import RetryPolicy
 
 __all__ = ["S3Options", "S3Storage", "make_client", "parse_s3_uri"]
 
@@ -82,13 +82,7 @@ class S3Storage(RetryingStorage):
         self._bucket = bucket_
         self._prefix = prefix_
         self._options = options or S3Options()
-        super().__init__(
-            RetryPolicy(
-                deadline_s=self._options.retry_deadline_s,
-                sleep=self._options.sleep,
-                clock=self._options.clock,
-            )
-        )
+        super().__init__(self._options, is_retryable)
         self._client = client if client is not None else make_client(self._options)
 
     @classmethod
@@ -110,11 +104,6 @@ class S3Storage(RetryingStorage):
         return "conditional PutObject (If-None-Match: *)"
 
     @property
-    def read_concurrency(self) -> int:
-        """Ranged GETs a reader keeps in flight: ``max_concurrency``."""
-        return self._options.max_concurrency
-
-    @property
     def bucket(self) -> str:
         """The bucket name."""
         return self._bucket
@@ -126,11 +115,8 @@ class S3Storage(RetryingStorage):
 
     # --- plumbing ---------------------------------------------------------------
 
-    def _key(self, key: str) -> str:
-        return f"{self._prefix}/{key}" if self._prefix else key
-
     def _what(self, operation: str, key: str) -> str:
-        return f"{operation} s3://{self._bucket}/{self._key(key)}"
+        return f"{operation} s3://{self._bucket}/{self._name(key)}"
 
     @contextlib.contextmanager
     def _translated(self, what: str) -> Iterator[None]:
@@ -156,7 +142,7 @@ class S3Storage(RetryingStorage):
         body = bytes(data)
         with self._translated(what):
             call(
-                lambda: self._client.put_object(Bucket=self._bucket, Key=self._key(key), Body=body),
+                lambda: self._client.put_object(Bucket=self._bucket, Key=self._name(key), Body=body),
                 what,
             )
 
@@ -169,7 +155,7 @@ class S3Storage(RetryingStorage):
                     self._client,
                     call,
                     bucket=self._bucket,
-                    key=self._key(key),
+                    key=self._name(key),
                     source=source,
                     chunk_bytes=chunk_bytes,
                     on_chunk=on_chunk,
@@ -180,7 +166,7 @@ class S3Storage(RetryingStorage):
                     self._client,
                     call,
                     bucket=self._bucket,
-                    key=self._key(key),
+                    key=self._name(key),
                     source=source,
                     chunk_bytes=chunk_bytes,
                     on_chunk=on_chunk,
@@ -202,7 +188,7 @@ class S3Storage(RetryingStorage):
         def attempt() -> None:
             nonlocal attempts
             attempts += 1
-            self._client.put_object(Bucket=self._bucket, Key=self._key(key), Body=body, IfNoneMatch="*")
+            self._client.put_object(Bucket=self._bucket, Key=self._name(key), Body=body, IfNoneMatch="*")
 
         try:
             with self._translated(what):
@@ -224,20 +210,6 @@ class S3Storage(RetryingStorage):
                 return
             raise ObjectExistsError(errno.EEXIST, f"{what}: the object already exists") from cause
 
-    def _own_earlier_attempt_landed(self, key: str, body: bytes) -> bool:
-        """After a retried conditional put lost, whether the winner was our own first try.
-
-        A first attempt can succeed on the server while its response is lost; the retry
-        then fails its precondition against our own object. Equal bytes mean success.
-        """
-        try:
-            landed = self._get(key) == body
-        except StorageError:
-            return False
-        if landed:
-            log.info("put_if_absent %s: an earlier attempt of this call had stored it", key)
-        return landed
-
     def _get(self, key: str) -> bytes:
         what = self._what("get", key)
         call = self._caller(what)
@@ -246,7 +218,7 @@ class S3Storage(RetryingStorage):
                 self._client,
                 call,
                 bucket=self._bucket,
-                key=self._key(key),
+                key=self._name(key),
                 **self._transfer_kwargs(),
             )
 
@@ -266,7 +238,7 @@ class S3Storage(RetryingStorage):
                 self._client,
                 call,
                 bucket=self._bucket,
-                key=self._key(key),
+                key=self._name(key),
                 offset=offset,
                 views=views,
                 **self._transfer_kwargs(),
@@ -276,11 +248,11 @@ class S3Storage(RetryingStorage):
         what = self._what("stat", key)
         call = self._caller(what)
         with self._translated(what):
-            head = call(lambda: self._client.head_object(Bucket=self._bucket, Key=self._key(key)), what)
+            head = call(lambda: self._client.head_object(Bucket=self._bucket, Key=self._name(key)), what)
         return ObjectInfo(key=key, size_bytes=int(head["ContentLength"]), mtime_s=head["LastModified"].timestamp())
 
     def _list(self, prefix: str) -> list[ObjectInfo]:
-        root = f"{self._prefix}/" if self._prefix else ""
+        root = self._root()
         what = f"list s3://{self._bucket}/{root}{prefix}"
         call = self._caller(what)
         request: dict[str, Any] = {"Bucket": self._bucket, "Prefix": root + prefix}
@@ -307,12 +279,12 @@ class S3Storage(RetryingStorage):
         what = self._what("delete", key)
         call = self._caller(what)
         with self._translated(what):
-            call(lambda: self._client.delete_object(Bucket=self._bucket, Key=self._key(key)), what)
+            call(lambda: self._client.delete_object(Bucket=self._bucket, Key=self._name(key)), what)
 
     def _unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
         """Multipart uploads under the prefix never completed or aborted
         (``ListMultipartUploads``, every page)."""
-        root = f"{self._prefix}/" if self._prefix else ""
+        root = self._root()
         what = f"list multipart uploads s3://{self._bucket}/{root}{prefix}"
         call = self._caller(what)
         request: dict[str, Any] = {"Bucket": self._bucket, "Prefix": root + prefix}
@@ -342,7 +314,7 @@ class S3Storage(RetryingStorage):
             with self._translated(what):
                 call(
                     lambda: self._client.abort_multipart_upload(
-                        Bucket=self._bucket, Key=self._key(upload.key), UploadId=upload.upload_id
+                        Bucket=self._bucket, Key=self._name(upload.key), UploadId=upload.upload_id
                     ),
                     what,
                 )

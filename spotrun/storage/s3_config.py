@@ -7,16 +7,15 @@ settings; see :mod:`spotrun.storage.s3`.
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import boto3
 from botocore.config import Config
 from botocore.exceptions import ProfileNotFound
 
 from spotrun.errors import ConfigError
+from spotrun.storage.options import ObjectStoreOptions
 from spotrun.tools import private_random
 
 MIB = 1024 * 1024
@@ -30,9 +29,10 @@ private_random.isolate("botocore.utils")
 
 
 @dataclass(frozen=True)
-class S3Options:
-    """Options of :class:`~spotrun.storage.s3.S3Storage`; each may be passed to
-    ``open_storage(uri, ...)`` as a keyword argument.
+class S3Options(ObjectStoreOptions):
+    """Options of :class:`~spotrun.storage.s3.S3Storage`: those of
+    :class:`~spotrun.storage.options.ObjectStoreOptions` (``part_size_bytes`` at least S3's
+    5 MiB), and
 
     Attributes:
         endpoint_url: S3 endpoint (``http://127.0.0.1:9000``); ``None`` lets boto3 use
@@ -40,52 +40,20 @@ class S3Options:
         region_name: region; ``None`` means ``AWS_REGION``, else ``AWS_DEFAULT_REGION`` or
             the profile's region, else ``us-east-1``.
         profile_name: AWS profile; ``None`` means ``AWS_PROFILE`` or the default chain.
-        multipart_threshold_bytes: objects of at least this size are uploaded in parts.
-        part_size_bytes: bytes per multipart part and per ranged GET; >= 5 MiB.
-        max_concurrency: parts transferred at the same time by one call.
-        retry_deadline_s: most seconds one operation spends retrying.
-        connect_timeout_s: TCP/TLS connect timeout of one request, seconds.
-        read_timeout_s: socket read timeout of one request, seconds.
-        sleep: waits between retries (tests inject a fake so they never wait).
-        clock: monotonic clock for deadlines, seconds (tests inject a fake).
-
-    Raises:
-        ConfigError: an out-of-range value.
     """
+
+    store: ClassVar[str] = "S3"
 
     endpoint_url: str | None = None
     region_name: str | None = None
     profile_name: str | None = None
-    multipart_threshold_bytes: int = 64 * MIB
-    part_size_bytes: int = 16 * MIB
-    max_concurrency: int = 8
-    retry_deadline_s: float = 120.0
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
-    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
-    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.part_size_bytes < MIN_PART_SIZE_BYTES:
             raise ConfigError(
                 f"part_size_bytes must be >= {MIN_PART_SIZE_BYTES} (S3 minimum), got {self.part_size_bytes}"
             )
-        if self.multipart_threshold_bytes < 1:
-            raise ConfigError(f"multipart_threshold_bytes must be positive, got {self.multipart_threshold_bytes}")
-        if self.max_concurrency < 1:
-            raise ConfigError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
-        for name in ("retry_deadline_s", "connect_timeout_s", "read_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-
-    @classmethod
-    def from_kwargs(cls, **options: Any) -> S3Options:
-        """Build options from keyword arguments; an unknown name is a :class:`ConfigError`."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(f"unknown S3 storage option(s) {unknown}; known: {sorted(known)}")
-        return cls(**options)
 
 
 def make_client(options: S3Options) -> Any:

@@ -130,3 +130,32 @@ def slice_views(views: Sequence[memoryview], start: int, stop: int) -> list[memo
             out.append(view[max(start, base) - base : min(stop, end) - base])
         base = end
     return out
+
+
+class ViewWriter:
+    """A file-like ``write`` target that fills a list of views in order (a ranged download into
+    the caller's buffers, for a client library that writes to a file object); ``written`` counts
+    the bytes. More bytes than the views hold is an error, not a silent overrun."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self._views = [v for v in views if len(v)]
+        self._index = 0
+        self._position = 0
+        self.written = 0
+
+    def write(self, data: Any) -> int:
+        data = memoryview(data).cast("B")
+        done = 0
+        while done < len(data):
+            if self._index >= len(self._views):
+                raise OverflowError("the server sent more bytes than the range asked for")
+            view = self._views[self._index]
+            count = min(len(view) - self._position, len(data) - done)
+            view[self._position : self._position + count] = data[done : done + count]
+            done += count
+            self._position += count
+            if self._position == len(view):
+                self._index += 1
+                self._position = 0
+        self.written += done
+        return done

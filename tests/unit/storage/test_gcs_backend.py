@@ -135,7 +135,7 @@ def test_the_preflight_refuses_a_store_that_ignores_create_only_uploads(gcs_buck
 def test_throttling_is_retried_with_backoff(gcs_bucket, status):
     fake = FakeTime()
     storage = open_storage(gcs_bucket.uri, sleep=fake.sleep, clock=fake.clock)
-    gcs_bucket.proxy.fail(3, status, match=lambda s: s.method == "POST")
+    gcs_bucket.proxy.fail(3, status, match=lambda s: s.method == "POST" and s.object_name == "k")
     storage.put("k", b"value")
     assert storage.get("k") == b"value"
     assert len(fake.sleeps_s) == 3
@@ -164,7 +164,7 @@ def test_a_missing_bucket_names_the_bucket(gcs_bucket):
 
 def test_denied_access_is_a_permission_error(gcs_bucket):
     storage = open_storage(gcs_bucket.uri)
-    gcs_bucket.proxy.fail(1, 403)
+    gcs_bucket.proxy.fail(1, 403, match=lambda s: s.object_name == "k")
     with pytest.raises(StoragePermissionError, match="access denied"):
         storage.put("k", b"v")
 
