@@ -33,8 +33,6 @@ import signal
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,7 +41,9 @@ from typing import Any
 
 import pytest
 
+from tests.support.s3_server import answers as _answers
 from tests.support.s3_server import free_loopback_port
+from tests.support.s3_server import stop as _stop
 
 #: Where Azurite is installed, once per machine and user.
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spotrun-tests" / "azurite"
@@ -139,27 +139,6 @@ def install_azurite() -> Path:
             tail = (done.stdout + done.stderr)[-2000:]
             raise RuntimeError(f"{' '.join(command)} failed (exit {done.returncode}):\n{tail}")
     return program
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5):
-            return True
-    except urllib.error.HTTPError:  # any HTTP status means the server is up
-        return True
-    except OSError:
-        return False
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @contextlib.contextmanager

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.support.s3_server import free_loopback_port
+from tests.support.s3_server import free_loopback_port, stop
 
 #: How long the emulator may take to answer after it is started (slow, loaded CI machines).
 SERVER_START_TIMEOUT_S = 60.0
@@ -346,12 +346,7 @@ def gcs_emulator() -> Iterator[str]:
                 pause_s = min(pause_s * 2, 0.5)
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=SERVER_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, SERVER_STOP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")

@@ -78,7 +78,8 @@ def free_loopback_port() -> int:
         return sock.getsockname()[1]
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
+    """Whether an HTTP server answers at ``url`` (any status counts)."""
     try:
         with urllib.request.urlopen(url, timeout=5):
             return True
@@ -95,19 +96,20 @@ def _wait_until_answering(proc: subprocess.Popen, url: str, timeout_s: float) ->
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
-        if _answers(url):
+        if answers(url):
             return True
         time.sleep(pause_s)  # polling a condition, not synchronising on time
         pause_s = min(pause_s * 2, 0.5)
     return False
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen, timeout_s: float = SERVER_STOP_TIMEOUT_S) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s``; a process already gone is left as is."""
     if proc.poll() is not None:
         return
     proc.terminate()
     try:
-        proc.wait(timeout=SERVER_STOP_TIMEOUT_S)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -140,7 +142,7 @@ def moto_server(attempts: int = 3, env: dict[str, str] | None = None) -> Iterato
                     yield url
                     return
             finally:
-                _stop(proc)
+                stop(proc)
         log_file.seek(0)
         tail = log_file.read()[-2000:].decode(errors="replace")
     raise RuntimeError(f"moto server did not start after {attempts} tries; log tail:\n{tail}")

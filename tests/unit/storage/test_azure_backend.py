@@ -51,6 +51,7 @@ from spotrun.storage.azure_location import MISSING_EXTRA
 from spotrun.storage.azure_transfer import stream_block_size
 from tests.support.azurite_server import admin_service, connection_string, throttling_proxy
 from tests.support.byte_sources import BytesSource
+from tests.support.fake_time import FakeTime
 from tests.support.s3_server import free_loopback_port
 
 MIB = 1024 * 1024
@@ -65,21 +66,6 @@ pytestmark = pytest.mark.timeout(600)
 
 def payload(size_bytes: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(size_bytes)
-
-
-class FakeTime:
-    """A clock that only moves when ``sleep`` is called; records every sleep."""
-
-    def __init__(self) -> None:
-        self.now_s = 0.0
-        self.sleeps_s: list[float] = []
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps_s.append(seconds)
-        self.now_s += seconds
-
-    def clock(self) -> float:
-        return self.now_s
 
 
 class Recorder:

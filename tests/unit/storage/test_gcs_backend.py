@@ -36,6 +36,7 @@ from spotrun.storage.gcs_errors import is_retryable, translate
 from spotrun.storage.gcs_transfer import UPLOAD_MARK
 from spotrun.supervisor.preflight import check
 from tests.support.byte_sources import BytesSource
+from tests.support.fake_time import FakeTime
 from tests.support.gcs_server import Seen
 
 REPO = Path(__file__).resolve().parents[3]
@@ -53,19 +54,6 @@ def is_part_upload(seen: Seen) -> bool:
 
 def is_compose(seen: Seen) -> bool:
     return seen.path.endswith("/compose")
-
-
-class FakeTime:
-    def __init__(self) -> None:
-        self.now_s = 0.0
-        self.sleeps_s: list[float] = []
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps_s.append(seconds)
-        self.now_s += seconds
-
-    def clock(self) -> float:
-        return self.now_s
 
 
 def test_a_large_object_goes_up_as_parallel_parts_composed_into_it_and_the_parts_are_deleted(gcs_bucket):

@@ -40,6 +40,7 @@ from spotrun.storage.s3 import S3Options, S3Storage, make_client, parse_s3_uri
 from spotrun.storage.s3_errors import is_retryable, translate
 from spotrun.storage.s3_retry import RetryPolicy
 from tests.support.byte_sources import BytesSource, ChunkRecorder
+from tests.support.fake_time import FakeTime
 from tests.support.s3_server import failing_http_server, free_loopback_port
 
 MIB = 1024 * 1024
@@ -51,21 +52,6 @@ SMALL_TRANSFER = {"multipart_threshold_bytes": 6 * MIB, "part_size_bytes": 5 * M
 def payload(size_bytes: int, seed: int = 0) -> bytes:
     """Reproducible pseudo-random bytes."""
     return random.Random(seed).randbytes(size_bytes)
-
-
-class FakeTime:
-    """A clock that only moves when ``sleep`` is called; records every sleep."""
-
-    def __init__(self) -> None:
-        self.now_s = 0.0
-        self.sleeps_s: list[float] = []
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps_s.append(seconds)
-        self.now_s += seconds
-
-    def clock(self) -> float:
-        return self.now_s
 
 
 class WrappedClient:
