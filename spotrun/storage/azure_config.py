@@ -39,6 +39,9 @@ ENDPOINT_ENV = "AZURE_STORAGE_BLOB_ENDPOINT"
 #: unless its level is lowered (``logging.getLogger("spotrun.storage.azure.http").setLevel("INFO")``).
 HTTP_LOG = logging.getLogger("spotrun.storage.azure.http")
 HTTP_LOG.setLevel(logging.WARNING)
+# DefaultAzureCredential logs a block of every credential it tried at WARNING when none gives a
+# token; spotrun's own error says it in one line (NO_IDENTITY), so that block is kept for debugging.
+logging.getLogger("azure.identity").setLevel(logging.ERROR)
 
 _ACCOUNT_NAME = re.compile(r"^[a-z0-9]{3,24}$")
 

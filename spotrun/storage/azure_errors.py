@@ -126,6 +126,12 @@ def translate(exc: BaseException, *, what: str, container: str, endpoint: str = 
         return StoragePermissionError(
             errno.EACCES, f"{what}: access denied ({code or status}); check the credentials in use"
         )
+    if type(exc).__name__ == "AzureSigningError":  # the connection string's key cannot sign a request
+        return StoragePermissionError(
+            errno.EACCES,
+            f"{what}: the account key cannot sign requests (is AccountKey in AZURE_STORAGE_CONNECTION_STRING "
+            "the account's base64 key?)",
+        )
     if isinstance(exc, ClientAuthenticationError):  # no answer from the store: no token was obtained
         return StoragePermissionError(errno.EACCES, f"{what}: {NO_IDENTITY} ({type(exc).__name__})")
     if code == "InvalidHeaderValue" and status == 400:

@@ -42,6 +42,8 @@ def parse_az_uri(uri: str) -> tuple[str, str]:
             f"Azure URI {uri!r}: {container!r} is not a container name "
             "(3-63 lowercase letters, digits and single hyphens)"
         )
+    if prefix.startswith("/"):
+        raise ConfigError(f"Azure URI {uri!r} has an empty path component (a '//' after the container)")
     prefix = prefix.strip("/")
     if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
         raise ConfigError(f"Azure URI {uri!r} has an empty, '.' or '..' path component")

@@ -8,6 +8,7 @@ the exception type, never on message text (which differs between GCS and its emu
 from __future__ import annotations
 
 import errno
+import os
 
 import google.auth.exceptions
 import requests.exceptions
@@ -85,7 +86,7 @@ def translate(exc: BaseException, *, what: str, bucket: str, missing_means_bucke
     if status in (401, 403):
         return StoragePermissionError(errno.EACCES, f"{what}: access denied ({status}); check the credentials")
     if isinstance(exc, google.auth.exceptions.DefaultCredentialsError):
-        return StoragePermissionError(errno.EACCES, f"{what}: {_NO_CREDENTIALS}")
+        return no_credentials_error(what, exc)
     if isinstance(exc, google.auth.exceptions.RefreshError):
         return StoragePermissionError(errno.EACCES, f"{what}: the credentials could not be refreshed ({exc})")
     if isinstance(exc, requests.exceptions.ConnectionError):
@@ -96,5 +97,12 @@ def translate(exc: BaseException, *, what: str, bucket: str, missing_means_bucke
 
 
 def no_credentials_error(what: str, exc: BaseException) -> StoragePermissionError:
-    """The error of a client that could not find Application Default Credentials."""
+    """The error of a client that could not find Application Default Credentials: google-auth's
+    own words where ``GOOGLE_APPLICATION_CREDENTIALS`` names a file it could not use."""
+    key_file = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if key_file:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return StoragePermissionError(
+            errno.EACCES, f"{what}: GOOGLE_APPLICATION_CREDENTIALS={key_file} cannot be used: {first_line}"
+        )
     return StoragePermissionError(errno.EACCES, f"{what}: {_NO_CREDENTIALS} ({type(exc).__name__})")

@@ -36,6 +36,8 @@ def parse_gs_uri(uri: str) -> tuple[str, str]:
         raise ConfigError(
             f"GCS URI {uri!r}: {bucket!r} is not a bucket name (3-63 lowercase letters, digits, '-', '_' or '.')"
         )
+    if prefix.startswith("/"):
+        raise ConfigError(f"GCS URI {uri!r} has an empty path component (a '//' after the bucket)")
     prefix = prefix.strip("/")
     if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
         raise ConfigError(f"GCS URI {uri!r} has an empty, '.' or '..' path component")

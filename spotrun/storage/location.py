@@ -16,6 +16,7 @@ import abc
 import errno
 import importlib
 import importlib.util
+import re
 import urllib.parse
 import uuid
 from collections.abc import Mapping
@@ -187,6 +188,11 @@ def parse_location(uri: str, *, endpoint_url: str | None = None) -> StorageLocat
     if not uri or not uri.strip():
         raise ConfigError("checkpoint URI is empty")
     uri = uri.strip()
+    one_slash = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*):/(?!/)", uri)
+    if one_slash and one_slash.group(1).lower() in BACKENDS:
+        # gs:/bucket would otherwise be a relative local directory named "gs:"
+        scheme = one_slash.group(1).lower()
+        raise ConfigError(f"checkpoint URI {uri!r} has one slash after '{scheme}:': write {scheme}://...")
     scheme, separator, _ = uri.partition("://")
     target = BACKENDS.get(scheme if separator else "file")
     if target is None:

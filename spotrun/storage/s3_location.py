@@ -31,6 +31,8 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     bucket, _, prefix = uri[len("s3://") :].partition("/")
     if not bucket:
         raise ConfigError(f"S3 URI {uri!r} names no bucket")
+    if prefix.startswith("/"):
+        raise ConfigError(f"S3 URI {uri!r} has an empty path component (a '//' after the bucket)")
     prefix = prefix.strip("/")
     if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
         raise ConfigError(f"S3 URI {uri!r} has an empty, '.' or '..' path component")

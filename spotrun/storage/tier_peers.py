@@ -196,6 +196,11 @@ class PeerClient:
     def replica_done(self, source_node: str) -> None:
         self._call({"op": "replica_done", "source": source_node})
 
+    def leaving(self) -> bool:
+        """Whether the node is being preempted itself (its supervisor got a notice)."""
+        answer = self._call({"op": "status"})
+        return bool(answer.get("leaving"))  # type: ignore[union-attr]
+
 
 def _raise_answer(client: PeerClient, header: dict, answer: dict) -> None:
     what = f"{header.get('op')} {header.get('key', header.get('prefix', ''))} on {client}: {answer.get('error')}"

@@ -73,6 +73,8 @@ class TierServer:
         self._thread = threading.Thread(target=self._accept, name="spotrun-tier-server", daemon=True)
         #: refused connections so far (a bad secret, a malformed frame), for tests and the log
         self.refused = 0
+        #: this node is being preempted: a replica held here dies with it (answered to ``status``)
+        self.leaving = False
 
     @property
     def address(self) -> tuple[str, int]:
@@ -188,6 +190,8 @@ class TierServer:
             elif op == "delete":
                 self.holdings.delete(_text(request, "key"))
                 wire.send_frame(conn, {"ok": True})
+            elif op == "status":
+                wire.send_frame(conn, {"ok": True, "leaving": self.leaving})
             elif op == "replica_done":
                 self._prune_replicas(check_node(_text(request, "source")))
                 wire.send_frame(conn, {"ok": True})

@@ -186,7 +186,13 @@ class _Supervisor:
                 **fast_tier_launch(self.config, self.tier, self.tier_service),
             )
             self.resumed_manifest = plan.resume.manifest if plan.resume is not None else None
-            log.info("%s", describe_start(plan.resume, self.launch))
+            start_line = describe_start(plan.resume, self.launch)
+            several_nodes = self.launch is not None and self.launch.max_nodes > 1
+            if several_nodes and self.tier_service is not None and not self.tier_service.target_nodes():
+                # a node new to the job does not know the other nodes yet: their memory may hold a
+                # newer step, which the workers find and agree on after the rendezvous
+                start_line += "; the workers may resume from a newer step held in the other nodes' memory"
+            log.info("%s", start_line)
             self.observers.emit(
                 "launch",
                 attempt=attempt,
@@ -357,6 +363,8 @@ class _Supervisor:
             return
         if self.notice is None:
             self.notice = notice
+            if self.tier_service is not None:  # no other node may count on a replica held here
+                self.tier_service.mark_leaving()
             log.warning(
                 "preemption notice: %s from %s, %.1f s to the deadline",
                 notice.kind,

@@ -122,7 +122,17 @@ def settle_memory_step(
         return False
     if deadline_unix_s is not None:
         held = service.wait_replicated(step, deadline_unix_s - time.time())
+        staying = service.staying(held) if held else set()
+        if held and not staying:
+            log.error(
+                "the emergency checkpoint of step %d is held only by node(s) %s, which are being preempted too: "
+                "it is lost with them",
+                step,
+                ", ".join(sorted(held)),
+            )
+            return False
         if held:
+            held = staying
             log.info(
                 "the emergency checkpoint of step %d is held by node(s) %s, which write it to storage",
                 step,

@@ -140,6 +140,24 @@ class TierService:
         """This node's own steps (its ranks' files and the manifests), without replicas or peers."""
         return self._holdings.own
 
+    def mark_leaving(self) -> None:
+        """This node got a preemption notice: its server says so to the nodes that ask, so that none
+        of them counts on a replica held here."""
+        self.server.leaving = True
+
+    def staying(self, nodes: set[str]) -> set[str]:
+        """Those of ``nodes`` that answer and are not being preempted themselves (each asked once,
+        within the peer timeout)."""
+        staying = set()
+        for node in sorted(nodes):
+            client = self._clients.get(node)
+            try:
+                if client is not None and not client.leaving():
+                    staying.add(node)
+            except (SpotrunError, OSError) as exc:
+                log.warning("fast tier: node %s did not say whether it stays (%s): not counted on", node, exc)
+        return staying
+
     def wait_replicated(self, step: int, timeout_s: float) -> set[str]:
         """Wait up to ``timeout_s`` seconds until every target holds ``step`` (or its copy was given
         up); the nodes that hold it."""

@@ -26,6 +26,7 @@ from spotrun.eventlog.records import read_events
 from spotrun.storage import LocalStorage
 from spotrun.supervisor.process import ProcInfo, descendants, is_alive
 from tests.support.ckpt_files import shard_path
+from tests.support.paths import glob_live
 from tests.support.trainrun import (
     final_tensors,
     kill_tree,
@@ -194,14 +195,14 @@ def rank_of(pid: int) -> int | None:
 
 def complete_in_memory(memory_dir: pathlib.Path) -> list[int]:
     """The complete steps in the (one) fast tier under ``memory_dir``."""
-    tiers = sorted(memory_dir.glob("tier-*/steps"))
+    tiers = sorted(glob_live(memory_dir, "tier-*/steps"))
     if len(tiers) != 1:
         return []
     return sorted(s.step for s in catalog.list_steps(LocalStorage(str(tiers[0]))) if s.status == catalog.COMPLETE)
 
 
 def tier_steps_root(memory_dir: pathlib.Path) -> pathlib.Path:
-    [root] = memory_dir.glob("tier-*/steps")
+    [root] = glob_live(memory_dir, "tier-*/steps")
     return root
 
 

@@ -34,6 +34,7 @@ from spotrun.errors import StorageError
 from spotrun.storage import tier_protocol as wire
 from spotrun.storage.tier_peers import Peer, PeerClient
 from tests.e2e.test_fast_tier_crash import job_processes
+from tests.support.paths import glob_live
 from tests.support.trainrun import (
     TRAIN_ARGS,
     final_tensors,
@@ -148,7 +149,7 @@ def replicated_on(memory_dir: pathlib.Path) -> list[int]:
     """The steps of which the (one) tier under ``memory_dir`` holds another node's whole replica."""
     return sorted(
         int(path.parent.name.removeprefix("step-"))
-        for path in memory_dir.glob("tier-*/replicas/*/step-*/manifest.*.json")
+        for path in glob_live(memory_dir, "tier-*/replicas/*/step-*/manifest.*.json")
     )
 
 
@@ -162,10 +163,10 @@ def settled_replicas(
     give_up = time.monotonic() + bound_s
     seen, since = None, time.monotonic()
     while time.monotonic() < give_up:
-        writing = any(".tmp-" in path.name for path in memory_dir.glob(f"tier-*/replicas/{source}/**/*"))
+        writing = any(".tmp-" in path.name for path in glob_live(memory_dir, f"tier-*/replicas/{source}/**/*"))
         now = sorted(
             int(path.parent.name.removeprefix("step-"))
-            for path in memory_dir.glob(f"tier-*/replicas/{source}/step-*/manifest.*.json")
+            for path in glob_live(memory_dir, f"tier-*/replicas/{source}/step-*/manifest.*.json")
         )
         if writing or now != seen:
             seen, since = now, time.monotonic()
@@ -549,7 +550,7 @@ def test_a_rank_killed_on_one_node_resumes_every_node_from_the_fast_tier_and_the
             (
                 int(path.parent.name.removeprefix("step-"))
                 for node in range(NODES)
-                for path in job.memory_dir(node).glob("tier-*/steps/step-*/manifest.*.json")
+                for path in glob_live(job.memory_dir(node), "tier-*/steps/step-*/manifest.*.json")
             ),
             default=0,
         )

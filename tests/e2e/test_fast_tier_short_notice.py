@@ -100,3 +100,41 @@ def test_a_notice_too_short_for_storage_commits_to_the_fast_tier_of_the_node_tha
     assert_same_as_reference(reference, job)
     for node in range(NODES):
         assert list(job.memory_dir(node).iterdir()) == []
+
+
+PREEMPTED_NOT_SAVED = 142
+
+
+def test_a_short_notice_to_every_node_commits_nothing_and_says_the_copies_die_with_them(s3_bucket, tmp_path, processes):
+    """Both nodes get the short notice: each node's emergency step reaches the other's tier, but that
+    node is being preempted too, so no copy survives: each supervisor says so and exits 142 (not
+    saved), and storage's newest step is still the periodic one."""
+    with FaultProxy(s3_bucket.endpoint_url) as proxy:
+        proxy.set_latency(SLOW_UPLOAD_S, upload_of(".safetensors"))
+        job = Job(tmp_path, processes, "--step-sleep-s", "0.3", "--sync-saves")
+        job.uri = f"{s3_bucket.uri}/job"
+        job.supervisor_options = ["--s3-endpoint-url", proxy.url]
+        job.drop_env = ("AWS_ENDPOINT_URL",)
+        job.start(0, grace_period_s=GRACE_PERIOD_S)
+        job.start(1, grace_period_s=GRACE_PERIOD_S)
+        give_up = time.monotonic() + WAIT_S
+        while True:
+            rows = read_log(job.log_file) if job.log_file.exists() else []
+            held = [replicated_on(job.memory_dir(n)) for n in range(NODES)]
+            if rows and rows[-1]["step"] >= 23 and all(h and h[-1] >= 22 for h in held):
+                break
+            assert all(p.poll() is None for p in job.nodes), "a node exited early" + job.outputs()
+            assert time.monotonic() < give_up, "the job never got past step 22" + job.outputs()
+            time.sleep(0.05)
+        for node in job.nodes:
+            sigterm(node)
+        assert job.wait() == [PREEMPTED_NOT_SAVED] * NODES, job.outputs()
+
+    for node in range(NODES):
+        assert re.search(
+            r"the emergency checkpoint of step \d+ is held only by node\(s\) \S+, which are being preempted too: "
+            r"it is lost with them",
+            job.log_text(node),
+        ), job.outputs()
+    on_storage = {s.step: s.status for s in catalog.list_steps(open_storage(job.ck))}
+    assert max(s for s, status in on_storage.items() if status == "complete") == SAVE_INTERVAL, on_storage

@@ -8,3 +8,15 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 JOBS = REPO / "tests" / "jobs"
 #: Checked-in checkpoints written by earlier versions of spotrun.
 GOLDEN = REPO / "tests" / "golden"
+
+
+def glob_live(root: pathlib.Path, pattern: str, attempts: int = 50) -> list[pathlib.Path]:
+    """``root.glob(pattern)`` of a tree that another process changes while it is read (a tier whose
+    old steps are pruned): Python 3.11's glob raises when a directory vanishes in the middle of the
+    scan, so the scan starts again (a consistent listing, not a retried assertion)."""
+    for _ in range(attempts - 1):
+        try:
+            return list(root.glob(pattern))
+        except FileNotFoundError:
+            continue
+    return list(root.glob(pattern))

@@ -98,3 +98,15 @@ def test_open_existing_refuses_a_missing_local_root_and_accepts_an_empty_one(tmp
     (tmp_path / "empty").mkdir()
     assert parse_location(str(tmp_path / "empty")).open_existing().list("") == []
     assert not parse_location(str(tmp_path / "empty")).blocked_by_file()
+
+
+@pytest.mark.parametrize("uri", ["gs:/bucket/job", "az:/container/job", "s3:/bucket/job", "GS:/bucket/job"])
+def test_a_scheme_with_one_slash_is_refused_not_taken_for_a_local_directory(uri):
+    with pytest.raises(ConfigError, match="one slash"):
+        parse_location(uri)
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket//job", "gs://bucket//job", "az://container//job"])
+def test_an_empty_path_component_right_after_the_bucket_is_refused_like_any_other(uri):
+    with pytest.raises(ConfigError, match="empty path component"):
+        parse_location(uri)

@@ -65,6 +65,16 @@ def test_a_peer_with_the_secret_lists_reads_and_deletes_byte_ranges(served):
     client.close()
 
 
+def test_a_peer_asks_whether_the_node_is_being_preempted_itself(served):
+    """A node under notice says so, so that no other node counts on a replica held there."""
+    _, server = served
+    client = PeerClient(peer_of(server), "node1", timeout_s=5)
+    assert client.leaving() is False
+    server.leaving = True
+    assert client.leaving() is True
+    client.close()
+
+
 def test_a_replica_lands_under_its_source_node_and_only_the_two_newest_steps_are_kept(served, tmp_path):
     tier, server = served
     client = PeerClient(peer_of(server), "node1", timeout_s=5)
