@@ -125,6 +125,25 @@ class SaveAbortedError(CheckpointSaveError):
     replaced it); nothing of it was committed."""
 
 
+class CollectiveTimeoutError(SpotrunError):
+    """Not every rank arrived at one of spotrun's collectives within its bound (a rank stopped,
+    hung or died): the ranks that did not are named, found by a roll call on the job's store.
+    spotrun's process group is unusable afterwards; the job must restart (under ``spotrun run``
+    the supervisor stops and restarts it). Never a failed save that training survives.
+
+    Attributes:
+        ranks: the ranks that did not arrive; empty when the roll call could not tell.
+        what: the collective, e.g. ``"the write gather of step 40's save"``.
+        timeout_s: its bound in seconds.
+    """
+
+    def __init__(self, message: str, *, ranks: list[int], what: str, timeout_s: float) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+        self.what = what
+        self.timeout_s = timeout_s
+
+
 class ExportError(SpotrunError):
     """A checkpoint cannot be exported as asked (``spotrun export``): no such state, a dtype
     the target format cannot hold, an output that already holds exported files. Found

@@ -14,6 +14,7 @@ is the :class:`~spotrun.train.checkpointer.Checkpointer`'s decision.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import signal
@@ -24,14 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch.distributed as torch_dist
-
 from spotrun.checkpoint import in_flight
 from spotrun.checkpoint.save import PreparedSave, SaveContext, SavedStep, SaveProgress, commit_save, prepare_save
+from spotrun.checkpoint.save_bounds import collectives_deadline_s
 from spotrun.checkpoint.shard import ShardLimits
 from spotrun.checkpoint.staging import StagingBuffers
+from spotrun.errors import CollectiveTimeoutError
 from spotrun.storage.base import Storage
-from spotrun.tools import dist, process_local
+from spotrun.tools import dist, process_local, rollcall
 
 log = logging.getLogger(__name__)
 in_flight_log = logging.getLogger(in_flight.__name__)  # the decision's log line, under the rule's name
@@ -109,13 +110,21 @@ class BackgroundSaver:
         after_commit: called ``(step, reason)`` on the worker thread after a save committed,
             once its outcome is final (retention): a next save waits in the queue meanwhile,
             training does not. What it raises is logged.
+        on_collective_timeout: called on the worker thread as soon as a save's collective gave up
+            (:class:`~spotrun.errors.CollectiveTimeoutError`), before the training thread hears of
+            it: that thread may be stuck in the job's own collective with the rank that stopped
+            (under ``spotrun run``, the report to the supervisor). What it raises is logged.
     """
 
     def __init__(
-        self, meter: SaveObserver | None = None, after_commit: Callable[[int, str], None] | None = None
+        self,
+        meter: SaveObserver | None = None,
+        after_commit: Callable[[int, str], None] | None = None,
+        on_collective_timeout: Callable[[CollectiveTimeoutError], None] | None = None,
     ) -> None:
         self._meter = meter
         self._after_commit = after_commit
+        self._on_collective_timeout = on_collective_timeout
         self._staging = StagingBuffers()  # allocated at the first save, then reused
         self._group: Any = None
         self._group_made = False
@@ -181,7 +190,7 @@ class BackgroundSaver:
             with storage.deadline(timeout_s):
                 save_context = context()
             if not self._group_made:
-                self._group = dist.new_background_group()
+                self._group = dist.new_background_group(timeout_s=timeout_s, what=f"the {reason} save of step {step}")
                 self._group_made = True
         except BaseException:
             if self._meter is not None:
@@ -259,10 +268,7 @@ class BackgroundSaver:
             self._thread.join()
             self._thread = None
         if self._group is not None:
-            try:
-                torch_dist.destroy_process_group(self._group)
-            except (ValueError, RuntimeError, AssertionError):  # the application destroyed every group first
-                pass
+            self._group.destroy()
         self._group, self._group_made = None, False
         self._staging.release()
 
@@ -277,6 +283,7 @@ class BackgroundSaver:
                 return
             save = job.save
             try:
+                until_s = collectives_deadline_s(job.timeout_s, hard=False)
                 with job.storage.deadline(job.timeout_s):  # thread-local: entered on this thread
                     if job.before_write is not None:
                         _call_logged(job.before_write, save.step)
@@ -288,9 +295,13 @@ class BackgroundSaver:
                         group=self._group,
                         abort=save.abort,
                         progress=save.progress,
+                        collective_deadline_s=until_s,
                     )
             except BaseException as exc:  # handed to the training thread
                 save.error = exc
+                report = self._on_collective_timeout
+                if isinstance(exc, CollectiveTimeoutError) and report is not None:
+                    _call_logged(functools.partial(report, exc), save.step)
             finally:
                 save.ended_s = time.monotonic()
                 job = None  # the staged tensors are the caller's again
@@ -332,7 +343,7 @@ def _call_logged(action: Callable[[], None], step: int) -> None:
     try:
         action()
     except Exception:  # noqa: BLE001 - this rank alone: raising would leave the other ranks waiting for it
-        log.exception("before writing the background save of step %d", step)
+        log.exception("around the background save of step %d", step)
 
 
 def settle(
@@ -342,8 +353,9 @@ def settle(
     on every rank (abandon it or not, then wait for it to end); log the decision when a save
     was still being written (rule: :mod:`spotrun.checkpoint.in_flight`).
 
-    Collective on the training process group (one gather, one broadcast): every rank calls
-    it at the same step, a save in flight or not.
+    Collective on the training thread's group (one gather, one broadcast): every rank calls
+    it at the same step, a save in flight or not. Both give up a roll call's window before
+    ``left_s`` passes (:class:`~spotrun.errors.CollectiveTimeoutError`).
 
     Args:
         saver: holds the save in flight.
@@ -365,11 +377,13 @@ def settle(
         "remaining_s": current.progress.remaining_s() if running else 0.0,
         "elapsed_s": 0.0 if current is None else time.monotonic() - current.started_s,
     }
-    everyone = dist.all_gather_json(mine)
+    until_s = time.monotonic() + left_s - rollcall.window_s(left_s)
+    what = f"the decision on the save in flight at step {step}"
+    everyone = dist.all_gather_json(mine, timeout_s=max(1.0, until_s - time.monotonic()), what=what)
     decision = None
     if dist.rank() == 0:
         decision = in_flight.decide(everyone, step, left_s, full_save_s, may_save)
-    decision = dist.broadcast_json(decision)
+    decision = dist.broadcast_json(decision, timeout_s=max(1.0, until_s - time.monotonic()), what=what)
     choice = in_flight.Choice(decision["choice"])
     if choice.abandons:
         saver.abort()  # before the log line: whoever reads the log sees it already set

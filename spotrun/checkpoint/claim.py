@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from spotrun.checkpoint import catalog, fencing
 from spotrun.control import files as control
-from spotrun.control.env import WorkerEnv
+from spotrun.control.env import DEFAULT_RESTORE_TIMEOUT_S, WorkerEnv
 from spotrun.errors import CheckpointSaveError, CommitUnsupportedError, FencedError, SpotrunError, StorageError
 from spotrun.storage.base import Storage
 from spotrun.tools import dist
@@ -25,6 +25,7 @@ def claim_incarnation(
     after_newest: bool = False,
     saving_step: int | None = None,
     worker_env: WorkerEnv | None = None,
+    timeout_s: float = DEFAULT_RESTORE_TIMEOUT_S,
 ) -> int:
     """Rank 0 claims the next incarnation on the root (fencing older writers); every rank
     gets the number.
@@ -39,12 +40,15 @@ def claim_incarnation(
             save's :class:`CheckpointSaveError`).
         worker_env: under ``spotrun run``: its control directory (a fenced launch claims
             nothing) and process id (recorded).
+        timeout_s: bound of the broadcast of rank 0's claim, seconds (the other ranks wait in it
+            while rank 0 lists and writes).
 
     Raises:
         FencedError: this launch was fenced before (nothing claimed).
         CheckpointSaveError: with ``saving_step``: the claim failed (``retryable`` false when
             the store cannot commit at all).
         StorageError: without it: the claim failed.
+        CollectiveTimeoutError: a rank did not arrive at the claim's broadcast in time.
     """
     claimed: dict = {}
     if dist.rank() == 0:
@@ -75,7 +79,7 @@ def claim_incarnation(
                 "fenced": isinstance(exc, FencedError),
                 "retryable": not isinstance(exc, (CommitUnsupportedError, FencedError)),
             }
-    claimed = dist.broadcast_json(claimed)
+    claimed = dist.broadcast_json(claimed, timeout_s=timeout_s, what="the claim of this start's incarnation")
     if claimed.get("fenced"):
         raise FencedError(f"this start claims no incarnation under {storage.uri}: {claimed['error']}")
     if "error" in claimed:

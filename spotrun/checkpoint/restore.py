@@ -36,6 +36,7 @@ from spotrun.checkpoint.sharded import is_dtensor
 from spotrun.checkpoint.step_checks import skeleton_problems
 from spotrun.checkpoint.tier_steps import tier_candidates
 from spotrun.checkpoint.verdict import judge
+from spotrun.control.env import DEFAULT_RESTORE_TIMEOUT_S
 from spotrun.errors import (
     CorruptShardError,
     ManifestError,
@@ -170,6 +171,7 @@ def load_newest(
     apply: Callable[[LoadedStep], None] | None = None,
     fast_tier: Storage | None = None,
     run_id: str | None = None,
+    timeout_s: float = DEFAULT_RESTORE_TIMEOUT_S,
 ) -> LoadedStep | None:
     """Load the newest complete step that every rank can verify, or ``None`` when there is none.
 
@@ -185,17 +187,20 @@ def load_newest(
     holds (:class:`~spotrun.errors.CorruptShardError`, :class:`~spotrun.errors.ManifestError`:
     an RNG state the generator rejects) falls back like a bad checksum; a
     :class:`StateMismatchError` (the job's objects differ) or any other exception (the job's
-    own code) stops every rank without un-committing anything.
+    own code) stops every rank without un-committing anything. ``timeout_s`` bounds each of its
+    collectives (the listing's broadcast, each step's verdict), a rank that does not arrive
+    being named.
 
     Raises:
         StorageError: the listing failed.
         NoCheckpointError: complete steps exist but none of them loads.
         StateMismatchError: the newest step every rank verified does not fit the job's objects.
         Whatever ``apply`` raised that is no verification failure, on the rank that raised it.
+        CollectiveTimeoutError: a rank did not arrive at a collective within ``timeout_s``.
     """
     tiers = {"storage": storage, **({"memory": fast_tier} if fast_tier is not None else {})}
     listing, listed = _list_candidates(storage, supervisor_step, fast_tier, run_id) if dist.rank() == 0 else ({}, {})
-    listing = dist.broadcast_json(listing)
+    listing = dist.broadcast_json(listing, timeout_s=timeout_s, what="the broadcast of the restore's listing")
     if "refused" in listing:
         raise NoCheckpointError(listing["refused"])
     if "error" in listing:
@@ -206,7 +211,9 @@ def load_newest(
     for index, (step, key, tier) in enumerate(listing["steps"]):
         source = tiers[tier]
         loaded, problem, raised = _try_load(source, step, key, listed.pop((step, tier), None), destinations, apply)
-        verdict = judge(dist.all_gather_json(problem))
+        verdict = judge(
+            dist.all_gather_json(problem, timeout_s=timeout_s, what=f"the verdict on step {step} at restore")
+        )
         if verdict.loads:
             loaded.tier = tier
             return loaded

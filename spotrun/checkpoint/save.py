@@ -3,7 +3,9 @@ commit in three phases, each ending in one collective: agree (same structure, th
 saved), write this rank's shard, commit (rank 0 writes the manifest with ``put_if_absent``).
 
 A failure on any rank is reported through the collectives, so every rank raises for the same
-step and no rank waits alone; without a manifest the step never commits. Preparing and
+step and no rank waits alone; without a manifest the step never commits. Each collective gives
+up at the save's collective deadline (:mod:`spotrun.checkpoint.save_bounds`), naming the ranks that did
+not arrive (:class:`~spotrun.errors.CollectiveTimeoutError`). Preparing and
 committing are separate so that the commit can run on a background thread. The sequence:
 ``docs/design/internals.md`` (Checkpoint engine).
 """
@@ -29,10 +31,12 @@ from spotrun.checkpoint.manifest_build import build_manifest, tensor_fields
 from spotrun.checkpoint.plan import assign_by_bytes
 from spotrun.checkpoint.rank_index import chunk_key
 from spotrun.checkpoint.restore import reject_step
+from spotrun.checkpoint.save_bounds import collectives_deadline_s, phase_timeout_s
 from spotrun.checkpoint.shard import ShardLimits, split_into_parts
 from spotrun.checkpoint.shard_write import SaveProgress, write_index, write_shard
 from spotrun.checkpoint.sharded import local_box, predicted_box, predicted_grid, writes_chunk
 from spotrun.checkpoint.staging import StagingBuffers
+from spotrun.control.env import DEFAULT_SAVE_TIMEOUT_S
 from spotrun.errors import (
     CheckpointSaveError,
     CommitUnsupportedError,
@@ -166,6 +170,8 @@ def save_step(
     rank_local: dict[str, Any],
     context: SaveContext,
     limits: ShardLimits | None = None,
+    *,
+    collective_deadline_s: float | None = None,
 ) -> SavedStep:
     """Save and commit ``step`` on every rank, synchronously, from the live tensors
     (collective: all ranks must call it): :func:`prepare_save` then :func:`commit_save`.
@@ -173,7 +179,10 @@ def save_step(
     Raises:
         Everything :func:`commit_save` raises.
     """
-    return commit_save(storage, prepare_save(step, replicated, rank_local), context, limits, show_progress=True)
+    prepared = prepare_save(step, replicated, rank_local)
+    return commit_save(
+        storage, prepared, context, limits, show_progress=True, collective_deadline_s=collective_deadline_s
+    )
 
 
 def commit_save(
@@ -186,6 +195,7 @@ def commit_save(
     abort: threading.Event | None = None,
     progress: SaveProgress | None = None,
     show_progress: bool = False,
+    collective_deadline_s: float | None = None,
 ) -> SavedStep:
     """Write this rank's shard of ``prepared`` and commit the step (collective on ``group``:
     every rank calls it for the same step; a background thread passes its own group).
@@ -196,6 +206,9 @@ def commit_save(
     had already committed, in which case the save succeeds everywhere). ``progress`` is
     updated as bytes are written. ``show_progress``: a bar of the bytes local rank 0 writes, on
     a terminal (:mod:`spotrun.tools.progress`; not for background saves: it would cut through training output).
+    ``collective_deadline_s``: when (``time.monotonic()``) each phase's collective gives up
+    (:func:`~spotrun.checkpoint.save_bounds.collectives_deadline_s`); default: that of a save
+    bounded by the default save timeout.
 
     Returns:
         The committed manifest (rank 0 only) and the step's size in bytes (every rank,
@@ -207,16 +220,17 @@ def commit_save(
         FencedError: a newer incarnation of the job started on this root; nothing committed.
         SaveAbortedError: ``abort`` was set; nothing committed.
         CheckpointSaveError: writing or committing failed on some rank; nothing committed.
+        CollectiveTimeoutError: a rank did not arrive at a phase's collective in time (it names
+            the ranks); nothing committed, and ``group`` is unusable.
     """
-    _agree(storage, prepared, context, group)
-    reports = _write(
-        storage, prepared, context, limits, group=group, abort=abort, progress=progress, show_progress=show_progress
-    )
-    manifest = _commit(storage, prepared, context, reports, group=group, abort=abort)
+    until_s = collective_deadline_s or collectives_deadline_s(DEFAULT_SAVE_TIMEOUT_S, hard=False)
+    _agree(storage, prepared, context, group, until_s)
+    reports = _write(storage, prepared, context, limits, group, abort, progress, show_progress, until_s)
+    manifest = _commit(storage, prepared, context, reports, group=group, abort=abort, until_s=until_s)
     return SavedStep(manifest=manifest, size_bytes=sum(f["size_bytes"] for rep in reports for f in rep["files"]))
 
 
-def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group: Any) -> None:
+def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group: Any, until_s: float) -> None:
     """Phase 1 (1 gather): every rank encoded its state, rank 0 may save the step, and the
     replicated structure is the same everywhere; otherwise every rank raises."""
     rank, world_size, step = prepared.rank, prepared.world_size, prepared.step
@@ -239,7 +253,8 @@ def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group
                 )
                 local_error.__cause__ = exc
                 first = {"error": f"{type(local_error).__name__}: {local_error}", "fenced": False}
-    firsts = dist.all_gather_json(first, group=group)
+    what = f"the agree gather of step {step}'s save"
+    firsts = dist.all_gather_json(first, group=group, timeout_s=phase_timeout_s(until_s), what=what)
     if local_error is not None:
         raise local_error
     if firsts[0].get("fenced"):
@@ -266,11 +281,11 @@ def _write(
     prepared: PreparedSave,
     context: SaveContext,
     limits: ShardLimits | None,
-    *,
     group: Any,
     abort: threading.Event | None,
     progress: SaveProgress | None,
     show_progress: bool,
+    until_s: float,
 ) -> list[dict[str, Any]]:
     """Phase 2 (1 gather): write this rank's shard and index; returns every rank's report
     (its file records and rank state), or raises on every rank when one failed."""
@@ -310,7 +325,8 @@ def _write(
         write_error, report = exc, {"ok": False, "error": _describe(exc), "aborted": isinstance(exc, SaveAbortedError)}
         if not isinstance(exc, SaveAbortedError):
             log.error("rank %d failed to write its shard of step %d: %s", prepared.rank, step, report["error"])
-    reports = dist.all_gather_json(report, group=group)
+    what = f"the write gather of step {step}'s save"
+    reports = dist.all_gather_json(report, group=group, timeout_s=phase_timeout_s(until_s), what=what)
     _raise_if_failed(
         reports,
         lambda failed: (
@@ -331,6 +347,7 @@ def _commit(
     *,
     group: Any,
     abort: threading.Event | None,
+    until_s: float,
 ) -> Manifest | None:
     """Phase 3 (1 broadcast): rank 0 writes the manifest unless fenced or abandoned; returns
     it on rank 0 (``None`` elsewhere), or raises on every rank when the commit failed."""
@@ -358,7 +375,8 @@ def _commit(
         # a store spread over nodes (the fast tier across nodes) keeps the manifest on each of them
         if outcome["ok"] and getattr(storage, "manifest_on_every_node", False):
             outcome["manifest"] = manifest_json.decode()
-    outcome = dist.broadcast_json(outcome, group=group)
+    what = f"the commit broadcast of step {step}'s save"
+    outcome = dist.broadcast_json(outcome, group=group, timeout_s=phase_timeout_s(until_s), what=what)
     _raise_if_failed([outcome], lambda failed: f"commit of step {step} failed on rank 0: {failed[0]}")
     if "manifest" in outcome and prepared.rank != 0 and dist.local_rank() == 0:
         try:  # the step is committed: a node without its copy reads it from the others

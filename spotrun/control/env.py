@@ -62,10 +62,22 @@ MEMORY_REPLICAS = "SPOTRUN_MEMORY_REPLICAS"
 MEMORY_PEER_TIMEOUT_S = "SPOTRUN_MEMORY_PEER_TIMEOUT_S"
 MEMORY_FAILURE_DOMAIN = "SPOTRUN_MEMORY_FAILURE_DOMAIN"
 
+#: Bound of each collective of a restore (``Checkpointer(restore_timeout_s=...)`` wins), seconds:
+#: how long every rank waits for the slowest to list, read and verify a step.
+RESTORE_TIMEOUT_S = "SPOTRUN_RESTORE_TIMEOUT_S"
+#: Bound of the per-step agreement (``Checkpointer(agreement_timeout_s=...)`` wins), seconds.
+AGREEMENT_TIMEOUT_S = "SPOTRUN_AGREEMENT_TIMEOUT_S"
+
 DEFAULT_CHECKPOINT_URI = "./checkpoints"
 #: Default bound of one save's storage operations (``Checkpointer(save_timeout_s=...)``), in
 #: seconds; ``spotrun gc`` relies on it to tell a running save from a dead one.
 DEFAULT_SAVE_TIMEOUT_S = 300.0
+#: Default bound of each collective of a restore, in seconds: reading a 1 TB step takes minutes,
+#: and the ranks also start at different times (loading the model, compiling).
+DEFAULT_RESTORE_TIMEOUT_S = 1800.0
+#: Default bound of the per-step agreement, in seconds: the ranks are at most a step apart (a
+#: first step that compiles takes minutes), so a rank that stopped is named within 5 minutes.
+DEFAULT_AGREEMENT_TIMEOUT_S = 300.0
 #: The safety margin when the grace period is long enough for it, in seconds.
 DEFAULT_SAFETY_MARGIN_S = 5.0
 
@@ -100,6 +112,8 @@ class WorkerEnv:
         memory_node, memory_peer_address, memory_secret_file, memory_replicas, memory_peer_timeout_s,
             memory_failure_domain: the fast tier's server on this node, its replicas and this node's
             failure domain (several nodes); ``None`` if unset.
+        restore_timeout_s, agreement_timeout_s: bounds of the restore's collectives and of the
+            per-step agreement (``docs/reference/timeouts.md``); ``None`` if unset.
     """
 
     checkpoint_uri: str | None
@@ -121,6 +135,8 @@ class WorkerEnv:
     memory_replicas: int | None = None
     memory_peer_timeout_s: float | None = None
     memory_failure_domain: str | None = None
+    restore_timeout_s: float | None = None
+    agreement_timeout_s: float | None = None
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -170,4 +186,6 @@ class WorkerEnv:
             memory_replicas=_int(MEMORY_REPLICAS),
             memory_peer_timeout_s=_seconds(MEMORY_PEER_TIMEOUT_S),
             memory_failure_domain=env.get(MEMORY_FAILURE_DOMAIN) or None,
+            restore_timeout_s=_seconds(RESTORE_TIMEOUT_S),
+            agreement_timeout_s=_seconds(AGREEMENT_TIMEOUT_S),
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -64,8 +65,10 @@ class CommitReport:
     tier: str = "storage"
 
 
-def _write_json_atomically(path: str, doc: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
+def write_json_atomically(path: str, doc: dict) -> None:
+    """Write ``doc`` to ``path`` by rename: a reader sees the old file or the new one, whole (the
+    temporary name is the writer's own: ranks and their threads may write one report at once)."""
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(doc, f)
         f.flush()
@@ -73,7 +76,12 @@ def _write_json_atomically(path: str, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-def _read_json(path: str) -> dict | None:
+def read_json(path: str) -> dict | None:
+    """The JSON object at ``path``; ``None`` when the file is missing or holds no object.
+
+    Raises:
+        ConfigError: the file cannot be read or parsed.
+    """
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
@@ -86,7 +94,7 @@ def _read_json(path: str) -> dict | None:
 
 def write_save_request(control_dir: str, request: SaveRequest) -> None:
     """Supervisor side: ask this node's workers for an emergency checkpoint."""
-    _write_json_atomically(os.path.join(control_dir, SAVE_REQUEST_FILE), asdict(request))
+    write_json_atomically(os.path.join(control_dir, SAVE_REQUEST_FILE), asdict(request))
 
 
 def save_requested(control_dir: str) -> bool:
@@ -96,7 +104,7 @@ def save_requested(control_dir: str) -> bool:
 
 def read_save_request(control_dir: str) -> SaveRequest | None:
     """The pending request, or ``None``."""
-    doc = _read_json(os.path.join(control_dir, SAVE_REQUEST_FILE))
+    doc = read_json(os.path.join(control_dir, SAVE_REQUEST_FILE))
     if doc is None:
         return None
     return SaveRequest(
@@ -110,7 +118,7 @@ def read_save_request(control_dir: str) -> SaveRequest | None:
 
 def write_commit_report(control_dir: str, step: int, tier: str = "storage") -> None:
     """Worker side: report that the emergency checkpoint of ``step`` committed (to ``tier``)."""
-    _write_json_atomically(
+    write_json_atomically(
         os.path.join(control_dir, EMERGENCY_COMMIT_FILE),
         asdict(CommitReport(step=step, committed_unix_s=time.time(), tier=tier)),
     )
@@ -118,7 +126,7 @@ def write_commit_report(control_dir: str, step: int, tier: str = "storage") -> N
 
 def read_commit_report(control_dir: str) -> CommitReport | None:
     """Supervisor side: the workers' commit report, or ``None`` if none was written."""
-    doc = _read_json(os.path.join(control_dir, EMERGENCY_COMMIT_FILE))
+    doc = read_json(os.path.join(control_dir, EMERGENCY_COMMIT_FILE))
     if doc is None or type(doc.get("step")) is not int:
         return None
     return CommitReport(
@@ -130,7 +138,7 @@ def read_commit_report(control_dir: str) -> CommitReport | None:
 
 def write_stop_report(control_dir: str, step: int) -> None:
     """Worker side: report that the workers stopped after ``step`` without saving."""
-    _write_json_atomically(os.path.join(control_dir, STOP_REPORT_FILE), {"step": step, "stopped_unix_s": time.time()})
+    write_json_atomically(os.path.join(control_dir, STOP_REPORT_FILE), {"step": step, "stopped_unix_s": time.time()})
 
 
 def read_stop_report(control_dir: str) -> int | None:
@@ -139,7 +147,7 @@ def read_stop_report(control_dir: str) -> int | None:
     Raises:
         ConfigError: the file exists but is not JSON.
     """
-    doc = _read_json(os.path.join(control_dir, STOP_REPORT_FILE))
+    doc = read_json(os.path.join(control_dir, STOP_REPORT_FILE))
     if doc is None or type(doc.get("step")) is not int:
         return None
     return doc["step"]
@@ -169,7 +177,7 @@ class FenceReport:
 
 def write_fence_report(control_dir: str, report: FenceReport) -> None:
     """Worker side: report that this launch's workers were fenced."""
-    _write_json_atomically(os.path.join(control_dir, FENCE_REPORT_FILE), asdict(report))
+    write_json_atomically(os.path.join(control_dir, FENCE_REPORT_FILE), asdict(report))
 
 
 def read_fence_report(control_dir: str) -> FenceReport | None:
@@ -179,7 +187,7 @@ def read_fence_report(control_dir: str) -> FenceReport | None:
         ConfigError: the file exists but is not JSON (a JSON object of other fields reads as a
             report with those fields unknown: being fenced is what counts).
     """
-    doc = _read_json(os.path.join(control_dir, FENCE_REPORT_FILE))
+    doc = read_json(os.path.join(control_dir, FENCE_REPORT_FILE))
     if doc is None:
         return None
 
@@ -201,9 +209,9 @@ def read_fence_report(control_dir: str) -> FenceReport | None:
 def write_checkpoint_request(control_dir: str, reason: str) -> int:
     """Supervisor side: ask for an ordinary checkpoint (training goes on); returns its ``seq``."""
     path = os.path.join(control_dir, CHECKPOINT_REQUEST_FILE)
-    previous = _read_json(path) or {}
+    previous = read_json(path) or {}
     seq = int(previous.get("seq", 0)) + 1 if isinstance(previous.get("seq"), int) else 1
-    _write_json_atomically(path, {"seq": seq, "reason": reason, "requested_unix_s": time.time()})
+    write_json_atomically(path, {"seq": seq, "reason": reason, "requested_unix_s": time.time()})
     return seq
 
 
@@ -228,7 +236,7 @@ class CheckpointRequestWatcher:
         if (st.st_mtime_ns, st.st_size) != self._seen_stat:
             self._seen_stat = (st.st_mtime_ns, st.st_size)
             try:
-                doc = _read_json(self._path) or {}
+                doc = read_json(self._path) or {}
             except ConfigError:
                 doc = {}
             if type(doc.get("seq")) is int:
@@ -357,7 +365,7 @@ def write_save_stats(control_dir: str, stats: SaveStats) -> None:
         "check_interval_steps": stats.check_interval_steps,
         "restore": None if stats.restore is None else asdict(stats.restore),
     }
-    _write_json_atomically(os.path.join(control_dir, SAVES_FILE), doc)
+    write_json_atomically(os.path.join(control_dir, SAVES_FILE), doc)
 
 
 def read_save_stats(control_dir: str) -> SaveStats | None:
@@ -367,7 +375,7 @@ def read_save_stats(control_dir: str) -> SaveStats | None:
         ConfigError: the file exists but is not JSON or has fields of the wrong type.
     """
     path = os.path.join(control_dir, SAVES_FILE)
-    doc = _read_json(path)
+    doc = read_json(path)
     if doc is None:
         return None
     try:

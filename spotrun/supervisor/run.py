@@ -31,6 +31,7 @@ from spotrun.supervisor import exit_codes, finished, outcome, preflight, process
 from spotrun.supervisor.config import MAX_RESTART_BACKOFF_S, SupervisorConfig
 from spotrun.supervisor.exit_codes import EXIT_FENCED, EXIT_FINISHED, EXIT_PREEMPTED_NOT_SAVED
 from spotrun.supervisor.foreign import NoticeDelivery, describe_delivery
+from spotrun.supervisor.hang_watch import HangWatch
 from spotrun.supervisor.launch import LaunchPlan, describe_start, plan_launch
 from spotrun.supervisor.observers import Observers
 from spotrun.supervisor.tier import TierService, fast_tier_launch, lost, open_fast_tier
@@ -205,8 +206,10 @@ class _Supervisor:
                 resumed_created_unix_s=self.resumed_manifest.created_unix_s if self.resumed_manifest else None,
                 control_dir=control_dir,
             )
-            code = self._run_once(plan, control_dir)
+            hangs = HangWatch(control_dir)  # a rank that stops answering: the launch is stopped and named
+            code = self._run_once(plan, control_dir, hangs)
             self.observers.emit("command_exit", code=code, incarnation=plan.incarnation)
+            hangs.look(stopping=False)
             fenced = outcome.fenced(control_dir)  # before a notice's outcome: a 142 would be retried
             if fenced is not None:
                 log.error("%s: exiting %d", fenced, EXIT_FENCED)
@@ -231,7 +234,7 @@ class _Supervisor:
             self.observers.emit("restart", attempt=attempt, code=code, delay_s=delay_s)
             self._wait(delay_s, until_notice=True)
 
-    def _run_once(self, plan: LaunchPlan, control_dir: str) -> int:
+    def _run_once(self, plan: LaunchPlan, control_dir: str, hangs: HangWatch) -> int:
         """Start the command, wait for it (stopping it at the deadline); its exit code."""
         command = list(self.config.command)
         try:  # in the main thread: PR_SET_PDEATHSIG fires when the forking thread ends
@@ -258,14 +261,14 @@ class _Supervisor:
             shlex.join(command),
         )
         while self.child_returncode is None:
-            wake_unix_s = min(
-                (t for t in (self.deadline_unix_s, self.delivery_recheck_unix_s) if t is not None), default=None
-            )
-            self._wait(None if wake_unix_s is None else wake_unix_s - time.time())
+            wakes = (self.deadline_unix_s, self.delivery_recheck_unix_s, hangs.next_look_unix_s)
+            self._wait(min(t for t in wakes if t is not None) - time.time())
             if self.delivery_recheck_unix_s is not None and time.time() >= self.delivery_recheck_unix_s:
                 self._deliver_notice()
-            if self.child_returncode is None and self._deadline_passed():
-                log.warning("deadline passed before the command exited: stopping it")
+            deadline_passed = self.deadline_unix_s is not None and time.time() >= self.deadline_unix_s
+            if self.child_returncode is None and (hangs.look() or deadline_passed):
+                if hangs.report is None:  # else the look said why
+                    log.warning("deadline passed before the command exited: stopping it")
                 self._stop_child()
         self.control_dir = None
         code = process.exit_code(self.child_returncode)
@@ -423,9 +426,6 @@ class _Supervisor:
             deadline_unix_s=kill_by_unix_s if self.notice is not None else None,
             wait_s=self.config.grace_period_s,
         )
-
-    def _deadline_passed(self) -> bool:
-        return self.deadline_unix_s is not None and time.time() >= self.deadline_unix_s
 
     def _reap(self) -> None:
         for pid, returncode in process.reap_children().items():

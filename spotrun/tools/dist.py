@@ -1,8 +1,9 @@
 """Thin helpers over ``torch.distributed`` that also work in a single process.
 
 When no process group is initialised every helper behaves as world size 1, so the
-library runs unchanged in a plain ``python train.py``. Collectives run on the device
-the backend needs (CUDA for NCCL, CPU for gloo).
+library runs unchanged in a plain ``python train.py``. The collectives run on spotrun's own
+gloo groups (CPU, no device sync), each bounded by its caller's ``timeout_s``: a rank that does
+not arrive is named (:mod:`spotrun.tools.collectives`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import json
 import os
 from typing import Any
 
-import torch
 import torch.distributed as dist
+
+from spotrun.tools import collectives
+from spotrun.tools.collectives import BoundedGroup, Pending
 
 
 def is_distributed() -> bool:
@@ -36,60 +39,57 @@ def local_rank() -> int:
     return int(raw) if raw and raw.isdigit() else rank()
 
 
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def any_rank(flag: bool, *, timeout_s: float, what: str) -> bool:
+    """True on every rank if ``flag`` is true on at least one (one all-reduce on spotrun's training
+    group, bounded by ``timeout_s``; ``what`` names it in the error: see :func:`all_gather_json`)."""
+    return any_rank_each([flag], timeout_s=timeout_s, what=what)[0]
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank if ``flag`` is true on at least one (one 1-element all-reduce)."""
-    if not is_distributed():
-        return flag
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
-def any_rank_each(flags: list[bool]) -> list[bool]:
+def any_rank_each(flags: list[bool], *, timeout_s: float, what: str) -> list[bool]:
     """Element-wise :func:`any_rank` of several flags in one all-reduce."""
+    return start_any_rank_each(flags, timeout_s=timeout_s, what=what).wait()
+
+
+def start_any_rank_each(flags: list[bool], *, timeout_s: float, what: str) -> Pending[list[bool]] | Done:
+    """Start :func:`any_rank_each`; its ``wait()`` gives the flags (the bound counts from the start)."""
     if not is_distributed():
-        return list(flags)
-    value = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=_collective_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in value.tolist()]
+        return Done(list(flags))
+    group = collectives.training_group(timeout_s=timeout_s, what=what)
+    pending = group.start_all_reduce_max([1 if f else 0 for f in flags], timeout_s=timeout_s, what=what)
+    return _Flags(pending)
 
 
-def all_gather_json(value: Any, group: Any = None) -> list[Any]:
+def all_gather_json(value: Any, *, timeout_s: float, what: str, group: BoundedGroup | None = None) -> list[Any]:
     """Every rank's JSON-serialisable ``value``, indexed by rank.
 
-    Values travel as JSON text (the transport is torch's object collective); nothing
-    but JSON is ever accepted, so no arbitrary object is unpickled on receipt.
-    ``group``: the process group (default: the default group); a background thread uses
-    its own group (:func:`new_background_group`), so its collectives never interleave
-    with the training thread's.
+    Values travel as JSON text, never pickled. ``group``: a background thread's own group
+    (:func:`new_background_group`), so its collectives never interleave with the training
+    thread's; default: the training thread's group (:func:`spotrun.tools.collectives.training_group`).
+    Never on the job's default group.
+
+    Raises:
+        CollectiveTimeoutError: not every rank arrived within ``timeout_s`` seconds (the message
+            names the ranks that did not, and ``what``: ``"the write gather of step 40's save"``).
     """
     if not is_distributed():
         return [value]  # nothing travels
-    text = json.dumps(value, allow_nan=False)
-    gathered: list[str | None] = [None] * world_size()
-    dist.all_gather_object(gathered, text, group=group)
-    return [json.loads(t) for t in gathered]  # type: ignore[arg-type]
+    text = json.dumps(value, allow_nan=False).encode()
+    group = group or collectives.training_group(timeout_s=timeout_s, what=what)
+    return [json.loads(t) for t in group.all_gather_bytes(text, timeout_s=timeout_s, what=what)]
 
 
-def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
-    """Rank ``src``'s (global rank) JSON-serialisable ``value`` on every rank of ``group``."""
+def broadcast_json(value: Any, src: int = 0, *, timeout_s: float, what: str, group: BoundedGroup | None = None) -> Any:
+    """Rank ``src``'s (global rank) JSON-serialisable ``value`` on every rank; as :func:`all_gather_json`."""
     if not is_distributed():
         return value  # nothing travels
-    text = json.dumps(value, allow_nan=False)
-    box = [text if rank() == src else None]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return json.loads(box[0])  # type: ignore[arg-type]
+    text = json.dumps(value, allow_nan=False).encode() if rank() == src else None
+    group = group or collectives.training_group(timeout_s=timeout_s, what=what)
+    return json.loads(group.broadcast_bytes(text, src, timeout_s=timeout_s, what=what))
 
 
-def new_background_group() -> Any:
-    """A gloo process group over all ranks for a background thread's collectives
-    (collective: every rank must call it, in the same order); ``None`` without a process group.
+def new_background_group(*, timeout_s: float, what: str) -> BoundedGroup | None:
+    """A bounded gloo group over all ranks for a background thread's collectives (collective:
+    every rank must call it, in the same order); ``None`` without a process group.
 
     Collectives of one group must be issued in the same order on every rank; a thread that
     shares the training thread's group could interleave with its all-reduces. gloo runs on
@@ -97,4 +97,22 @@ def new_background_group() -> Any:
     """
     if not is_distributed():
         return None
-    return dist.new_group(backend="gloo")
+    return collectives.new_group("background", timeout_s=timeout_s, what=what)
+
+
+class Done:
+    """A result known at once (no process group): ``wait()`` returns it."""
+
+    def __init__(self, value: list[bool]) -> None:
+        self._value = value
+
+    def wait(self) -> list[bool]:
+        return self._value
+
+
+class _Flags:
+    def __init__(self, pending: Pending[list[int]]) -> None:
+        self._pending = pending
+
+    def wait(self) -> list[bool]:
+        return [bool(v) for v in self._pending.wait()]

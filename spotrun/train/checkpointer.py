@@ -18,22 +18,23 @@ from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HE
 from spotrun.control import files as control
 from spotrun.control import listeners
 from spotrun.control.env import DEFAULT_CHECKPOINT_URI, DEFAULT_SAVE_TIMEOUT_S, WorkerEnv
-from spotrun.errors import FencedError
+from spotrun.errors import CollectiveTimeoutError, FencedError
 from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState, settle_vector_math
 from spotrun.state.optimizer import pair_optimizers
 from spotrun.state.rng import RNGState
 from spotrun.storage import Storage, open_storage
-from spotrun.tools import dist
+from spotrun.tools import dist, rollcall
 from spotrun.tools.gc_pause import gc_paused
 from spotrun.train.apply import check_state_names
 from spotrun.train.decision import Action, StepContext, decide
 from spotrun.train.events import TrainingEvents
 from spotrun.train.fast_tier import MEMORY_TIER, open_fast_tier
 from spotrun.train.fence_report import reports_fence
+from spotrun.train.hang_report import report_collective_timeout, reports_collective_timeout
 from spotrun.train.identity import Identity
 from spotrun.train.meter import SaveMeter
 from spotrun.train.options import ON_SAVE_IN_FLIGHT, CheckpointerOptions, option_attribute  # noqa: F401 (as before)
-from spotrun.train.requests import StopRequests
+from spotrun.train.requests import Asked, StopRequests
 from spotrun.train.restoring import Restored, restore_state
 from spotrun.train.saving import Saves
 from spotrun.train.stopping import report_stop, stop
@@ -84,17 +85,21 @@ class Checkpointer:
         memory_interval_steps: int | None = None,
         memory_dir: str | None = None,
         memory_budget_bytes: int | None = None,
+        restore_timeout_s: float | None = None,
+        agreement_timeout_s: float | None = None,
     ) -> None:
         check_state_names(state, rank_state)
         settle_vector_math()  # before the restore and the first step: a resumed run computes as the first one did
         arguments = (
             locals()
         )  # the settings are named as the options' fields (tests/unit/train/test_checkpointer_options.py)
-        self.options = options = CheckpointerOptions(**{f.name: arguments[f.name] for f in fields(CheckpointerOptions)})
+        options = CheckpointerOptions(**{f.name: arguments[f.name] for f in fields(CheckpointerOptions)})
         # optimizers keyed by parameter name (DCP's state_dict helpers): any layout loads them
         self._state = pair_optimizers(dict(state))
         self._rank_state = {**(rank_state or {}), NUMERICS_STATE_NAME: NumericsState(), "rng": RNGState()}
         self._env = env = WorkerEnv.from_environ()
+        self.options = options
+        self._bounded = options = options.with_timeouts(env)  # the options with every bound a number
         # Under `spotrun run`: say that this worker reads the save request, so the supervisor
         # sends it no signal (spotrun.supervisor.foreign); first, before a long restore.
         listeners.announce("checkpointer")
@@ -111,14 +116,18 @@ class Checkpointer:
             on_save_ended=self._events.save_ended,
         )
         self._saves = Saves(options, env, self._storage, self._meter, self._identity, self._state, self._rank_state)
-        self._tier = open_fast_tier(
-            options,
-            env,
-            self._identity,
-            self._state,
-            self._rank_state,
-            on_save_ended=partial(self._events.save_ended, tier=MEMORY_TIER),
-        )
+        try:  # its nodes are gathered here: the first of spotrun's collectives
+            self._tier = open_fast_tier(
+                options,
+                env,
+                self._identity,
+                self._state,
+                self._rank_state,
+                on_save_ended=partial(self._events.save_ended, tier=MEMORY_TIER),
+            )
+        except CollectiveTimeoutError as exc:
+            report_collective_timeout(env.control_dir, exc)
+            raise
         self.preempted = False
         self._requests = StopRequests(env, handle_signals=handle_signals)
 
@@ -131,7 +140,8 @@ class Checkpointer:
     on_save_in_flight = option_attribute("on_save_in_flight")
 
     def _use(self, options: CheckpointerOptions) -> None:  # by option_attribute's setter
-        self.options = self._saves.options = options
+        self.options = options
+        self._bounded = self._saves.options = options.with_timeouts(self._env)
 
     @property
     def storage(self) -> Storage:
@@ -171,6 +181,7 @@ class Checkpointer:
     def _background(self) -> BackgroundSaver:  # for tests that look at the staging buffers
         return self._saves.saver
 
+    @reports_collective_timeout
     @reports_fence
     @gc_paused()
     def restore(self) -> int:
@@ -204,6 +215,7 @@ class Checkpointer:
             self._meter,
             self._events,
             fast_tier=self._tier.storage if self._tier is not None else None,
+            timeout_s=self._bounded.restore_timeout_s,
         )
         self._restored = restored
         self._identity.claimed(restored.run_id, restored.incarnation)
@@ -213,6 +225,7 @@ class Checkpointer:
                 self._tier.restored(restored.step)
         return restored.step
 
+    @reports_collective_timeout
     @reports_fence
     def end_of_step(self, step: int) -> bool:
         """Call once per training step, after the optimizer step, on every rank; True: stop the loop now
@@ -252,7 +265,9 @@ class Checkpointer:
                     checkpoint,
                     self._saves.saver.running,
                     self._tier is not None and self._tier.running,
-                ]
+                ],
+                timeout_s=self._agreement_timeout_s(asked),
+                what=f"the per-step agreement at step {step}",
             )
             context = replace(
                 context,
@@ -286,6 +301,16 @@ class Checkpointer:
             self._tier.save(step, tier_running)
         return decision.stops
 
+    def _agreement_timeout_s(self, asked: Asked) -> float:
+        """The agreement's bound: ``agreement_timeout_s``, but when this rank was asked to stop, a roll
+        call's window before the stop's deadline, so that a rank that did not arrive is named in time."""
+        bound_s = self._bounded.agreement_timeout_s
+        if asked.save_and_stop or asked.stop_without_save:
+            left_s = self._requests.emergency_timeout_s(asked, bound_s)
+            bound_s = max(1.0, left_s - rollcall.window_s(left_s))
+        return bound_s
+
+    @reports_collective_timeout
     @reports_fence
     def save(self, step: int, reason: str = "manual", *, timeout_s: float | None = None) -> None:
         """Save and commit ``step`` now, on every rank (a collective), from the live tensors.
@@ -309,6 +334,7 @@ class Checkpointer:
     def _report_fenced(self, exc: FencedError) -> None:  # by @reports_fence
         self._identity.report_fenced(exc)
 
+    @reports_collective_timeout
     @reports_fence
     def wait_for_save(self) -> None:
         """Block until the background save in flight (if any) ended on this rank (call it on every rank at the
@@ -320,6 +346,7 @@ class Checkpointer:
         """
         self._saves.report(self._saves.saver.take(), count_failure=False)
 
+    @reports_collective_timeout
     @reports_fence
     def close(self) -> None:
         """Wait for the background save in flight (its failure is reported as in :meth:`end_of_step`), stop the

@@ -22,13 +22,14 @@ from spotrun.checkpoint.claim import claim_incarnation
 from spotrun.checkpoint.layout import parse_manifest_name
 from spotrun.checkpoint.retention import delete_step
 from spotrun.checkpoint.save import prepare_save
-from spotrun.control.env import WorkerEnv
-from spotrun.errors import CheckpointSaveError, SpotrunError
+from spotrun.checkpoint.save_bounds import collectives_deadline_s, phase_timeout_s
+from spotrun.control.env import DEFAULT_AGREEMENT_TIMEOUT_S, DEFAULT_RESTORE_TIMEOUT_S, WorkerEnv
+from spotrun.errors import CheckpointSaveError, CollectiveTimeoutError, SpotrunError
 from spotrun.storage import LocalStorage, Storage
 from spotrun.storage.tier_dir import free_bytes
 from spotrun.storage.tier_holdings import NodeHoldings
 from spotrun.storage.tier_peers import JobTier
-from spotrun.tools import dist
+from spotrun.tools import dist, rollcall
 from spotrun.train.identity import Identity
 from spotrun.train.meter import SaveMeter
 from spotrun.train.options import CheckpointerOptions
@@ -81,14 +82,15 @@ def open_fast_tier(
     ``"memory"``)."""
     root, interval = tier_settings(options, env)
     job = None
+    startup_s = options.restore_timeout_s or DEFAULT_RESTORE_TIMEOUT_S  # the ranks may still be starting
     if multi_node():  # every rank gathers, with a tier or without: one that stayed away would hang the rest
-        job = job_nodes(env, wanted=root is not None, interval_steps=interval)
+        job = job_nodes(env, wanted=root is not None, interval_steps=interval, timeout_s=startup_s)
         if job is None:
             return None
-    elif _supervised(root, env) and _holds_replicas(root):
+    elif _supervised(root, env) and _holds_replicas(root, startup_s):
         # the job spanned several nodes and goes on with this one: the replicas it holds of the nodes
         # that left complete their steps (a 2-node step restored onto 1 node), and its pruning frees them
-        job = job_nodes(env, wanted=True, interval_steps=interval)
+        job = job_nodes(env, wanted=True, interval_steps=interval, timeout_s=startup_s)
     if root is None:
         return None
     budget = options.memory_budget_bytes if options.memory_budget_bytes is not None else env.memory_budget_bytes
@@ -100,11 +102,11 @@ def _supervised(root: str | None, env: WorkerEnv) -> bool:
     return root is not None and bool(env.memory_node) and root == env.memory_dir
 
 
-def _holds_replicas(root: str) -> bool:
+def _holds_replicas(root: str, timeout_s: float) -> bool:
     """Whether this node's tier holds other nodes' replicas, as local rank 0 saw it (collective on
     this node's ranks alone; they share the tier): every rank then takes the same path."""
     held = bool(NodeHoldings(os.path.dirname(os.path.abspath(root))).replica_nodes()) if dist.rank() == 0 else None
-    return bool(dist.broadcast_json(held))
+    return bool(dist.broadcast_json(held, timeout_s=timeout_s, what="the look for the fast tier's replicas"))
 
 
 class FastTier:
@@ -242,7 +244,8 @@ class FastTier:
         self.report_ended()  # the save abandoned for the emergency one: ended before the tier is pruned
         estimate_s = self._meter.full_save_s()  # None before a tier save committed: cost unknown
         fits = self._checked and estimate_s is not None and estimate_s <= STOPPING_SAVE_SHARE * left_s
-        if dist.any_rank(not fits):
+        bound_s = max(1.0, left_s - rollcall.window_s(max(left_s, 0.0)))
+        if dist.any_rank(not fits, timeout_s=bound_s, what=f"the choice to write step {step} into the fast tier"):
             if dist.rank() == 0:
                 log.info(
                     "the emergency step %d is not written to the fast tier: %s",
@@ -278,7 +281,8 @@ class FastTier:
                 newest = {"newest": fencing.read_fences(self.storage).newest}
             except (SpotrunError, OSError) as exc:
                 newest = {"error": f"{type(exc).__name__}: {exc}"}
-        newest = dist.broadcast_json(newest)
+        bound_s = phase_timeout_s(collectives_deadline_s(self.saves.options.save_timeout_s, hard=False))
+        newest = dist.broadcast_json(newest, timeout_s=bound_s, what="the fast tier's claim")
         if "error" in newest:
             raise CheckpointSaveError(f"cannot read the fast tier's incarnations: {newest['error']}")
         if newest["newest"] is not None and newest["newest"] > incarnation:
@@ -290,7 +294,11 @@ class FastTier:
             )
         if newest["newest"] != incarnation:
             claim_incarnation(
-                self.storage, resumed_step=self._restored_step, at_least=incarnation, run_id=self._identity.run_id
+                self.storage,
+                resumed_step=self._restored_step,
+                at_least=incarnation,
+                run_id=self._identity.run_id,
+                timeout_s=bound_s,
             )
         self._fenced_incarnation = incarnation
 
@@ -303,7 +311,11 @@ class FastTier:
         # the files hold more than the tensors: headers, the rank's index, the manifest, and
         # each file fills whole pages of the tmpfs
         own_bytes += FILE_OVERHEAD_BYTES * FILES_PER_RANK + ENTRY_OVERHEAD_BYTES * len(prepared.tensors)
-        rank_bytes = dist.all_gather_json(own_bytes)
+        bound_s, what = (
+            self.saves.options.agreement_timeout_s or DEFAULT_AGREEMENT_TIMEOUT_S,
+            "the fast tier's size check",
+        )
+        rank_bytes = dist.all_gather_json(own_bytes, timeout_s=bound_s, what=what)
         step_bytes = sum(rank_bytes)
         kept = KEPT_STEPS
         if self.job is None:
@@ -321,7 +333,7 @@ class FastTier:
                 free = free_bytes(self._root)
             except OSError as exc:  # said; the budget alone then decides
                 log.warning("cannot read the free space of the fast tier %s: %s", self._root, exc)
-        frees = [f for f in dist.all_gather_json(free) if f is not None]
+        frees = [f for f in dist.all_gather_json(free, timeout_s=bound_s, what=what) if f is not None]
         # on one node the ranks share the tier; across nodes the fullest node decides
         free = (max(frees) if self.job is None else min(frees)) if frees else None
         room = free if self.budget_bytes is None else min(self.budget_bytes, free or self.budget_bytes)
@@ -373,6 +385,8 @@ class FastTier:
             return
         try:
             action()
+        except CollectiveTimeoutError:  # spotrun's group is unusable: the job must restart, not go on without a tier
+            raise
         except (SpotrunError, OSError) as exc:
             self.enabled = False
             log.error("the fast tier failed (%s: %s); running with storage only", type(exc).__name__, exc)

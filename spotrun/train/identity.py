@@ -11,7 +11,8 @@ from typing import Any
 from spotrun.checkpoint.claim import claim_incarnation
 from spotrun.checkpoint.encode import encode_state
 from spotrun.checkpoint.save import SaveContext
-from spotrun.control.env import WorkerEnv
+from spotrun.checkpoint.save_bounds import collectives_deadline_s, phase_timeout_s
+from spotrun.control.env import DEFAULT_SAVE_TIMEOUT_S, WorkerEnv
 from spotrun.errors import FencedError
 from spotrun.storage import Storage
 from spotrun.tools import dist
@@ -35,11 +36,20 @@ class Identity:
         self.run_id, self.incarnation = run_id, incarnation
 
     def save_context(
-        self, step: int, reason: str, replicated: dict[str, Any], rank_local: dict[str, Any], step_time_s: float | None
+        self,
+        step: int,
+        reason: str,
+        replicated: dict[str, Any],
+        rank_local: dict[str, Any],
+        step_time_s: float | None,
+        until_s: float | None = None,
     ) -> SaveContext:
         """The save's context; a save without a restore first claims this start's incarnation
-        (collective), once the state can be saved. Call under a storage deadline."""
+        (collective, giving up at ``until_s``: the save's collective deadline, by default that
+        of a save bounded by the default save timeout), once the state can be saved. Call under
+        a storage deadline."""
         if self.incarnation is None:
+            until_s = until_s or collectives_deadline_s(DEFAULT_SAVE_TIMEOUT_S, hard=False)
             encode_state(replicated, rank_local, dist.rank())  # raises before anything is claimed
             self.incarnation = claim_incarnation(
                 self._storage,
@@ -49,6 +59,7 @@ class Identity:
                 after_newest=True,
                 saving_step=step,
                 worker_env=self._env,
+                timeout_s=phase_timeout_s(until_s),
             )
             self._events.started(self.incarnation, None, 0)
         return SaveContext(reason=reason, run_id=self.run_id, incarnation=self.incarnation, step_time_s=step_time_s)

@@ -10,7 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES
-from spotrun.control.env import DEFAULT_SAVE_TIMEOUT_S
+from spotrun.control.env import (
+    DEFAULT_AGREEMENT_TIMEOUT_S,
+    DEFAULT_RESTORE_TIMEOUT_S,
+    DEFAULT_SAVE_TIMEOUT_S,
+    WorkerEnv,
+)
 from spotrun.errors import ConfigError
 
 #: What a due save does while the previous background save is still in flight.
@@ -67,18 +72,35 @@ class CheckpointerOptions:
     """The fast tier's checkpoint root (a tmpfs directory); ``None``: ``$SPOTRUN_MEMORY_DIR`` (``spotrun run``)."""
     memory_budget_bytes: int | None = None
     """Most bytes of this node's fast tier; ``None``: ``$SPOTRUN_MEMORY_BUDGET_BYTES``, else its free space."""
+    restore_timeout_s: float | None = None
+    """Bound of each collective of ``restore()``, seconds; ``None``: ``$SPOTRUN_RESTORE_TIMEOUT_S``, else 1800."""
+    agreement_timeout_s: float | None = None
+    """Bound of ``end_of_step``'s agreement, seconds; ``None``: ``$SPOTRUN_AGREEMENT_TIMEOUT_S``, else 300."""
 
     def __post_init__(self) -> None:
         if self.interval_steps < 0 or self.check_interval_steps < 1:
             raise ConfigError("interval_steps must be >= 0 and check_interval_steps >= 1")
         if not self.save_timeout_s > 0:
             raise ConfigError(f"save_timeout_s must be > 0, got {self.save_timeout_s}")
+        for name in ("restore_timeout_s", "agreement_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ConfigError(f"{name} must be a finite number > 0, got {value}")
         if (self.memory_interval_steps or 0) < 0 or (
             self.memory_budget_bytes is not None and self.memory_budget_bytes < 0
         ):
             raise ConfigError("memory_interval_steps and memory_budget_bytes must be >= 0")
         if self.on_save_in_flight not in ON_SAVE_IN_FLIGHT:
             raise ConfigError(f"on_save_in_flight must be one of {ON_SAVE_IN_FLIGHT}, got {self.on_save_in_flight!r}")
+
+    def with_timeouts(self, env: WorkerEnv) -> CheckpointerOptions:
+        """These options with the collectives' bounds left ``None`` taken from ``env``, else the
+        defaults (``docs/reference/timeouts.md``)."""
+        return replace(
+            self,
+            restore_timeout_s=self.restore_timeout_s or env.restore_timeout_s or DEFAULT_RESTORE_TIMEOUT_S,
+            agreement_timeout_s=self.agreement_timeout_s or env.agreement_timeout_s or DEFAULT_AGREEMENT_TIMEOUT_S,
+        )
 
 
 def option_attribute(name: str) -> property:

@@ -16,7 +16,7 @@ from spotrun.checkpoint.claim import claim_incarnation
 from spotrun.checkpoint.manifest import Manifest
 from spotrun.checkpoint.rank_layout import restored_onto
 from spotrun.checkpoint.restore import load_newest
-from spotrun.control.env import WorkerEnv
+from spotrun.control.env import DEFAULT_RESTORE_TIMEOUT_S, WorkerEnv
 from spotrun.storage import Storage
 from spotrun.tools import dist
 from spotrun.train.apply import apply_loaded, check_serialisable, restore_destinations
@@ -58,12 +58,14 @@ def restore_state(
     meter: SaveMeter,
     events: TrainingEvents,
     fast_tier: Storage | None = None,
+    timeout_s: float = DEFAULT_RESTORE_TIMEOUT_S,
 ) -> Restored:
     """Load the newest loadable complete step into ``state`` and ``rank_state``, then claim this
     start's incarnation (see :meth:`spotrun.train.checkpointer.Checkpointer.restore`).
 
     ``run_id``: this process's run id, kept when neither the environment nor the step names one.
     ``fast_tier``: the fast tier's root, whose steps of this job are candidates too.
+    ``timeout_s``: bound of each of the restore's collectives (the claim's too).
     """
     started_s = time.monotonic()
     events.restore_started()
@@ -80,12 +82,13 @@ def restore_state(
         apply=lambda step: apply_loaded(step, state, rank_state),
         fast_tier=fast_tier,
         run_id=env.run_id,
+        timeout_s=timeout_s,
     )
     manifest = loaded.manifest if loaded is not None else None
     step, bytes_read = (manifest.step, loaded.bytes_read) if manifest is not None else (0, 0)
     tier = loaded.tier if loaded is not None else None
     if tier == "memory" and isinstance(getattr(fast_tier, "read_from", None), set):
-        tier = _peer_reads(fast_tier, step)
+        tier = _peer_reads(fast_tier, step, timeout_s)
     if manifest is not None:
         if dist.rank() == 0:
             log.info("%s", restored_onto(step, manifest.world_size, manifest.meshes, dist.world_size(), meshes))
@@ -99,6 +102,7 @@ def restore_state(
         run_id=run_id,
         at_least=max(env.incarnation, manifest.incarnation + 1 if manifest else 0),
         worker_env=env,
+        timeout_s=timeout_s,
     )
     events.started(incarnation, step if manifest else None, bytes_read, tier)
     if dist.rank() == 0:
@@ -114,10 +118,11 @@ def restore_state(
     return Restored(step, manifest, run_id, incarnation, bytes_read, list(meshes), tier)
 
 
-def _peer_reads(fast_tier: Any, step: int) -> str:
+def _peer_reads(fast_tier: Any, step: int, timeout_s: float) -> str:
     """``"peer"`` when any rank read part of the restored step from another node's tier (said per
     rank, with the bytes and the nodes), else ``"memory"`` (collective)."""
-    reads = dist.all_gather_json({"nodes": sorted(fast_tier.read_from), "bytes": fast_tier.peer_bytes_read})
+    mine = {"nodes": sorted(fast_tier.read_from), "bytes": fast_tier.peer_bytes_read}
+    reads = dist.all_gather_json(mine, timeout_s=timeout_s, what=f"the gather of step {step}'s reads from other nodes")
     if not any(r["nodes"] for r in reads):
         return "memory"
     if dist.rank() == 0:

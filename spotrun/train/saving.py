@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from spotrun.checkpoint.background import BackgroundSaver, InFlightSave, settle
 from spotrun.checkpoint.retention import Retainer, RetentionPolicy
 from spotrun.checkpoint.save import SaveContext, save_step
+from spotrun.checkpoint.save_bounds import collectives_deadline_s
 from spotrun.checkpoint.shard import ShardLimits
 from spotrun.control.env import WorkerEnv
 from spotrun.errors import CheckpointSaveError, SaveAbortedError
@@ -24,6 +26,7 @@ from spotrun.state.stateful import state_of
 from spotrun.storage import Storage
 from spotrun.tools import dist
 from spotrun.tools.gc_pause import gc_paused
+from spotrun.train.hang_report import report_collective_timeout
 from spotrun.train.identity import Identity
 from spotrun.train.meter import SaveMeter
 from spotrun.train.options import CheckpointerOptions
@@ -58,7 +61,9 @@ class Saves:
     ) -> None:
         self.options = options
         self.name = name
-        self.saver = BackgroundSaver(meter, after_commit=self._retain)
+        self.saver = BackgroundSaver(
+            meter, after_commit=self._retain, on_collective_timeout=partial(report_collective_timeout, env.control_dir)
+        )
         self._storage = storage
         self._limits = ShardLimits(
             max_file_size_bytes=options.max_file_size_bytes, max_header_bytes=options.max_header_bytes
@@ -101,11 +106,16 @@ class Saves:
         if self._last_saved_step == step:
             return
         started_s = self._meter.save_started(step, reason)
+        timeout_s = self.options.save_timeout_s if timeout_s is None else timeout_s
         try:
             replicated, rank_local = self._state_dicts()
-            with self._storage.deadline(self.options.save_timeout_s if timeout_s is None else timeout_s):
-                context = self._context_of(step, reason, replicated, rank_local)
-                done = save_step(self._storage, step, replicated, rank_local, context, self._limits)
+            # an emergency save's deadline is the supervisor's: the ranks that did not arrive are named before it
+            until_s = collectives_deadline_s(timeout_s, hard=reason == "emergency")
+            with self._storage.deadline(timeout_s):
+                context = self._context_of(step, reason, replicated, rank_local, until_s)
+                done = save_step(
+                    self._storage, step, replicated, rank_local, context, self._limits, collective_deadline_s=until_s
+                )
         except BaseException:
             self._meter.save_ended(step, reason, started_s, None)
             raise
@@ -149,7 +159,11 @@ class Saves:
                 self._count_failure(step, exc)
             return True
         if still_running is None:  # this step's all-reduce did not ask: one all-reduce at a due step
-            still_running = dist.any_rank(self.saver.running)
+            still_running = dist.any_rank(
+                self.saver.running,
+                timeout_s=self.options.agreement_timeout_s,
+                what=f"the look for a save in flight at step {step}",
+            )
         if still_running and self.options.on_save_in_flight == "skip":
             if dist.rank() == 0:
                 log.warning(
@@ -170,7 +184,13 @@ class Saves:
                 step,
                 replicated,
                 rank_local,
-                lambda: self._context_of(step, reason, replicated, rank_local),
+                lambda: self._context_of(
+                    step,
+                    reason,
+                    replicated,
+                    rank_local,
+                    collectives_deadline_s(self.options.save_timeout_s, hard=False),
+                ),
                 self._limits,
                 timeout_s=self.options.save_timeout_s,
                 reason=reason,
@@ -221,9 +241,10 @@ class Saves:
         )
 
     def _context_of(
-        self, step: int, reason: str, replicated: dict[str, Any], rank_local: dict[str, Any]
+        self, step: int, reason: str, replicated: dict[str, Any], rank_local: dict[str, Any], until_s: float
     ) -> SaveContext:
-        return self._identity.save_context(step, reason, replicated, rank_local, self._meter.step_time_s)
+        """The save's context; a first save claims the incarnation, its broadcast giving up at ``until_s``."""
+        return self._identity.save_context(step, reason, replicated, rank_local, self._meter.step_time_s, until_s)
 
     def _retain(self, step: int, reason: str) -> None:  # on global rank 0; an emergency save's grace is the save's
         if dist.rank() == 0 and reason != "emergency":

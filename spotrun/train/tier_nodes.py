@@ -8,7 +8,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from spotrun.control.env import WorkerEnv
+from spotrun.control.env import DEFAULT_RESTORE_TIMEOUT_S, WorkerEnv
 from spotrun.storage.tier_dir import PEERS_FILE
 from spotrun.storage.tier_peers import DEFAULT_PEER_TIMEOUT_S, Peer
 from spotrun.tools import dist
@@ -46,7 +46,9 @@ class JobNodes:
         return 1 + self.replicas
 
 
-def job_nodes(env: WorkerEnv, *, wanted: bool, interval_steps: int) -> JobNodes | None:
+def job_nodes(
+    env: WorkerEnv, *, wanted: bool, interval_steps: int, timeout_s: float = DEFAULT_RESTORE_TIMEOUT_S
+) -> JobNodes | None:
     """Gather every rank's tier server (collective: every rank calls it, ``wanted`` or not);
     ``None`` when no rank wants a tier, and (said once) when a rank has none or the ranks
     disagree on the interval: the tier's saves are collectives, so it is on everywhere or nowhere."""
@@ -64,7 +66,8 @@ def job_nodes(env: WorkerEnv, *, wanted: bool, interval_steps: int) -> JobNodes 
             problem = f"cannot read the fast tier's secret: {exc}"
     else:
         problem = "no fast-tier server on this node (the tier across nodes needs spotrun run on each node)"
-    gathered = dist.all_gather_json({"wanted": wanted, "interval": interval_steps, "peer": mine, "problem": problem})
+    mine_doc = {"wanted": wanted, "interval": interval_steps, "peer": mine, "problem": problem}
+    gathered = dist.all_gather_json(mine_doc, timeout_s=timeout_s, what="the gather of the fast tier's nodes")
     if not any(g["wanted"] for g in gathered):
         return None
     missing = {r: g["problem"] for r, g in enumerate(gathered) if g["peer"] is None}

@@ -45,8 +45,8 @@ TOP_LEVEL_MODULES = {"__init__", "__main__", "errors", "_version"}
 #: Rooms a supervisor process imports: torch must stay out of them (it takes seconds to load,
 #: and a SIGTERM right after `spotrun run` starts must find its handlers installed).
 TORCH_FREE_ROOMS = ("tools", "control", "storage", "notices", "supervisor", "eventlog", "cli")
-#: The one module of a torch-free room that imports torch, on use: process groups.
-TORCH_MODULES_IN_TORCH_FREE_ROOMS = {"spotrun.tools.dist"}
+#: The modules of a torch-free room that import torch, on use: process groups and their bounded collectives.
+TORCH_MODULES_IN_TORCH_FREE_ROOMS = {"spotrun.tools.dist", "spotrun.tools.collectives"}
 
 
 def room_of(module: str) -> str:

@@ -1,0 +1,38 @@
+"""How long a save's collectives wait for every rank, derived from the save's storage deadline.
+
+A save's storage operations are bounded by its timeout (``save_timeout_s``, or an emergency
+save's time to the deadline). Its three collectives (:mod:`spotrun.checkpoint.save`) must wait
+a little longer than that for a rank whose last storage request overran the deadline, so that
+its failure is reported as a failed save, not as a rank that did not arrive; but an emergency
+save's collectives give up a roll call's window before the deadline, so that the ranks that
+did not arrive are named before the supervisor stops the job. The table of every bound and
+their order: ``docs/reference/timeouts.md``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from spotrun.tools import rollcall
+
+#: How much longer than its storage deadline a save's collectives wait (at most the save's own
+#: timeout), in seconds: a storage request in flight at the deadline may end up to one request's
+#: time later (S3, GCS, Azure: 10 s to connect, 60 s to read), and its rank must still report.
+SAVE_SETTLE_S = 70.0
+#: A phase's collective waits at least this long, in seconds, even once the deadline passed.
+MIN_PHASE_TIMEOUT_S = 1.0
+
+
+def collectives_deadline_s(timeout_s: float, *, hard: bool) -> float:
+    """When (``time.monotonic()``) the collectives of a save starting now, whose storage
+    operations are bounded by ``timeout_s`` seconds, give up. ``hard``: a deadline the
+    supervisor keeps (an emergency save): a roll call's window before it. Otherwise
+    :data:`SAVE_SETTLE_S` after it, or ``timeout_s`` after it when that is less."""
+    if hard:
+        return time.monotonic() + timeout_s - rollcall.window_s(timeout_s)
+    return time.monotonic() + timeout_s + min(timeout_s, SAVE_SETTLE_S)
+
+
+def phase_timeout_s(until_s: float) -> float:
+    """The bound of a phase's collective starting now, for collectives giving up at ``until_s``."""
+    return max(MIN_PHASE_TIMEOUT_S, until_s - time.monotonic())

@@ -1,0 +1,231 @@
+"""spotrun's own process groups, whose every collective is bounded and names the ranks that
+did not arrive.
+
+spotrun never runs its collectives on the job's default group: that group's timeout is the
+job's (torch's default: 30 min on gloo, 10 min on NCCL) and an NCCL collective would sync the
+device. It makes gloo groups over all ranks instead (CPU only): one for the training thread
+(:func:`training_group`, made at its first collective) and one per background saver. Each
+collective has its own bound; when it passes, the ranks hold a roll call on the job's store
+(:mod:`spotrun.tools.rollcall`) and raise :class:`~spotrun.errors.CollectiveTimeoutError`
+naming the ranks that did not check in. A group that failed once is never used again: a
+later collective on it raises the same error at once. The bounds of each path and their
+order: ``docs/reference/timeouts.md``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from spotrun.errors import CollectiveTimeoutError
+from spotrun.tools import rollcall
+
+T = TypeVar("T")
+
+#: gloo's own timeout of an operation exceeds spotrun's bound by this much, in seconds, so that
+#: gloo does not close the group's connections while the ranks hold their roll call.
+GLOO_SLACK_S = 30.0
+#: The roll calls' keys, under the group's own store prefix.
+ROLLCALL_PREFIX = "spotrun-rollcall"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f}".rstrip("0").rstrip(".")
+
+
+class Pending(Generic[T]):
+    """A collective started and not yet waited for: :meth:`wait` returns its result, or raises
+    :class:`~spotrun.errors.CollectiveTimeoutError` once its bound (counted from its start) passed."""
+
+    def __init__(
+        self, group: BoundedGroup, work: Any, sequence: int, what: str, timeout_s: float, result: Callable[[], T]
+    ):
+        self._group, self._work, self._sequence = group, work, sequence
+        self._what, self._timeout_s, self._result = what, timeout_s, result
+        self._started_s = time.monotonic()
+        self._done = threading.Event()
+        work.get_future().add_done_callback(lambda _future: self._done.set())
+
+    def wait(self) -> T:
+        """The collective's result; blocks at most until its bound and the roll call's window."""
+        self._group._finish(self._work, self._done, self._sequence, self._what, self._timeout_s, self._started_s)
+        return self._result()
+
+
+class BoundedGroup:
+    """A gloo process group over all ranks whose collectives are bounded (see the module docstring).
+
+    Collectives of one group must be issued in the same order on every rank, from one thread.
+    """
+
+    def __init__(self, group: Any, name: str, epoch: str) -> None:
+        self.group = group
+        self.name = name
+        self._epoch = epoch  # unique on the job's store: a torchrun restart reuses group names
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        self._sequence = 0
+        self.broken: CollectiveTimeoutError | None = None
+
+    def all_gather_bytes(self, data: bytes, *, timeout_s: float, what: str) -> list[bytes]:
+        """Every rank's ``data``, by rank."""
+        sequence, started_s = self._next(what), time.monotonic()
+        sizes = self._gather_sizes(len(data), sequence, what, timeout_s)
+        longest = max(sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self._world_size)]
+        work = self.group.allgather(gathered, mine, timeout=self._gloo_timeout(timeout_s))
+        self._wait(work, sequence, what, timeout_s, started_s)
+        return [bytes(t[:size].numpy()) for t, size in zip(gathered, sizes)]
+
+    def broadcast_bytes(self, data: bytes | None, src: int, *, timeout_s: float, what: str) -> bytes:
+        """Rank ``src``'s ``data`` on every rank (the others pass ``None``)."""
+        sequence, started_s = self._next(what), time.monotonic()
+        # The sizes travel as an all-gather: no rank gets past it before every rank arrived,
+        # which a broadcast does not promise its root.
+        size = self._gather_sizes(
+            len(data) if self._rank == src and data is not None else 0, sequence, what, timeout_s
+        )[src]
+        buffer = torch.empty(size, dtype=torch.uint8)
+        if self._rank == src and size:
+            buffer.copy_(torch.frombuffer(bytearray(data or b""), dtype=torch.uint8))
+        work = self.group.broadcast(buffer, src, timeout=self._gloo_timeout(timeout_s))
+        self._wait(work, sequence, what, timeout_s, started_s)
+        return bytes(buffer.numpy())
+
+    def start_all_reduce_max(self, values: list[int], *, timeout_s: float, what: str) -> Pending[list[int]]:
+        """Start the element-wise maximum over the ranks of ``values``; wait for it with
+        :meth:`Pending.wait` (now, or steps later: the bound counts from now)."""
+        sequence = self._next(what)
+        tensor = torch.tensor(values, dtype=torch.int64)
+        work = self.group.allreduce([tensor], op=dist.ReduceOp.MAX, timeout=self._gloo_timeout(timeout_s))
+        return Pending(self, work, sequence, what, timeout_s, tensor.tolist)
+
+    def destroy(self) -> None:
+        """Free the group (its connections); never raises."""
+        try:
+            dist.destroy_process_group(self.group)
+        except (ValueError, RuntimeError, AssertionError):  # the application destroyed every group first
+            pass
+
+    def _next(self, what: str) -> int:
+        if self.broken is not None:
+            raise CollectiveTimeoutError(
+                f"{self.broken} (spotrun's {self.name} process group is not used again: {what} cannot run)",
+                ranks=self.broken.ranks,
+                what=what,
+                timeout_s=self.broken.timeout_s,
+            ) from self.broken
+        self._sequence += 1
+        return self._sequence
+
+    def _gather_sizes(self, size: int, sequence: int, what: str, timeout_s: float) -> list[int]:
+        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self._world_size)]
+        started_s = time.monotonic()
+        work = self.group.allgather(
+            sizes, torch.tensor([size], dtype=torch.int64), timeout=self._gloo_timeout(timeout_s)
+        )
+        self._wait(work, sequence, what, timeout_s, started_s)
+        return [int(s.item()) for s in sizes]
+
+    def _wait(self, work: Any, sequence: int, what: str, timeout_s: float, started_s: float) -> None:
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _future: done.set())
+        self._finish(work, done, sequence, what, timeout_s, started_s)
+
+    def _finish(
+        self, work: Any, done: threading.Event, sequence: int, what: str, timeout_s: float, started_s: float
+    ) -> None:
+        failure: Exception | None = None
+        if done.wait(max(0.0, started_s + timeout_s - time.monotonic())):
+            try:
+                work.wait()
+                return
+            except RuntimeError as exc:  # gloo gave up: a peer closed its connections after its own timeout
+                failure = exc
+        store = dist.PrefixStore(f"{ROLLCALL_PREFIX}/{self._epoch}/{sequence}", self.group.get_group_store())
+        call = rollcall.hold(store, self._rank, self._world_size, rollcall.window_s(timeout_s), done.is_set)
+        if call.completed and failure is None:
+            try:
+                work.wait()
+                return  # every rank arrived during the roll call: late, not gone
+            except RuntimeError as exc:
+                failure = exc
+        self.broken = timeout_error(call, self._world_size, what, timeout_s, failure)
+        raise self.broken from failure
+
+    @staticmethod
+    def _gloo_timeout(timeout_s: float) -> datetime.timedelta:
+        return datetime.timedelta(seconds=timeout_s + rollcall.window_s(timeout_s) + GLOO_SLACK_S)
+
+
+def timeout_error(
+    call: rollcall.RollCall, world_size: int, what: str, timeout_s: float, failure: Exception | None
+) -> CollectiveTimeoutError:
+    """The error a collective raises after its roll call."""
+    missing = call.missing(world_size)
+    bound = f"within {_seconds(timeout_s)} s"
+    if missing is None:
+        text = f"not every rank arrived at {what} {bound}, and the roll call on the job's store got no answer"
+    elif missing:
+        text = f"rank(s) {missing} did not arrive at {what} {bound}"
+    else:
+        text = f"{what} failed although every rank arrived ({type(failure).__name__}: {failure})"
+    return CollectiveTimeoutError(text, ranks=missing or [], what=what, timeout_s=timeout_s)
+
+
+class _Groups:
+    """The training thread's group of the current default process group, and how many groups
+    spotrun made in this process (in the same order on every rank: their roll calls' names)."""
+
+    def __init__(self) -> None:
+        self.default: Any = None
+        self.training: BoundedGroup | None = None
+        self.made = 0
+
+
+# Process-wide as torch's default group is: the training thread's group lives as long as it does.
+_groups = _Groups()
+
+
+def new_group(name: str, *, timeout_s: float, what: str) -> BoundedGroup:
+    """Make a bounded group over all ranks (collective: every rank makes spotrun's groups at the
+    same point, in the same order). A rank that does not arrive within ``timeout_s`` is named
+    (:class:`~spotrun.errors.CollectiveTimeoutError`), ``what`` saying what made the group."""
+    _groups.made += 1
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    what = f"the start of spotrun's {name} process group (at {what})"
+    try:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        # the epoch makes the roll calls' keys unique on the store, which a torchrun restart keeps
+        bounded = BoundedGroup(group, name, epoch=f"new-{restart}-{_groups.made}")
+        epoch = group.get_group_store().add(f"{ROLLCALL_PREFIX}/epochs", 1) if bounded._rank == 0 else None
+        bounded._epoch = bounded.broadcast_bytes(
+            str(epoch).encode() if epoch is not None else None, 0, timeout_s=timeout_s, what=what
+        ).decode()
+        return bounded
+    except CollectiveTimeoutError:
+        raise
+    except RuntimeError as exc:  # gloo's connections were not all made in time (DistStoreError is one)
+        store = dist.PrefixStore(
+            f"{ROLLCALL_PREFIX}/new-{restart}-{_groups.made}", dist.distributed_c10d._get_default_store()
+        )
+        call = rollcall.hold(store, dist.get_rank(), dist.get_world_size(), rollcall.window_s(timeout_s))
+        raise timeout_error(call, dist.get_world_size(), what, timeout_s, exc) from exc
+
+
+def training_group(*, timeout_s: float, what: str) -> BoundedGroup:
+    """The training thread's bounded group, made at its first collective (collective then:
+    ``timeout_s`` and ``what`` bound and name the making, as for :func:`new_group`)."""
+    default = dist.distributed_c10d._get_default_group()
+    if _groups.training is None or _groups.default is not default:  # none yet, or the job made a new default group
+        _groups.training, _groups.default = new_group("training", timeout_s=timeout_s, what=what), default
+    return _groups.training
