@@ -144,19 +144,25 @@ class BoundedGroup:
     def _finish(
         self, work: Any, done: threading.Event, sequence: int, what: str, timeout_s: float, started_s: float
     ) -> None:
-        failure: Exception | None = None
-        if done.wait(max(0.0, started_s + timeout_s - time.monotonic())):
+        def succeeded() -> bool:
             try:
-                work.wait()
-                return
-            except RuntimeError as exc:  # gloo gave up: a peer closed its connections after its own timeout
-                failure = exc
+                return done.is_set() and work.wait()
+            except RuntimeError:  # gloo gave up: a peer closed its connections (after its own bound)
+                return False
+
+        if done.wait(max(0.0, started_s + timeout_s - time.monotonic())) and succeeded():
+            return
         store = dist.PrefixStore(f"{ROLLCALL_PREFIX}/{self._epoch}/{sequence}", self.group.get_group_store())
-        call = rollcall.hold(store, self._rank, self._world_size, rollcall.window_s(timeout_s), done.is_set)
-        if call.completed and failure is None:
+        # A rank that failed early (a peer's connection closed) waits for the others at the roll
+        # call until they give up too: a rank still waiting for its bound has not checked in yet.
+        window_s = rollcall.window_s(timeout_s) + max(0.0, started_s + timeout_s - time.monotonic())
+        call = rollcall.hold(store, self._rank, self._world_size, window_s, succeeded)
+        if call.completed:
+            return  # every rank arrived during the roll call: late, not gone
+        failure = None
+        if done.is_set():
             try:
                 work.wait()
-                return  # every rank arrived during the roll call: late, not gone
             except RuntimeError as exc:
                 failure = exc
         self.broken = timeout_error(call, self._world_size, what, timeout_s, failure)
