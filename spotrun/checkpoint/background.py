@@ -301,7 +301,7 @@ class BackgroundSaver:
                 save.error = exc
                 report = self._on_collective_timeout
                 if isinstance(exc, CollectiveTimeoutError) and report is not None:
-                    _call_logged(functools.partial(report, exc), save.step)
+                    _call_logged(functools.partial(report, exc), save.step, "reporting the failure of")
             finally:
                 save.ended_s = time.monotonic()
                 job = None  # the staged tensors are the caller's again
@@ -339,11 +339,11 @@ class BackgroundSaver:
             )
 
 
-def _call_logged(action: Callable[[], None], step: int) -> None:
+def _call_logged(action: Callable[[], None], step: int, when: str = "before writing") -> None:
     try:
         action()
     except Exception:  # noqa: BLE001 - this rank alone: raising would leave the other ranks waiting for it
-        log.exception("around the background save of step %d", step)
+        log.exception("%s the background save of step %d", when, step)
 
 
 def settle(
