@@ -27,12 +27,12 @@ from typing import Any, Protocol
 
 from spotrun.checkpoint import in_flight
 from spotrun.checkpoint.save import PreparedSave, SaveContext, SavedStep, SaveProgress, commit_save, prepare_save
-from spotrun.checkpoint.save_bounds import collectives_deadline_s
+from spotrun.checkpoint.save_bounds import before_deadline_s, collectives_deadline_s, phase_timeout_s
 from spotrun.checkpoint.shard import ShardLimits
 from spotrun.checkpoint.staging import StagingBuffers
 from spotrun.errors import CollectiveTimeoutError
 from spotrun.storage.base import Storage
-from spotrun.tools import dist, process_local, rollcall
+from spotrun.tools import dist, process_local
 
 log = logging.getLogger(__name__)
 in_flight_log = logging.getLogger(in_flight.__name__)  # the decision's log line, under the rule's name
@@ -354,8 +354,8 @@ def settle(
     was still being written (rule: :mod:`spotrun.checkpoint.in_flight`).
 
     Collective on the training thread's group (one gather, one broadcast): every rank calls
-    it at the same step, a save in flight or not. Both give up a roll call's window before
-    ``left_s`` passes (:class:`~spotrun.errors.CollectiveTimeoutError`).
+    it at the same step, a save in flight or not. Both give up early enough to name the
+    ranks that did not arrive before ``left_s`` passes (:class:`~spotrun.errors.CollectiveTimeoutError`).
 
     Args:
         saver: holds the save in flight.
@@ -377,13 +377,13 @@ def settle(
         "remaining_s": current.progress.remaining_s() if running else 0.0,
         "elapsed_s": 0.0 if current is None else time.monotonic() - current.started_s,
     }
-    until_s = time.monotonic() + left_s - rollcall.window_s(left_s)
+    until_s = time.monotonic() + before_deadline_s(left_s)
     what = f"the decision on the save in flight at step {step}"
-    everyone = dist.all_gather_json(mine, timeout_s=max(1.0, until_s - time.monotonic()), what=what)
+    everyone = dist.all_gather_json(mine, timeout_s=phase_timeout_s(until_s), what=what)
     decision = None
     if dist.rank() == 0:
         decision = in_flight.decide(everyone, step, left_s, full_save_s, may_save)
-    decision = dist.broadcast_json(decision, timeout_s=max(1.0, until_s - time.monotonic()), what=what)
+    decision = dist.broadcast_json(decision, timeout_s=phase_timeout_s(until_s), what=what)
     choice = in_flight.Choice(decision["choice"])
     if choice.abandons:
         saver.abort()  # before the log line: whoever reads the log sees it already set

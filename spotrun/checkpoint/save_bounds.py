@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+from spotrun.control.hangs import LOOK_INTERVAL_S
 from spotrun.tools import rollcall
 
 #: How much longer than its storage deadline a save's collectives wait (at most the save's own
@@ -26,11 +27,19 @@ MIN_PHASE_TIMEOUT_S = 1.0
 def collectives_deadline_s(timeout_s: float, *, hard: bool) -> float:
     """When (``time.monotonic()``) the collectives of a save starting now, whose storage
     operations are bounded by ``timeout_s`` seconds, give up. ``hard``: a deadline the
-    supervisor keeps (an emergency save): a roll call's window before it. Otherwise
+    supervisor keeps (an emergency save): early enough for :func:`before_deadline_s`. Otherwise
     :data:`SAVE_SETTLE_S` after it, or ``timeout_s`` after it when that is less."""
     if hard:
-        return time.monotonic() + timeout_s - rollcall.window_s(timeout_s)
+        return time.monotonic() + before_deadline_s(timeout_s)
     return time.monotonic() + timeout_s + min(timeout_s, SAVE_SETTLE_S)
+
+
+def before_deadline_s(left_s: float) -> float:
+    """The bound of a collective that must name the ranks that did not arrive before a deadline
+    ``left_s`` seconds away (a stop's): the roll call's window and the supervisor's look for the
+    report (:data:`~spotrun.control.hangs.LOOK_INTERVAL_S`) still fit before it."""
+    left_s = max(left_s, 0.0)
+    return max(MIN_PHASE_TIMEOUT_S, left_s - rollcall.window_s(left_s) - LOOK_INTERVAL_S)
 
 
 def phase_timeout_s(until_s: float) -> float:

@@ -18,6 +18,9 @@ from dataclasses import asdict, dataclass
 from spotrun.control.files import read_json, write_json_atomically
 
 COLLECTIVE_TIMEOUT_FILE = "collective-timeout.json"
+#: How often the supervisor looks for the report while the command runs, in seconds: a worker
+#: facing a deadline writes it this much before it at the latest.
+LOOK_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,7 @@ from spotrun.errors import SpotrunError
 
 log = logging.getLogger("spotrun.supervisor.run")  # the supervisor's own log lines
 
-#: How often the supervisor looks for the report while the command runs, in seconds.
-LOOK_INTERVAL_S = 1.0
+LOOK_INTERVAL_S = hangs.LOOK_INTERVAL_S
 
 
 class HangWatch:

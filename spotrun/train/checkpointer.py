@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 from spotrun.checkpoint.background import BackgroundSaver
+from spotrun.checkpoint.save_bounds import before_deadline_s
 from spotrun.checkpoint.shard import DEFAULT_MAX_FILE_SIZE_BYTES, DEFAULT_MAX_HEADER_BYTES
 from spotrun.control import files as control
 from spotrun.control import listeners
@@ -23,7 +24,7 @@ from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState, settle_ve
 from spotrun.state.optimizer import pair_optimizers
 from spotrun.state.rng import RNGState
 from spotrun.storage import Storage, open_storage
-from spotrun.tools import dist, rollcall
+from spotrun.tools import dist
 from spotrun.tools.gc_pause import gc_paused
 from spotrun.train.apply import check_state_names
 from spotrun.train.decision import Action, StepContext, decide
@@ -302,12 +303,11 @@ class Checkpointer:
         return decision.stops
 
     def _agreement_timeout_s(self, asked: Asked) -> float:
-        """The agreement's bound: ``agreement_timeout_s``, but when this rank was asked to stop, a roll
-        call's window before the stop's deadline, so that a rank that did not arrive is named in time."""
+        """The agreement's bound: ``agreement_timeout_s``; when this rank was asked to stop, short enough
+        to name a rank that did not arrive before the stop's deadline (:func:`before_deadline_s`)."""
         bound_s = self._bounded.agreement_timeout_s
         if asked.save_and_stop or asked.stop_without_save:
-            left_s = self._requests.emergency_timeout_s(asked, bound_s)
-            bound_s = max(1.0, left_s - rollcall.window_s(left_s))
+            bound_s = before_deadline_s(self._requests.emergency_timeout_s(asked, bound_s))
         return bound_s
 
     @reports_collective_timeout

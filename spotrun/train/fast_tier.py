@@ -22,14 +22,14 @@ from spotrun.checkpoint.claim import claim_incarnation
 from spotrun.checkpoint.layout import parse_manifest_name
 from spotrun.checkpoint.retention import delete_step
 from spotrun.checkpoint.save import prepare_save
-from spotrun.checkpoint.save_bounds import collectives_deadline_s, phase_timeout_s
+from spotrun.checkpoint.save_bounds import before_deadline_s, collectives_deadline_s, phase_timeout_s
 from spotrun.control.env import DEFAULT_AGREEMENT_TIMEOUT_S, DEFAULT_RESTORE_TIMEOUT_S, WorkerEnv
 from spotrun.errors import CheckpointSaveError, CollectiveTimeoutError, SpotrunError
 from spotrun.storage import LocalStorage, Storage
 from spotrun.storage.tier_dir import free_bytes
 from spotrun.storage.tier_holdings import NodeHoldings
 from spotrun.storage.tier_peers import JobTier
-from spotrun.tools import dist, rollcall
+from spotrun.tools import dist
 from spotrun.train.identity import Identity
 from spotrun.train.meter import SaveMeter
 from spotrun.train.options import CheckpointerOptions
@@ -244,8 +244,9 @@ class FastTier:
         self.report_ended()  # the save abandoned for the emergency one: ended before the tier is pruned
         estimate_s = self._meter.full_save_s()  # None before a tier save committed: cost unknown
         fits = self._checked and estimate_s is not None and estimate_s <= STOPPING_SAVE_SHARE * left_s
-        bound_s = max(1.0, left_s - rollcall.window_s(max(left_s, 0.0)))
-        if dist.any_rank(not fits, timeout_s=bound_s, what=f"the choice to write step {step} into the fast tier"):
+        if dist.any_rank(
+            not fits, timeout_s=before_deadline_s(left_s), what=f"the choice to write step {step} into the fast tier"
+        ):
             if dist.rank() == 0:
                 log.info(
                     "the emergency step %d is not written to the fast tier: %s",

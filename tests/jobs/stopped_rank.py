@@ -22,7 +22,13 @@ import torch.distributed as dist
 from spotrun.errors import CollectiveTimeoutError
 from spotrun.tools import dist as sdist
 
-out_dir, collective, how, victim, timeout_s = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
+out_dir, collective, how, victim, timeout_s = (
+    sys.argv[1],
+    sys.argv[2],
+    sys.argv[3],
+    int(sys.argv[4]),
+    float(sys.argv[5]),
+)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
