@@ -14,6 +14,7 @@ from spotrun.control.preemption import PreemptionNotice, on_preemption_notice, p
 from spotrun.errors import (  # noqa: E402
     CheckpointError,
     CheckpointSaveError,
+    CollectiveTimeoutError,
     CommitUnsupportedError,
     ConfigError,
     CorruptShardError,
@@ -35,6 +36,7 @@ __all__ = [
     "preemption_notice",
     "CheckpointError",
     "CheckpointSaveError",
+    "CollectiveTimeoutError",
     "CommitUnsupportedError",
     "ConfigError",
     "CorruptShardError",
