@@ -1,11 +1,12 @@
 """Benchmark: what the per-step save-request check costs (prints figures; not a test).
 
 Every step, ``Checkpointer.end_of_step`` stats the node's request file and runs one
-1-element all-reduce so that all ranks agree whether to save. This prints the mean time of
+small all-reduce (on spotrun's own gloo group, bounded: docs/reference/timeouts.md) so that all
+ranks agree whether to save. This prints the mean time of
 that call per step, next to an empty loop, for ``check_interval_steps`` 1 and 10.
 
 Run:  torchrun --standalone --nproc-per-node 2 benchmarks/coordination_cost.py [--steps 2000]
-(gloo on CPU here; on GPUs with nccl the all-reduce is a device sync, so measure there too).
+(the agreement runs on gloo on CPU whatever the job's backend: no device sync on GPUs).
 """
 
 from __future__ import annotations
