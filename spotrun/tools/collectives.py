@@ -40,6 +40,12 @@ def _seconds(value: float) -> str:
     return f"{value:.1f}".rstrip("0").rstrip(".")
 
 
+def _second(started_s: float, timeout_s: float) -> float:
+    """The start counted for a collective's second operation (every rank arrived at the first):
+    the collective's own start, but at least a roll call's window before the bound passes."""
+    return max(started_s, time.monotonic() + rollcall.window_s(timeout_s) - timeout_s)
+
+
 class Pending(Generic[T]):
     """A collective started and not yet waited for: :meth:`wait` returns its result, or raises
     :class:`~spotrun.errors.CollectiveTimeoutError` once its bound (counted from its start) passed."""
@@ -83,7 +89,7 @@ class BoundedGroup:
             mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self._world_size)]
         work = self.group.allgather(gathered, mine, timeout=self._gloo_timeout(timeout_s))
-        self._wait(work, sequence, what, timeout_s, started_s)
+        self._wait(work, sequence, what, timeout_s, _second(started_s, timeout_s))
         return [bytes(t[:size].numpy()) for t, size in zip(gathered, sizes)]
 
     def broadcast_bytes(self, data: bytes | None, src: int, *, timeout_s: float, what: str) -> bytes:
@@ -98,7 +104,7 @@ class BoundedGroup:
         if self._rank == src and size:
             buffer.copy_(torch.frombuffer(bytearray(data or b""), dtype=torch.uint8))
         work = self.group.broadcast(buffer, src, timeout=self._gloo_timeout(timeout_s))
-        self._wait(work, sequence, what, timeout_s, started_s)
+        self._wait(work, sequence, what, timeout_s, _second(started_s, timeout_s))
         return bytes(buffer.numpy())
 
     def start_all_reduce_max(self, values: list[int], *, timeout_s: float, what: str) -> Pending[list[int]]:
@@ -110,7 +116,11 @@ class BoundedGroup:
         return Pending(self, work, sequence, what, timeout_s, tensor.tolist)
 
     def destroy(self) -> None:
-        """Free the group (its connections); never raises."""
+        """Free the group (its connections); never raises. A broken group is left to the process's
+        end: its operation may still be pending in gloo's thread, which freeing it would wait for
+        until gloo's own timeout."""
+        if self.broken is not None:
+            return
         try:
             dist.destroy_process_group(self.group)
         except (ValueError, RuntimeError, AssertionError):  # the application destroyed every group first
