@@ -20,7 +20,7 @@ from spotrun.checkpoint.retention import Retainer, RetentionPolicy
 from spotrun.checkpoint.save import SaveContext, save_step
 from spotrun.checkpoint.save_bounds import collectives_deadline_s
 from spotrun.checkpoint.shard import ShardLimits
-from spotrun.control.env import WorkerEnv
+from spotrun.control.env import DEFAULT_AGREEMENT_TIMEOUT_S, WorkerEnv
 from spotrun.errors import CheckpointSaveError, SaveAbortedError
 from spotrun.state.stateful import state_of
 from spotrun.storage import Storage
@@ -161,7 +161,7 @@ class Saves:
         if still_running is None:  # this step's all-reduce did not ask: one all-reduce at a due step
             still_running = dist.any_rank(
                 self.saver.running,
-                timeout_s=self.options.agreement_timeout_s,
+                timeout_s=self.options.agreement_timeout_s or DEFAULT_AGREEMENT_TIMEOUT_S,
                 what=f"the look for a save in flight at step {step}",
             )
         if still_running and self.options.on_save_in_flight == "skip":
