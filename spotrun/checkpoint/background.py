@@ -283,7 +283,7 @@ class BackgroundSaver:
                 return
             save = job.save
             try:
-                until_s = collectives_deadline_s(job.timeout_s, hard=False)
+                until_s = collectives_deadline_s(job.timeout_s)
                 with job.storage.deadline(job.timeout_s):  # thread-local: entered on this thread
                     if job.before_write is not None:
                         _call_logged(job.before_write, save.step)

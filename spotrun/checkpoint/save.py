@@ -223,7 +223,7 @@ def commit_save(
         CollectiveTimeoutError: a rank did not arrive at a phase's collective in time (it names
             the ranks); nothing committed, and ``group`` is unusable.
     """
-    until_s = collective_deadline_s or collectives_deadline_s(DEFAULT_SAVE_TIMEOUT_S, hard=False)
+    until_s = collective_deadline_s or collectives_deadline_s(DEFAULT_SAVE_TIMEOUT_S)
     _agree(storage, prepared, context, group, until_s)
     reports = _write(storage, prepared, context, limits, group, abort, progress, show_progress, until_s)
     manifest = _commit(storage, prepared, context, reports, group=group, abort=abort, until_s=until_s)

@@ -34,6 +34,7 @@ class CollectiveTimeoutReport:
         message: the error's text.
         rank: the rank that wrote the report.
         reported_unix_s: when it was written.
+        pid: the process that wrote it (the supervisor stops the command while it still runs).
     """
 
     ranks: list[int]
@@ -42,6 +43,7 @@ class CollectiveTimeoutReport:
     message: str
     rank: int
     reported_unix_s: float
+    pid: int | None = None
 
     def describe(self) -> str:
         """The supervisor's line: ``"rank(s) [1] did not arrive at ... within 3 s (reported by rank 0)"``."""
@@ -52,7 +54,7 @@ def write_collective_timeout_report(
     control_dir: str, *, ranks: list[int], what: str, timeout_s: float, message: str, rank: int
 ) -> None:
     """Worker side: report that a collective gave up (the newest report wins; all say the same)."""
-    report = CollectiveTimeoutReport(list(ranks), what, float(timeout_s), message, rank, time.time())
+    report = CollectiveTimeoutReport(list(ranks), what, float(timeout_s), message, rank, time.time(), os.getpid())
     write_json_atomically(os.path.join(control_dir, COLLECTIVE_TIMEOUT_FILE), asdict(report))
 
 
@@ -72,4 +74,5 @@ def read_collective_timeout_report(control_dir: str) -> CollectiveTimeoutReport 
         message=doc["message"],
         rank=doc["rank"] if type(doc.get("rank")) is int else -1,
         reported_unix_s=float(doc.get("reported_unix_s") or 0.0),
+        pid=doc["pid"] if type(doc.get("pid")) is int else None,
     )

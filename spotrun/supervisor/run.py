@@ -206,10 +206,10 @@ class _Supervisor:
                 resumed_created_unix_s=self.resumed_manifest.created_unix_s if self.resumed_manifest else None,
                 control_dir=control_dir,
             )
-            hangs = HangWatch(control_dir)  # a rank that stops answering: the launch is stopped and named
+            hangs = HangWatch(control_dir)  # a rank that stops answering: named, and a stuck command stopped
             code = self._run_once(plan, control_dir, hangs)
             self.observers.emit("command_exit", code=code, incarnation=plan.incarnation)
-            hangs.look(stopping=False)
+            hangs.look(running=False)
             fenced = outcome.fenced(control_dir)  # before a notice's outcome: a 142 would be retried
             if fenced is not None:
                 log.error("%s: exiting %d", fenced, EXIT_FENCED)
@@ -266,8 +266,8 @@ class _Supervisor:
             if self.delivery_recheck_unix_s is not None and time.time() >= self.delivery_recheck_unix_s:
                 self._deliver_notice()
             deadline_passed = self.deadline_unix_s is not None and time.time() >= self.deadline_unix_s
-            if self.child_returncode is None and (hangs.look() or deadline_passed):
-                if hangs.report is None:  # else the look said why
+            if self.child_returncode is None and (hangs.stuck() or deadline_passed):
+                if not hangs.stopping:  # else the watch said why
                     log.warning("deadline passed before the command exited: stopping it")
                 self._stop_child()
         self.control_dir = None

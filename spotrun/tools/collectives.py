@@ -29,9 +29,6 @@ from spotrun.tools import rollcall
 
 T = TypeVar("T")
 
-#: gloo's own timeout of an operation exceeds spotrun's bound by this much, in seconds, so that
-#: gloo does not close the group's connections while the ranks hold their roll call.
-GLOO_SLACK_S = 30.0
 #: The roll calls' keys, under the group's own store prefix.
 ROLLCALL_PREFIX = "spotrun-rollcall"
 
@@ -157,30 +154,33 @@ class BoundedGroup:
         def succeeded() -> bool:
             try:
                 return done.is_set() and work.wait()
-            except RuntimeError:  # gloo gave up: a peer closed its connections (after its own bound)
+            except RuntimeError:  # gloo gave up, or a peer's connection closed
                 return False
 
-        if done.wait(max(0.0, started_s + timeout_s - time.monotonic())) and succeeded():
+        failed_early = done.wait(max(0.0, started_s + timeout_s - time.monotonic()))
+        if failed_early and succeeded():
             return
         store = dist.PrefixStore(f"{ROLLCALL_PREFIX}/{self._epoch}/{sequence}", self.group.get_group_store())
-        # A rank that failed early (a peer's connection closed) waits for the others at the roll
-        # call until they give up too: a rank still waiting for its bound has not checked in yet.
-        window_s = rollcall.window_s(timeout_s) + max(0.0, started_s + timeout_s - time.monotonic())
-        call = rollcall.hold(store, self._rank, self._world_size, window_s, succeeded)
+        # The bound passed: the collective may still complete during the window (a rank was late,
+        # not gone) until gloo's own timeout ends it with the window, closing this rank's
+        # connections; the ranks blocked on this one then fail at once and check in after it.
+        call = rollcall.hold(store, self._rank, self._world_size, rollcall.window_s(timeout_s), succeeded)
         if call.completed:
-            return  # every rank arrived during the roll call: late, not gone
+            return
+        if not failed_early:
+            call = rollcall.hold(store, self._rank, self._world_size, rollcall.AFTER_CLOSE_S, check_in=False)
         failure = None
-        if done.is_set():
-            try:
-                work.wait()
-            except RuntimeError as exc:
-                failure = exc
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            failure = exc
         self.broken = timeout_error(call, self._world_size, what, timeout_s, failure)
         raise self.broken from failure
 
     @staticmethod
     def _gloo_timeout(timeout_s: float) -> datetime.timedelta:
-        return datetime.timedelta(seconds=timeout_s + rollcall.window_s(timeout_s) + GLOO_SLACK_S)
+        """gloo's own timeout: the bound and the roll call's window (its connections close then)."""
+        return datetime.timedelta(seconds=timeout_s + rollcall.window_s(timeout_s))
 
 
 def timeout_error(

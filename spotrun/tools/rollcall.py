@@ -29,6 +29,9 @@ MIN_WINDOW_S = 0.5
 POLL_S = 0.1
 #: How long past the window the store may take to answer before the roll call is given up.
 STORE_SLACK_S = 5.0
+#: After a collective's own timeout closed a rank's connections, how long that rank still waits
+#: for the ranks that were blocked on it (they fail at once and check in), in seconds.
+AFTER_CLOSE_S = 1.0
 #: The count of ranks checked in, next to their keys.
 _COUNT_KEY = "arrived"
 
@@ -66,19 +69,21 @@ def hold(
     window: float,
     completed: Callable[[], bool] = lambda: False,
     *,
+    check_in: bool = True,
     clock: Callable[[], float] = time.monotonic,
 ) -> RollCall:
     """Check in on ``store`` (a store scoped to one collective: a ``torch.distributed.PrefixStore``)
     and wait up to ``window`` seconds for the other ranks; returns early when every rank
-    checked in or ``completed()`` (the collective ended after all). Never raises for the store:
-    a store that fails or does not answer within the window and :data:`STORE_SLACK_S` gives
-    ``present=None``."""
+    checked in or ``completed()`` (the collective ended after all). ``check_in`` false: this rank
+    checked in already (a second look). Never raises for the store: a store that fails or does
+    not answer within the window and :data:`STORE_SLACK_S` gives ``present=None``."""
     found: dict[str, Any] = {}
 
     def call() -> None:
         try:
-            store.set(str(rank), "")
-            arrived = store.add(_COUNT_KEY, 1)
+            if check_in:
+                store.set(str(rank), "")
+            arrived = store.add(_COUNT_KEY, 1 if check_in else 0)
             end_s = clock() + window
             while arrived < world_size and clock() < end_s and not completed():
                 time.sleep(POLL_S)

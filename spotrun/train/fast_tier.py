@@ -282,7 +282,7 @@ class FastTier:
                 newest = {"newest": fencing.read_fences(self.storage).newest}
             except (SpotrunError, OSError) as exc:
                 newest = {"error": f"{type(exc).__name__}: {exc}"}
-        bound_s = phase_timeout_s(collectives_deadline_s(self.saves.options.save_timeout_s, hard=False))
+        bound_s = phase_timeout_s(collectives_deadline_s(self.saves.options.save_timeout_s))
         newest = dist.broadcast_json(newest, timeout_s=bound_s, what="the fast tier's claim")
         if "error" in newest:
             raise CheckpointSaveError(f"cannot read the fast tier's incarnations: {newest['error']}")

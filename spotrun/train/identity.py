@@ -49,7 +49,7 @@ class Identity:
         of a save bounded by the default save timeout), once the state can be saved. Call under
         a storage deadline."""
         if self.incarnation is None:
-            until_s = until_s or collectives_deadline_s(DEFAULT_SAVE_TIMEOUT_S, hard=False)
+            until_s = until_s or collectives_deadline_s(DEFAULT_SAVE_TIMEOUT_S)
             encode_state(replicated, rank_local, dist.rank())  # raises before anything is claimed
             self.incarnation = claim_incarnation(
                 self._storage,

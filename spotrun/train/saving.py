@@ -109,8 +109,7 @@ class Saves:
         timeout_s = self.options.save_timeout_s if timeout_s is None else timeout_s
         try:
             replicated, rank_local = self._state_dicts()
-            # an emergency save's deadline is the supervisor's: the ranks that did not arrive are named before it
-            until_s = collectives_deadline_s(timeout_s, hard=reason == "emergency")
+            until_s = collectives_deadline_s(timeout_s)
             with self._storage.deadline(timeout_s):
                 context = self._context_of(step, reason, replicated, rank_local, until_s)
                 done = save_step(
@@ -189,7 +188,7 @@ class Saves:
                     reason,
                     replicated,
                     rank_local,
-                    collectives_deadline_s(self.options.save_timeout_s, hard=False),
+                    collectives_deadline_s(self.options.save_timeout_s),
                 ),
                 self._limits,
                 timeout_s=self.options.save_timeout_s,

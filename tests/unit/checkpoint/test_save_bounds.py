@@ -22,17 +22,16 @@ from spotrun.tools import rollcall
 def test_a_periodic_save_waits_past_its_storage_deadline_by_the_settle_margin(timeout_s, waits_s):
     """A rank whose last request overran the storage deadline still reports: min(T, 70 s) more."""
     now_s = time.monotonic()
-    assert collectives_deadline_s(timeout_s, hard=False) - now_s == pytest.approx(waits_s, abs=0.5)
+    assert collectives_deadline_s(timeout_s) - now_s == pytest.approx(waits_s, abs=0.5)
     assert waits_s == timeout_s + min(timeout_s, SAVE_SETTLE_S)
 
 
 @pytest.mark.parametrize("left_s", [25.0, 15.0, 8.0])
-def test_an_emergency_save_gives_up_early_enough_to_name_the_rank_before_the_deadline(left_s):
-    """Its collectives, the roll call's window and the supervisor's look all fit before the deadline."""
-    now_s = time.monotonic()
-    until_s = collectives_deadline_s(left_s, hard=True)
-    assert until_s - now_s + rollcall.window_s(left_s) + LOOK_INTERVAL_S == pytest.approx(left_s, abs=0.5)
-    assert before_deadline_s(left_s) < left_s
+def test_a_collective_facing_a_stops_deadline_names_the_rank_before_it(left_s):
+    """The agreement on a stop: its bound, the roll call's window, the second look once gloo closed
+    the connections, and the supervisor's look for the report all fit before the deadline."""
+    spent_s = before_deadline_s(left_s) + rollcall.window_s(left_s) + rollcall.AFTER_CLOSE_S + LOOK_INTERVAL_S
+    assert spent_s == pytest.approx(left_s)
 
 
 @pytest.mark.parametrize("left_s", [0.0, -3.0, 1.0])

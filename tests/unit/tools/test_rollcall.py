@@ -108,3 +108,13 @@ def test_a_store_that_does_not_answer_cannot_hold_the_roll_call_past_its_bound()
         release.set()  # the helper thread ends with the test
     assert call.present is None
     assert time.monotonic() - started_s < 0.5 + rollcall.STORE_SLACK_S + 10.0
+
+
+def test_a_second_look_counts_no_rank_twice():
+    """After gloo closed its connections a rank looks again without checking in again: the ranks
+    that checked in meanwhile are seen, and the count is not raised by the second look."""
+    store = MemoryStore()
+    call_in_threads(store, [0, 2], 3, window_s=0.2)
+    call = rollcall.hold(store, 0, 3, 0.2, check_in=False)
+    assert call.missing(3) == [1]
+    assert store.add("arrived", 0) == 2
