@@ -161,7 +161,7 @@ class ChunkReader:
             raise CorruptShardError(
                 f"{where}: {record.size_bytes} bytes, more than the {INDEX_MAX_BYTES} a rank index may have"
             )
-        data = self._storage.get(file_key(step, record.path))
+        data = self._storage.get(file_key(step, record, self._manifest))
         self.bytes_read += len(data)
         try:  # the checks spotrun verify makes of it
             index = parse_index(data, record, self._manifest)
@@ -172,8 +172,14 @@ class ChunkReader:
         self._indexes[rank] = index
         return index
 
+    def _key(self, path: str) -> str:
+        """The key of a file the manifest lists (every caller checked that it does)."""
+        return file_key(self._manifest.step, self._files[path], self._manifest)
+
     def _where(self, path: str) -> str:
-        return f"{self._storage.uri}/{file_key(self._manifest.step, path)}"
+        if path not in self._files:
+            return f"{self._storage.uri} step {self._manifest.step}: {path}"
+        return f"{self._storage.uri}/{self._key(path)}"
 
     def _header(self, path: str) -> ShardHeader:
         """The safetensors header of data file ``path``, which must describe a valid file of
@@ -184,9 +190,7 @@ class ChunkReader:
             if record is None:  # parse_index made sure the manifest lists it
                 raise CorruptShardError(f"{self._where(path)}: not in the manifest")
             try:
-                header = read_header(
-                    self._storage, file_key(self._manifest.step, path), record.size_bytes, record.size_bytes
-                )
+                header = read_header(self._storage, self._key(path), record.size_bytes, record.size_bytes)
             except CorruptShardError as exc:
                 raise CorruptShardError(f"{self._where(path)}: {exc}") from exc
             for problem in header.problems:
@@ -244,9 +248,21 @@ class ChunkReader:
         pieces: dict[tuple[int, int], list[_Piece]] = {}  # (writer rank, file index) -> pieces
         for item in reads:
             self._plan(item, pieces)
+        blocks = {
+            (rank, file_index): self._blocks(self._indexes[rank].files[file_index].block_bytes, file_pieces)
+            for (rank, file_index), file_pieces in pieces.items()
+        }
+        # units grow with the read on an object store (one GET each), stay small on files
+        planned_bytes = sum(
+            len(numbers) * self._indexes[rank].files[file_index].block_bytes
+            for (rank, file_index), numbers in blocks.items()
+        )
+        unit_bytes = self._storage.read_unit_bytes(planned_bytes, CHECKSUM_CHUNK_BYTES)
         units = []
         for (rank, file_index), file_pieces in pieces.items():
-            units.extend(self._units(self._indexes[rank], file_index, file_pieces))
+            units.extend(
+                self._units(self._indexes[rank], file_index, file_pieces, blocks[rank, file_index], unit_bytes)
+            )
         total_bytes = sum(stop - start for _, _, start, stop, _ in units)
         with progress_bar(total_bytes, self._progress or "", show=self._progress is not None) as self._bar:
             if len(units) <= 1:
@@ -347,13 +363,20 @@ class ChunkReader:
         except KeyError:
             raise CorruptShardError(f"{where}: chunk {key!r} is missing from rank {index.rank}'s index") from None
 
-    def _units(self, index: RankIndex, file_index: int, file_pieces: list[_Piece]) -> list[tuple]:
-        """Split one file's pieces into read units: whole blocks, up to a chunk's bytes each."""
+    @staticmethod
+    def _blocks(block: int, file_pieces: list[_Piece]) -> list[int]:
+        """The numbers of the blocks of one file that ``file_pieces`` touch, sorted (the pieces too)."""
+        file_pieces.sort(key=lambda p: p.begin)
+        return sorted({b for p in file_pieces for b in range(p.begin // block, (p.end - 1) // block + 1)})
+
+    def _units(
+        self, index: RankIndex, file_index: int, file_pieces: list[_Piece], blocks: list[int], unit_bytes: int
+    ) -> list[tuple]:
+        """Split one file's pieces (sorted) into read units: runs of whole ``blocks``, up to
+        ``unit_bytes`` each (:meth:`~spotrun.storage.base.Storage.read_unit_bytes`)."""
         item = index.files[file_index]
         block = item.block_bytes
-        per_unit = max(1, CHECKSUM_CHUNK_BYTES // block)
-        file_pieces.sort(key=lambda p: p.begin)
-        blocks = sorted({b for p in file_pieces for b in range(p.begin // block, (p.end - 1) // block + 1)})
+        per_unit = max(1, unit_bytes // block)
         units = []
         group: list[int] = []
         for b in blocks:
@@ -388,10 +411,10 @@ class ChunkReader:
 
     def _read_unit(self, index: RankIndex, file_index: int, start: int, stop: int, inside: list[_Piece]) -> None:
         item = index.files[file_index]
-        key = file_key(self._manifest.step, item.path)
-        where = f"{self._storage.uri}/{key}"
         if self._files.get(item.path) is None or self._files[item.path].size_bytes != item.size_bytes:
-            raise CorruptShardError(f"{where}: not in the manifest with the size its index records")
+            raise CorruptShardError(f"{self._where(item.path)}: not in the manifest with the size its index records")
+        key = self._key(item.path)
+        where = f"{self._storage.uri}/{key}"
         views: list[memoryview] = []
         position = start
         for piece in inside:

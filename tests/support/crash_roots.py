@@ -272,7 +272,7 @@ def committed_snapshot(scenario: Scenario, uri: str, storage) -> dict[str, Any]:
     steps = {}
     for info in catalog.list_steps(storage):
         if info.status == catalog.COMPLETE:
-            files = [file_key(info.step, f.path) for f in info.manifest.files]
+            files = [file_key(info.step, f, info.manifest) for f in info.manifest.files]
             steps[str(info.step)] = [info.manifest_key] + files
     keys = [key for files in steps.values() for key in files]
     keys += [o.key for o in storage.list(f"{INCARNATIONS_DIR}/")]
