@@ -152,6 +152,7 @@ def make_storage(scenario: Scenario, uri: str, *, durable: bool = True):
 
         options = {
             "part_size_bytes": 5 * MIB,
+            "max_part_size_bytes": 5 * MIB,  # many parts: many places to crash
             "multipart_threshold_bytes": MULTIPART_THRESHOLD_BYTES,
             "max_concurrency": 2,
             "retry_deadline_s": 60.0,

@@ -16,7 +16,8 @@ import pytest
 
 from spotrun.errors import StorageError
 from spotrun.storage.s3 import S3Options, S3Storage, make_client
-from spotrun.storage.s3_transfer import MAX_PARTS, stream_part_size
+from spotrun.storage.options import ObjectStoreOptions
+from spotrun.storage.part_sizes import S3_LIMITS, upload_part_size
 from tests.support.byte_sources import BytesSource, ChunkRecorder
 from tests.support.fault_proxy import CUT_REQUEST, DROP, LOST_RESPONSE, SLOW_DOWN, TRUNCATED_BODY, FaultRule
 from tests.unit.storage.test_storage_contract import (
@@ -31,14 +32,19 @@ from tests.unit.storage.test_storage_contract import (
 PART_BYTES = 5 * MIB
 
 
+MAX_PARTS = S3_LIMITS.max_parts
+
+
 def storage_at(endpoint_url: str, bucket: str, *, wrap: dict[str, Any] | None = None, **options: Any) -> S3Storage:
-    """S3Storage under prefix ``p``, 5 MiB parts from 6 MiB on, retries that never wait."""
+    """S3Storage under prefix ``p``, 5 MiB parts (and ranged reads) from 6 MiB on, retries that
+    never wait."""
     fake = FakeTime()
     opts = S3Options(
         **{
             "endpoint_url": endpoint_url,
             "multipart_threshold_bytes": 6 * MIB,
             "part_size_bytes": PART_BYTES,
+            "max_part_size_bytes": PART_BYTES,
             "sleep": fake.sleep,
             "clock": fake.clock,
             **options,
@@ -65,7 +71,10 @@ def storage_at(endpoint_url: str, bucket: str, *, wrap: dict[str, Any] | None = 
     ids=["multiple", "rounded-up", "small-chunks", "large-chunk", "10000-parts"],
 )
 def test_stream_part_size(size_bytes, part_bytes, chunk_bytes, expected):
-    part = stream_part_size(size_bytes, part_bytes, chunk_bytes)
+    """Parts of fixed size (``max_part_size_bytes`` = ``part_size_bytes``): whole chunks, at least
+    S3's 5 MiB, within its 10,000 parts (the growing parts: tests/unit/storage/test_part_sizes.py)."""
+    options = ObjectStoreOptions(part_size_bytes=part_bytes, max_part_size_bytes=part_bytes)
+    part = upload_part_size(size_bytes, options, S3_LIMITS, chunk_bytes=chunk_bytes)
     assert part == expected
     assert part % chunk_bytes == 0 and part >= PART_BYTES and -(-size_bytes // part) <= MAX_PARTS
 
