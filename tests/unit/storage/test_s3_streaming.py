@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from spotrun.errors import StorageError
-from spotrun.storage.s3 import S3Options, S3Storage, make_client
 from spotrun.storage.options import ObjectStoreOptions
 from spotrun.storage.part_sizes import S3_LIMITS, upload_part_size
+from spotrun.storage.s3 import S3Options, S3Storage, make_client
 from tests.support.byte_sources import BytesSource, ChunkRecorder
 from tests.support.fault_proxy import CUT_REQUEST, DROP, LOST_RESPONSE, SLOW_DOWN, TRUNCATED_BODY, FaultRule
 from tests.unit.storage.test_storage_contract import (
