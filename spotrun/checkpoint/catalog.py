@@ -229,15 +229,8 @@ def _inspect(
     refused = [o for o in objects if o.refused is not None]
     if refused:  # nothing of the step is read: what a link leads to is not the checkpoint's
         return result(CORRUPT, f"{refused[0].key} is refused: {refused[0].refused}")
-    manifests: list[tuple[int | None, str]] = []  # (incarnation in the name, key)
-    for name in own:
-        is_manifest, incarnation = parse_manifest_name(name)
-        if is_manifest:
-            manifests.append((incarnation, prefix + name))
-    # Newest incarnation first: when two manifests are valid (never written so), it wins.
-    manifests.sort(key=lambda m: -1 if m[0] is None else m[0], reverse=True)
     fenced: list[str] = []
-    for incarnation, key in manifests:
+    for incarnation, key in _manifests_newest_first(prefix, own):
         newer = fences.fenced_by(incarnation, step)
         if newer is not None:
             checked = _check_manifest(storage, step, key, incarnation, sizes, result, read)
@@ -274,6 +267,13 @@ def _inspect(
             "(spotrun gc finishes an interrupted deletion)",
         )
     return result(INCOMPLETE, "no manifest: the save never committed")
+
+
+def _manifests_newest_first(prefix: str, names: list[str]) -> list[tuple[int | None, str]]:
+    """``(incarnation in the name, key)`` of the manifests among ``names`` (in the step directory
+    ``prefix``), newest incarnation first: when two are valid (never written so), it wins."""
+    found = [(parse_manifest_name(name)[1], prefix + name) for name in names if parse_manifest_name(name)[0]]
+    return sorted(found, key=lambda m: -1 if m[0] is None else m[0], reverse=True)
 
 
 def _check_manifest(

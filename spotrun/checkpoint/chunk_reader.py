@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from spotrun.checkpoint.chunks import Box, byte_runs, overlap
 from spotrun.checkpoint.layout import file_key
 from spotrun.checkpoint.manifest import FileRecord, Manifest, TensorRecord
 from spotrun.checkpoint.rank_index import RankIndex, chunk_key
+from spotrun.checkpoint.read_slabs import ScratchPool, Slab
 from spotrun.checkpoint.reader import _dtype_info, _read
 from spotrun.checkpoint.step_checks import block_problems, parse_index
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, byte_view
@@ -51,60 +51,12 @@ class BoxRead:
 SMALL_RUN_BYTES = 64 * 2**10
 
 
-class _ScratchPool:
-    """Scratch buffers of up to one read unit, reused from slab to slab (a fresh buffer costs a
-    page fault per 4 KiB when first written)."""
-
-    def __init__(self) -> None:
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            for i, buffer in enumerate(self._free):
-                if buffer.numel() >= nbytes:
-                    return self._free.pop(i)
-        return torch.empty(max(nbytes, CHECKSUM_CHUNK_BYTES), dtype=torch.uint8)
-
-    def give_back(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buffer)
-
-
-class _Slab:
-    """Rows of a chunk read into a scratch buffer (taken when its first part is read), then
-    copied into the receiving box once every part of it has been read and verified."""
-
-    def __init__(self, nbytes: int, copy: Callable[[torch.Tensor], None], pool: _ScratchPool) -> None:
-        self.nbytes = nbytes
-        self.copy = copy
-        self.pending = 1  # parts not yet read (a slab cut by a read unit has two)
-        self._pool = pool
-        self._scratch: torch.Tensor | None = None
-        self._lock = threading.Lock()
-
-    def view(self, lo: int, hi: int) -> torch.Tensor:
-        with self._lock:
-            if self._scratch is None:
-                self._scratch = self._pool.take(self.nbytes)
-            return self._scratch[lo:hi]
-
-    def part_read(self) -> None:
-        with self._lock:
-            self.pending -= 1
-            if self.pending:
-                return
-            scratch, self._scratch = self._scratch, None
-        self.copy(scratch[: self.nbytes])
-        self._pool.give_back(scratch)
-
-
 @dataclass
 class _Piece:
     begin: int  # byte range [begin, end) of the file
     end: int
     target: torch.Tensor | None  # 1-D uint8 view of the receiving memory, or None: a slab's
-    slab: _Slab | None = None
+    slab: Slab | None = None
     slab_offset: int = 0  # where [begin, end) starts in the slab
 
 
@@ -144,7 +96,7 @@ class ChunkReader:
         self._covered: set[str] = set()  # tensors whose chunk layout passed coverage_problem
         self._checked: set[tuple[str, Box]] = set()
         self._lock = threading.Lock()
-        self._scratch = _ScratchPool()
+        self._scratch = ScratchPool()
         self._progress = progress
         self._bar = None
         self.bytes_read = 0
@@ -354,7 +306,7 @@ class ChunkReader:
                 item.into[(slice(at, at + rows),) + inner_target].copy_(source[(slice(None),) + inner])
 
             start = begin + row * row_bytes
-            found.append(_Piece(start, start + rows * row_bytes, None, _Slab(rows * row_bytes, copy, self._scratch)))
+            found.append(_Piece(start, start + rows * row_bytes, None, Slab(rows * row_bytes, copy, self._scratch)))
 
     @staticmethod
     def _located(index: RankIndex, key: str, where: str) -> tuple[int, int, int]:
