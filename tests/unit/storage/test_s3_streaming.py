@@ -178,6 +178,44 @@ def test_put_stream_holds_at_most_max_concurrency_parts(s3_bucket, max_concurren
     assert storage.get("obj") == data
 
 
+def test_grown_parts_are_held_at_most_max_concurrency_at_once(s3_bucket):
+    """Issue 26 point 2 (memory): parts grow with the object up to ``max_part_size_bytes``, and an
+    upload still holds at most ``max_concurrency`` of them: a 40 MiB object with 2 streams and
+    parts of up to 15 MiB goes up as 15 + 15 + 10 MiB, with under 3 parts' bytes held."""
+    cap_bytes = 3 * PART_BYTES
+    bodies: list[int] = []
+    parts = PartsHeld(cap_bytes)
+
+    def make(real):
+        held = parts.wrap(real)
+
+        def upload_part(**kwargs):
+            bodies.append(len(kwargs["Body"]))
+            return held(**kwargs)
+
+        return upload_part
+
+    storage = storage_at(
+        s3_bucket.endpoint_url,
+        s3_bucket.name,
+        max_concurrency=2,
+        max_part_size_bytes=cap_bytes,
+        wrap={"upload_part": make},
+    )
+    size_bytes = 8 * PART_BYTES
+    data = payload(size_bytes, seed=8)
+    tracemalloc.start()
+    try:
+        storage.put_stream("obj", CountingSource(data, parts), chunk_bytes=MIB)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert sorted(bodies) == [2 * PART_BYTES, cap_bytes, cap_bytes]
+    assert parts.most <= 2
+    assert peak_bytes < 3 * cap_bytes
+    assert storage.get("obj") == data
+
+
 class InterruptingSource(BytesSource):
     """Sends SIGINT to the main thread when part 2 is read, and returns only once the main
     thread has taken it (as Ctrl-C arriving while the parts are uploading)."""
