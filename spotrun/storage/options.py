@@ -53,7 +53,7 @@ class ObjectStoreOptions:
 
     multipart_threshold_bytes: int = 64 * MIB
     part_size_bytes: int = 16 * MIB
-    max_part_size_bytes: int = 128 * MIB
+    max_part_size_bytes: int = 64 * MIB
     max_concurrency: int = 8
     key_layout: str = "auto"
     retry_deadline_s: float = 120.0

@@ -25,7 +25,6 @@ from spotrun.storage.part_sizes import (
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
-TIB = 1024 * GIB
 CHUNK = 8 * MIB  # the checkpoint engine's chunk (spotrun.checkpoint.stream.CHECKSUM_CHUNK_BYTES)
 DEFAULTS = ObjectStoreOptions()
 ALL_LIMITS = [S3_LIMITS, GCS_LIMITS, AZURE_LIMITS]
@@ -50,11 +49,11 @@ def test_parts_grow_with_the_object_until_every_stream_is_busy_then_stay_at_the_
     (whole 8 MiB chunks round a part up), until the parts reach ``max_part_size_bytes``; from
     there the part count grows, never the part."""
     concurrency, floor, cap = DEFAULTS.max_concurrency, DEFAULTS.part_size_bytes, DEFAULTS.max_part_size_bytes
-    for size_bytes in (concurrency * floor, concurrency * floor + 1, 200 * MIB, GIB - 1, GIB, concurrency * cap):
+    for size_bytes in (concurrency * floor, concurrency * floor + 1, 200 * MIB, 500 * MIB, concurrency * cap):
         part = upload_part_size(size_bytes, DEFAULTS, limits, chunk_bytes=CHUNK)
         assert floor <= part <= cap and part % CHUNK == 0
         assert 2 * concurrency / 3 <= parts_of(size_bytes, part) <= concurrency, size_bytes
-    for size_bytes in (concurrency * cap + 1, 4 * GIB, 100 * GIB):
+    for size_bytes in (concurrency * cap + 1, GIB, 4 * GIB, 60 * GIB):  # within GCS's 1,024 parts of the cap
         part = upload_part_size(size_bytes, DEFAULTS, limits, chunk_bytes=CHUNK)
         assert part == cap and parts_of(size_bytes, part) > concurrency
     for size_bytes in (DEFAULTS.multipart_threshold_bytes, concurrency * floor - 1):  # small: the smallest part
@@ -101,25 +100,27 @@ def test_gcs_parts_fit_the_two_levels_of_1024_composed_parts():
     assert requests.composes == intermediates + 1
     assert requests.deletes == requests.parts + intermediates
     assert requests.total == 2 * requests.parts + 2 * intermediates + 1
-    few = upload_requests(GIB, DEFAULTS, GCS_LIMITS, chunk_bytes=CHUNK)  # 8 parts: one compose
+    few = upload_requests(512 * MIB, DEFAULTS, GCS_LIMITS, chunk_bytes=CHUNK)  # 8 parts: one compose
     assert (few.parts, few.composes, few.deletes) == (8, 1, 8)
 
 
 def test_an_s3_upload_is_create_parts_complete_and_azure_is_blocks_and_one_list():
     """Issue 26 point 2: the requests of one upload, by kind, as the scale model counts them."""
-    s3 = upload_requests(GIB, DEFAULTS, S3_LIMITS, chunk_bytes=CHUNK)
+    s3 = upload_requests(512 * MIB, DEFAULTS, S3_LIMITS, chunk_bytes=CHUNK)
     assert (s3.creates, s3.parts, s3.completes, s3.total) == (1, 8, 1, 10)
-    azure = upload_requests(GIB, DEFAULTS, AZURE_LIMITS, chunk_bytes=CHUNK)
+    azure = upload_requests(512 * MIB, DEFAULTS, AZURE_LIMITS, chunk_bytes=CHUNK)
     assert (azure.parts, azure.completes, azure.total) == (8, 1, 9)
 
 
 def test_part_buffers_stay_within_max_concurrency_parts_of_the_cap():
     """Issue 26 point 2 (memory): an upload holds at most ``max_concurrency`` part buffers; with
     growing parts that is at most the object's bytes rounded up to whole chunks, and never more
-    than ``max_concurrency * max_part_size_bytes`` (1 GiB with the defaults)."""
+    than ``max_concurrency * max_part_size_bytes`` (512 MiB with the defaults) for an object that
+    fits the store's part count at the cap (S3: 625 GiB; a shard file is at most 4 GiB by default,
+    ``max_file_size_bytes``)."""
     bound = DEFAULTS.max_concurrency * DEFAULTS.max_part_size_bytes
-    assert bound == GIB
-    for size_bytes in (64 * MIB, 300 * MIB + 7, GIB, 10 * GIB, TIB):
+    assert bound == 512 * MIB
+    for size_bytes in (64 * MIB, 300 * MIB + 7, GIB, 10 * GIB, S3_LIMITS.max_parts * DEFAULTS.max_part_size_bytes):
         part = upload_part_size(size_bytes, DEFAULTS, S3_LIMITS, chunk_bytes=CHUNK)
         held = min(DEFAULTS.max_concurrency, parts_of(size_bytes, part)) * part
         assert held <= min(bound, size_bytes + DEFAULTS.max_concurrency * CHUNK)
@@ -127,11 +128,12 @@ def test_part_buffers_stay_within_max_concurrency_parts_of_the_cap():
 
 def test_read_units_grow_with_the_read_and_stay_small_for_small_reads():
     """Issue 26 point 2: a restore reads in units of one GET each: 8 MiB for a small read, the
-    read over ``max_concurrency`` for a larger one, at most ``max_part_size_bytes``; 1 GiB is 8
-    GETs, not 128."""
+    read over ``max_concurrency`` for a larger one, at most ``max_part_size_bytes``; 512 MiB is
+    8 GETs and 1 GiB 16, not 64 and 128."""
     assert read_unit_size(3 * MIB, DEFAULTS, floor_bytes=CHUNK) == CHUNK
-    assert read_unit_size(GIB, DEFAULTS, floor_bytes=CHUNK) == 128 * MIB
-    assert read_requests(GIB, DEFAULTS, floor_bytes=CHUNK) == 8
+    assert read_unit_size(512 * MIB, DEFAULTS, floor_bytes=CHUNK) == 64 * MIB
+    assert read_requests(512 * MIB, DEFAULTS, floor_bytes=CHUNK) == 8
+    assert read_requests(GIB, DEFAULTS, floor_bytes=CHUNK) == 16
     assert read_unit_size(100 * GIB, DEFAULTS, floor_bytes=CHUNK) == DEFAULTS.max_part_size_bytes
     odd = read_unit_size(100 * MIB + 1, DEFAULTS, floor_bytes=CHUNK)
     assert odd % CHUNK == 0 and read_requests(100 * MIB + 1, DEFAULTS, floor_bytes=CHUNK) <= DEFAULTS.max_concurrency
@@ -142,9 +144,9 @@ def test_read_units_grow_with_the_read_and_stay_small_for_small_reads():
 def test_a_1_tb_save_stays_within_the_documented_request_bound(ranks):
     """Issue 26 point 2, the bound ``docs/design/storage.md`` states: a 1 TB checkpoint saved by
     ``ranks`` ranks (one shard file and one index per rank on S3, plus the manifest) takes at most
-    ``ranks * (3 + max(max_concurrency, shard / max_part_size_bytes)) + 1`` requests: 11,265 at
-    1,024 ranks (the issue asks for under 20,000), 90,113 at 8,192 (128 MiB shards still go up
-    in 8 streams each)."""
+    ``ranks * (3 + max(max_concurrency, shard / max_part_size_bytes)) + 1`` requests: 18,433 at
+    1,024 ranks (931 MiB shards in 15 parts of 64 MiB; the issue asks for under 20,000), 90,113
+    at 8,192 (116 MiB shards still go up in 8 streams each)."""
     shard_bytes = 10**12 // ranks
     per_rank = upload_requests(shard_bytes, DEFAULTS, S3_LIMITS, chunk_bytes=CHUNK).total + 1  # + the index
     total = ranks * per_rank + 1  # + the manifest
