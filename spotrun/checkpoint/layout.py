@@ -29,7 +29,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from spotrun.checkpoint.manifest import MANIFEST_NAME, MAX_SPREAD_DIGITS, SpreadLayout
+from spotrun.checkpoint.key_layout import MAX_SPREAD_DIGITS, SpreadLayout
+from spotrun.checkpoint.manifest import MANIFEST_NAME
 
 if TYPE_CHECKING:
     from spotrun.checkpoint.manifest import FileRecord, Manifest

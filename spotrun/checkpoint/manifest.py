@@ -16,6 +16,7 @@ from typing import Any
 
 from spotrun.checkpoint import strict_json
 from spotrun.checkpoint.chunks import ChunkLayout, brief
+from spotrun.checkpoint.key_layout import SPREAD_LAYOUT_FORMAT_VERSION, SpreadLayout, parse_key_layout
 from spotrun.errors import ManifestError
 
 FORMAT_NAME = "spotrun-checkpoint"
@@ -23,10 +24,6 @@ FORMAT_NAME = "spotrun-checkpoint"
 FORMAT_VERSION = 5
 #: The format of a step whose files all lie in its step directory (no ``key_layout``).
 STEP_LAYOUT_FORMAT_VERSION = 4
-#: The format of a step whose ranks' files lie under spread key prefixes (``key_layout``).
-SPREAD_LAYOUT_FORMAT_VERSION = 5
-#: Most digits of the rank a spread prefix is made of (ranks are written with 5).
-MAX_SPREAD_DIGITS = 5
 MANIFEST_NAME = "manifest.json"
 #: ``TensorRecord.stored_as`` of a tensor kept as its raw bytes (a 1-D uint8 tensor).
 STORED_AS_BYTES = "bytes"
@@ -110,22 +107,6 @@ class TensorRecord:
 
 
 @dataclass(frozen=True)
-class SpreadLayout:
-    """Format 5: each rank's data files and index lie under a key prefix made of the last
-    ``digits`` decimal digits of the writer's rank, reversed (:func:`spotrun.checkpoint.layout.spread_dir`),
-    instead of in the step directory. Written ``{"kind": "spread", "digits": 2}``.
-
-    Attributes:
-        digits: 1 to :data:`MAX_SPREAD_DIGITS`; ``10 ** digits`` prefixes at most.
-    """
-
-    digits: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": "spread", "digits": self.digits}
-
-
-@dataclass(frozen=True)
 class SaveTiming:
     """How long a save took, recorded for estimating the next ones.
 
@@ -187,6 +168,8 @@ class Manifest:
         doc["timing"] = None if self.timing is None else vars(self.timing)
         if self.key_layout is None:  # format 4 and older: no such field
             del doc["key_layout"]
+        elif self.format_version < SPREAD_LAYOUT_FORMAT_VERSION:  # would not parse back
+            raise ValueError(f"a key_layout needs format_version {SPREAD_LAYOUT_FORMAT_VERSION}")
         else:
             doc["key_layout"] = self.key_layout.to_json()
         return json.dumps(doc, sort_keys=True, allow_nan=False).encode("utf-8")
@@ -290,31 +273,8 @@ def _parse_v1(doc: dict[str, Any]) -> Manifest:
         format_version=doc["format_version"],
         timing=_timing(doc.get("timing")),
         meshes=_meshes(doc.get("meshes", [])),
-        key_layout=_key_layout(doc),
+        key_layout=parse_key_layout(doc),
     )
-
-
-def _key_layout(doc: dict[str, Any]) -> SpreadLayout | None:
-    """``key_layout``: required in format 5, absent before. It names where the step's files lie,
-    so nothing but the two known forms is accepted (the keys are built from it and the ranks)."""
-    raw = doc.get("key_layout")
-    if doc["format_version"] < SPREAD_LAYOUT_FORMAT_VERSION:
-        if "key_layout" in doc:
-            raise ValueError(
-                f"key_layout is a field of format {SPREAD_LAYOUT_FORMAT_VERSION}, not of {doc['format_version']}"
-            )
-        return None
-    if (
-        type(raw) is not dict
-        or set(raw) != {"kind", "digits"}
-        or raw["kind"] != "spread"
-        or type(raw["digits"]) is not int
-        or not 1 <= raw["digits"] <= MAX_SPREAD_DIGITS
-    ):
-        raise ValueError(
-            f'key_layout must be {{"kind": "spread", "digits": 1 to {MAX_SPREAD_DIGITS}}}, got {brief(raw)}'
-        )
-    return SpreadLayout(raw["digits"])
 
 
 def _meshes(raw: Any) -> list[dict[str, Any]]:

@@ -13,15 +13,8 @@ from spotrun._version import __version__
 from spotrun.checkpoint.chunks import Chunk, ChunkLayout
 from spotrun.checkpoint.dtypes import dtype_name, stored_as
 from spotrun.checkpoint.encode import EncodedState
-from spotrun.checkpoint.manifest import (
-    SPREAD_LAYOUT_FORMAT_VERSION,
-    STEP_LAYOUT_FORMAT_VERSION,
-    FileRecord,
-    Manifest,
-    SaveTiming,
-    SpreadLayout,
-    TensorRecord,
-)
+from spotrun.checkpoint.key_layout import SPREAD_LAYOUT_FORMAT_VERSION, SpreadLayout
+from spotrun.checkpoint.manifest import STEP_LAYOUT_FORMAT_VERSION, FileRecord, Manifest, SaveTiming, TensorRecord
 from spotrun.checkpoint.sharded import mesh_description, predicted_grid
 
 
