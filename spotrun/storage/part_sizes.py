@@ -68,11 +68,11 @@ def upload_part_size(
     options = options or _DEFAULTS
     cap = max(options.max_part_size_bytes, options.part_size_bytes)
     wanted = min(max(_ceil_div(size_bytes, options.max_concurrency), options.part_size_bytes), cap)
-    wanted = max(wanted, limits.min_part_bytes, _ceil_div(size_bytes, limits.max_parts), 1)
-    part = _ceil_div(wanted, chunk_bytes) * chunk_bytes
+    needed = max(limits.min_part_bytes, _ceil_div(size_bytes, limits.max_parts), 1)  # the store's
+    part = _ceil_div(max(wanted, needed), chunk_bytes) * chunk_bytes
     if part > limits.max_part_bytes:  # rounded past the largest part: the largest whole chunks
-        part = max(limits.max_part_bytes // chunk_bytes * chunk_bytes, wanted)
-    if part > limits.max_part_bytes or _ceil_div(size_bytes, part) > limits.max_parts:
+        part = limits.max_part_bytes // chunk_bytes * chunk_bytes
+    if part < needed:
         raise ConfigError(
             f"an object of {size_bytes} bytes does not fit {limits.store}'s {limits.max_parts} parts of at most "
             f"{limits.max_part_bytes} bytes (in whole chunks of {chunk_bytes} bytes)"
