@@ -54,7 +54,7 @@ def fetch_tensors(
         by_file.setdefault(manifest.tensors[target].file, []).append(name)
     loaded: dict[str, torch.Tensor] = {}
     for path, file_names in by_file.items():
-        key = file_key(manifest.step, path)
+        key = file_key(manifest.step, records[path], manifest)
         where = f"{storage.uri}/{key}"
         if records[path].algorithm == "sha256":  # formats 1 and 2: whole-file checksum
             content = decode_shard(storage.get(key), records[path], where=where)
