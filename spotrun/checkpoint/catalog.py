@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spotrun.checkpoint.fencing import Fences, read_fences
 from spotrun.checkpoint.layout import (
@@ -55,6 +55,8 @@ class StepInfo:
         being_deleted: a deletion was started and nothing was written into the step since:
             its marker ``deleting.json`` is there and no object is newer
             (:mod:`spotrun.checkpoint.retention`); an incomplete step then says so.
+        manifest_text: the bytes ``manifest`` was parsed from (a restore sends them to the
+            other ranks instead of each reading them).
     """
 
     step: int
@@ -69,6 +71,7 @@ class StepInfo:
     newest_object_unix_s: float = 0.0
     object_count: int = 0
     being_deleted: bool = False
+    manifest_text: bytes | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
         """The fields ``spotrun ls --json`` prints."""
@@ -159,10 +162,11 @@ def deleted_since_listed(storage: Storage, info: StepInfo) -> bool:
     return marker is not None and marker.mtime_s >= max(o.mtime_s for o in objects.values())
 
 
-def _read(storage: Storage, key: str) -> Manifest | str | None:
-    """The parsed manifest, a problem description, or ``None`` when it vanished."""
+def _read(storage: Storage, key: str) -> tuple[Manifest, bytes] | str | None:
+    """The parsed manifest and its bytes, a problem description, or ``None`` when it vanished."""
     try:
-        return Manifest.from_json(storage.get(key), where=f"{storage.uri}/{key}")
+        text = storage.get(key)
+        return Manifest.from_json(text, where=f"{storage.uri}/{key}"), text
     except ObjectNotFoundError:
         return None
     except (ManifestError, UnsafeObjectError) as exc:
@@ -177,7 +181,9 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
     marker = [o for o in objects if o.key == prefix + DELETION_MARKER_NAME]
     being_deleted = bool(marker) and marker[0].mtime_s >= newest_mtime
 
-    def result(status: str, problem: str | None, manifest: Manifest | None = None, key: str | None = None) -> StepInfo:
+    def result(
+        status: str, problem: str | None, manifest: Manifest | None = None, key: str | None = None, text=None
+    ) -> StepInfo:
         return StepInfo(
             step=step,
             status=status,
@@ -191,6 +197,7 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
             newest_object_unix_s=newest_mtime,
             object_count=len(objects),
             being_deleted=being_deleted,
+            manifest_text=text if manifest is not None else None,
         )
 
     refused = [o for o in objects if o.refused is not None]
@@ -254,11 +261,12 @@ def _check_manifest(
             None,
             key,
         )
-    manifest = _read(storage, key)
-    if manifest is None:
+    found = _read(storage, key)
+    if found is None:
         return result(INCOMPLETE, f"{key} disappeared while listing")
-    if isinstance(manifest, str):
-        return result(CORRUPT, manifest, None, key)
+    if isinstance(found, str):
+        return result(CORRUPT, found, None, key)
+    manifest, text = found
     if manifest.step != step:
         return result(CORRUPT, f"manifest says step {manifest.step}, directory says {step}", manifest, key)
     if incarnation is not None and manifest.incarnation != incarnation:
@@ -276,7 +284,7 @@ def _check_manifest(
                 manifest,
                 key,
             )
-    return result(COMPLETE, None, manifest, key)
+    return result(COMPLETE, None, manifest, key, text)
 
 
 def refuse_start_over(storage: Storage, steps: list[StepInfo]) -> None:
