@@ -19,7 +19,8 @@ from spotrun.checkpoint.manifest import Manifest, TensorRecord
 from spotrun.checkpoint.reader import fits, read_shard_into
 from spotrun.checkpoint.shard import decode_shard
 from spotrun.checkpoint.sharded import is_dtensor, local_box
-from spotrun.checkpoint.share_plan import Need, plan_from_digests, segments, shared_anywhere
+from spotrun.checkpoint.share_plan import Need, pieces_of, plan_from_digests, segments, shared_anywhere
+from spotrun.checkpoint.stream import byte_view
 from spotrun.errors import CorruptShardError, StateMismatchError
 from spotrun.storage.base import Storage
 
@@ -225,16 +226,30 @@ def fetch_shared(
         reader.read(prepared.reads)
         return prepared.finish(), 0
     plan = plan_from_digests(digests_by_rank, mine, manifest)
+    groups = plan.groups_of(peers.rank)
+    parts = _parts(by_need, [part for group in groups for part in group.needs], manifest)
     try:
-        reader.read([by_need[need] for need in plan.reads(peers.rank)])
+        reader.read([parts[need] if need in parts else by_need[need] for need in plan.reads(peers.rank)])
     except Exception:
         peers.gather_json(False)
         raise
     if not all(peers.gather_json(True)):
         raise HeldBack("another rank could not read its share")
-    groups = plan.groups_of(peers.rank)
-    received = share(peers, groups, {need: read.into for need, read in by_need.items()})
+    received = share(peers, groups, {need: read.into for need, read in {**by_need, **parts}.items()})
     return prepared.finish(), received
+
+
+def _parts(by_need: dict[Need, BoxRead], parts: list[Need], manifest: Manifest) -> dict[Need, BoxRead]:
+    """The reads of the pieces of this rank's needs that the plan shares (:func:`pieces_of`),
+    each into its bytes of the need's tensor (one contiguous range)."""
+    wanted = set(parts)
+    found = {}
+    for need, read in by_need.items():
+        for part, offset in pieces_of(need, manifest):
+            if part in wanted and part != need:
+                view = byte_view(read.into)[offset : offset + part.nbytes]
+                found[part] = BoxRead(need.name, read.record, part.box, view.view(read.into.dtype).view(part.lengths))
+    return found
 
 
 def _allocate(manifest: Manifest, shape: list[int], dtype: torch.dtype, name: str) -> torch.Tensor:

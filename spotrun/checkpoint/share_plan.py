@@ -11,8 +11,9 @@ same plan, and the scale model (``benchmarks/``) runs the product's own planning
 A rank's needs are cut into *segments* (by the first component of the tensor's name, and whole
 tensors apart from boxes of them), each named by a digest of its needs; ranks holding the same
 digest form a group. So the ranks exchange one digest per segment, never their needs, and a
-rank alone with a segment reads it as it would without peers. The rules: ``docs/design/internals.md``
-(Cooperative restore).
+rank alone with a segment reads it as it would without peers. A group shares its needs in
+pieces (:func:`pieces_of`), each read by a rank that wrote it where the balance allows
+(:func:`assign_readers`). The rules: ``docs/design/internals.md`` (Cooperative restore).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from spotrun.checkpoint.chunks import byte_runs, overlap
 from spotrun.checkpoint.manifest import Manifest
 
 
@@ -144,8 +147,34 @@ def plan_from_digests(
         if len(ranks) == 1:
             alone[ranks[0]] = needs
         elif needs:
-            groups.append(ShareGroup(ranks, tuple(needs), assign_readers(needs, ranks, manifest)))
+            parts = sorted(part for need in needs for part, _offset in pieces_of(need, manifest))
+            groups.append(ShareGroup(ranks, tuple(parts), assign_readers(parts, ranks, manifest)))
     return ReadPlan(groups, alone)
+
+
+def pieces_of(need: Need, manifest: Manifest) -> list[tuple[Need, int]]:
+    """``need`` cut by the chunks that hold it, each piece with its byte offset in the need's box,
+    when every piece is one contiguous range of the box's bytes (a box of whole rows cut by
+    chunks of rows, as FSDP writes them); else ``need`` itself, at 0. A group shares pieces, so
+    that each piece is read by a rank that wrote it (or one rank per writer's file): readers of
+    one tensor's pieces then read disjoint files, not the same checksum blocks."""
+    record = manifest.tensors[need.name]
+    if record.chunks is None or not need.lengths or not need.nbytes:
+        return [(need, 0)]
+    found = record.chunks.overlapping(need.box)
+    if len(found) < 2:
+        return [(need, 0)]
+    itemsize = need.nbytes // math.prod(need.lengths)
+    pieces = []
+    for chunk in found:
+        common = overlap((chunk.offsets, chunk.lengths), need.box)
+        assert common is not None
+        in_box = (tuple(o - b for o, b in zip(common[0], need.offsets)), common[1])
+        run, starts = byte_runs(need.lengths, in_box, itemsize)
+        if len(starts) != 1:
+            return [(need, 0)]
+        pieces.append((Need(need.name, common[0], common[1], run), starts[0]))
+    return pieces
 
 
 def writers_of(need: Need, manifest: Manifest) -> list[int]:
@@ -164,25 +193,28 @@ def assign_readers(needs: Sequence[Need], ranks: Sequence[int], manifest: Manife
     where that keeps the balance.
 
     Largest needs first (ties by name, as the save assigns replicated tensors:
-    :func:`spotrun.checkpoint.plan.assign_by_bytes`), each to the least loaded of its writers
-    among ``ranks`` unless that rank would then read more than ``total / len(ranks)`` plus the
-    largest need, else to the least loaded rank (ties to the lowest). At the world size that
-    saved, a DDP rank so reads exactly what it wrote (that save's greedy plan never exceeds this
-    bound) and only its own index; a group none of whose ranks wrote a need still splits it by bytes.
+    :func:`spotrun.checkpoint.plan.assign_by_bytes`), each to the least loaded of its *preferred*
+    ranks unless that rank would then read more than ``total / len(ranks)`` plus the largest
+    need, else to the least loaded rank (ties to the lowest). A need's preferred ranks are its
+    writers among ``ranks``, and for a writer not among them ``ranks[writer % len(ranks)]``
+    (so one rank reads each such writer's file). At the world size that saved, a DDP rank so
+    reads exactly what it wrote (that save's greedy plan never exceeds this bound) and only its
+    own index.
     """
     if not needs:
         return ()
     members = set(ranks)
+    ordered = sorted(ranks)
     count = len(ranks)
     total = sum(n.nbytes for n in needs)
     bound = total + max(n.nbytes for n in needs) * count  # a load times count must stay at or under it
     load = dict.fromkeys(ranks, 0)
-    heap = [(0, r) for r in sorted(ranks)]  # (load, rank); entries go stale as loads grow
+    heap = [(0, r) for r in ordered]  # (load, rank); entries go stale as loads grow
     readers: list[int] = [0] * len(needs)
     for i in sorted(range(len(needs)), key=lambda i: (-needs[i].nbytes, needs[i])):
         need = needs[i]
-        own = [w for w in writers_of(need, manifest) if w in members]
-        reader = min(own, key=lambda r: (load[r], r)) if own else None
+        preferred = {w if w in members else ordered[w % count] for w in writers_of(need, manifest)}
+        reader = min(preferred, key=lambda r: (load[r], r)) if preferred else None
         if reader is None or (load[reader] + need.nbytes) * count > bound:
             while heap[0][0] != load[heap[0][1]]:
                 heapq.heappop(heap)

@@ -8,9 +8,12 @@ Each rank points ``AWS_ENDPOINT_URL`` at entry ``RANK`` of the comma-separated
 ``SPOTRUN_TEST_RANK_ENDPOINTS`` when that is set (one counting proxy per rank, as
 sharded_s3_job.py does).
 
-* ``ddp``: ``Linear(W, 2W) -> ReLU -> Linear(2W, W)`` in torch's ``DistributedDataParallel``
-  (plain tensors, the same on every rank); ``hsdp``: the same layers under FSDP2 on a
-  ``(2, world / 2)`` mesh (replicated over dimension 0, sharded over dimension 1).
+* ``ddp``: ``Linear(W, 2W) -> ReLU -> Linear(2W, W)`` replicated on every rank (plain tensors,
+  the same everywhere), each gradient averaged by its own all-reduce: torch's
+  ``DistributedDataParallel`` would do the same but regroups its gradient buckets after its
+  first step, which changes gloo's summation order, so a resumed run's losses would differ from
+  the uninterrupted run's in the last bits for reasons of its own; ``hsdp``: the same layers
+  under FSDP2 on a ``(2, world / 2)`` mesh (replicated over dimension 0, sharded over dimension 1).
 * ``save``: trains steps 1..N (each rank its own batch, drawn from a generator seeded by the
   step and the rank), saves every step, then trains K more steps without saving (the
   uninterrupted run).
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 
 import torch
@@ -36,13 +40,11 @@ from sharded_s3_job import digest, named_state
 from torch import nn
 
 
-def build(layout: str, width: int) -> tuple[nn.Module, nn.Module]:
-    """(the module to train, the module whose state is saved)."""
+def build(layout: str, width: int) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
     if layout == "ddp":
-        wrapped = nn.parallel.DistributedDataParallel(model)
-        return wrapped, wrapped
+        return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -50,15 +52,19 @@ def build(layout: str, width: int) -> tuple[nn.Module, nn.Module]:
     fully_shard(model[0], mesh=mesh)
     fully_shard(model[2], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, model
+    return model
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, step: int, width: int) -> float:
+def train(model: nn.Module, opt: torch.optim.Optimizer, step: int, width: int, replicas: bool) -> float:
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     x = torch.randn(4, width, generator=g)
     loss = nn.functional.mse_loss(model(x), x)
     opt.zero_grad()
     loss.backward()
+    if replicas:
+        for param in model.parameters():
+            dist.all_reduce(param.grad)
+            param.grad /= dist.get_world_size()
     opt.step()
     return loss.item()
 
@@ -80,13 +86,15 @@ def main() -> None:
         os.environ["AWS_ENDPOINT_URL"] = endpoints.split(",")[rank]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="rank %(process)d %(name)s: %(message)s")  # spotrun's INFO lines
 
     import spotrun
     from spotrun.errors import SpotrunError
 
-    model, saved = build(args.layout, args.width)
+    model = build(args.layout, args.width)
+    replicas = args.layout == "ddp"
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    state = {"model": saved, "optimizer": opt}
+    state = {"model": model, "optimizer": opt}
     if rank == args.extra_state_rank:
         state["extra"] = {"epoch": 0}
     ckpt = spotrun.Checkpointer(state, uri=args.uri, handle_signals=False, background_saves=False)
@@ -99,10 +107,10 @@ def main() -> None:
         if args.mode == "save":
             while step < args.steps:
                 step += 1
-                train(model, opt, step, args.width)
+                train(model, opt, step, args.width, replicas)
                 ckpt.save(step)
         report["tensors"] = {name: digest(t) for name, t in named_state(model, opt).items()}
-        report["losses"] = [train(model, opt, step + k + 1, args.width) for k in range(args.more)]
+        report["losses"] = [train(model, opt, step + k + 1, args.width, replicas) for k in range(args.more)]
     report["restore_bytes_read"] = ckpt.restore_bytes_read
     report["restore_bytes_received"] = ckpt.restore_bytes_received
     ckpt.close()
