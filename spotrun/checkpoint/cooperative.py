@@ -13,7 +13,7 @@ its stream (the boxes it read for the group, in plan order, back to back) to eve
 and receives theirs. A piece that lies within one box goes straight from the reader's tensor
 into the receiver's (no copy, no extra memory); pieces that span boxes (small tensors) are packed
 into one buffer. Pieces are sized so a round holds at most :data:`ROUND_BYTES` per rank. Details
-and what it costs: ``docs/design/internals.md`` (Cooperative restore).
+and what it costs: ``docs/design/internals.md`` (Checkpoint engine).
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ from spotrun.tools import dist
 PEER_TIMEOUT_S = 300.0
 #: The slowest link between ranks a round of transfers is given time for.
 PEER_MIN_BYTES_PER_S = 25 * 2**20
-#: Bytes a rank receives in one round at most (then pieces of MIN_PIECE_BYTES in groups of more
-#: than ROUND_BYTES / MIN_PIECE_BYTES ranks); the scratch for packed pieces is within this.
+#: Bytes a rank receives in one round at most (unless pieces of MIN_PIECE_BYTES in a group of
+#: more than ROUND_BYTES / MIN_PIECE_BYTES + 1 ranks make more); the scratch for packed pieces
+#: is within this. A state takes about its bytes / ROUND_BYTES rounds whatever the group's size.
 ROUND_BYTES = 256 * 2**20
-MIN_PIECE_BYTES = 2**20
+MIN_PIECE_BYTES = 64 * 2**10
 MAX_PIECE_BYTES = 64 * 2**20
 
 

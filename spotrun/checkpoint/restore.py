@@ -218,17 +218,7 @@ def load_newest(
         destinations = destinations()
     for index, (step, key, tier) in enumerate(listing["steps"]):
         source = tiers[tier]
-        peers = Peers.open()  # per step: a group whose transfer timed out is never used again
-        try:
-            loaded, problem, raised = _try_load(
-                source, step, key, listed.pop((step, tier), None), destinations, apply, peers
-            )
-            reports = dist.all_gather_json(
-                {"problem": problem, "read": _bytes(loaded, "bytes_read"), "received": _bytes(loaded, "bytes_received")}
-            )
-        finally:
-            if peers is not None:
-                peers.close()
+        loaded, raised, reports = _try_together(source, step, key, listed.pop((step, tier), None), destinations, apply)
         verdict = judge([report["problem"] for report in reports])
         if verdict.loads:
             loaded.tier = tier
@@ -314,6 +304,28 @@ def _complete_newest_first(
     return complete
 
 
+def _try_together(
+    storage: Storage,
+    step: int,
+    key: str,
+    listed: tuple[Manifest, bytes | None] | None,
+    destinations: Any,
+    apply: Callable[[LoadedStep], None] | None,
+) -> tuple[LoadedStep | None, Exception | None, list[dict]]:
+    """:func:`_try_load` on every rank, with a new :class:`Peers` (a group whose transfer timed out
+    is never used again): this rank's step and exception, and every rank's report (its problem
+    and its bytes read and received)."""
+    peers = Peers.open()
+    try:
+        loaded, problem, raised = _try_load(storage, step, key, listed, destinations, apply, peers)
+        read, received = (loaded.bytes_read, loaded.bytes_received) if loaded is not None else (0, 0)
+        reports = dist.all_gather_json({"problem": problem, "read": read, "received": received})
+    finally:  # after the gather: every rank is done with the group
+        if peers is not None:
+            peers.close()
+    return loaded, raised, reports
+
+
 def _try_load(
     storage: Storage,
     step: int,
@@ -352,10 +364,6 @@ def _try_load(
     except Exception as exc:  # the job's own load_state_dict: never the step's fault to un-commit
         return None, {"corrupt": False, "mismatch": True, "message": f"{type(exc).__name__}: {exc}"}, exc
     return loaded, None, None
-
-
-def _bytes(loaded: LoadedStep | None, field: str) -> int:
-    return getattr(loaded, field) if loaded is not None else 0
 
 
 def _log_totals(step: int, reports: list[dict], manifest: Manifest) -> None:

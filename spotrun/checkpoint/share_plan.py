@@ -13,7 +13,7 @@ tensors apart from boxes of them), each named by a digest of its needs; ranks ho
 digest form a group. So the ranks exchange one digest per segment, never their needs, and a
 rank alone with a segment reads it as it would without peers. A group shares its needs in
 pieces (:func:`pieces_of`), each read by a rank that wrote it where the balance allows
-(:func:`assign_readers`). The rules: ``docs/design/internals.md`` (Cooperative restore).
+(:func:`assign_readers`). The rules: ``docs/design/internals.md`` (Checkpoint engine).
 """
 
 from __future__ import annotations
