@@ -100,7 +100,12 @@ def segments(needs: Iterable[Need], manifest: Manifest) -> dict[str, tuple[Need,
     for need in needs:
         whole = list(need.lengths) == manifest.tensors[need.name].shape
         by_key[(need.name.partition("/")[0], whole)].append(need)
-    return {_digest(found): found for found in (tuple(sorted(v)) for v in by_key.values())}
+    return {_digest(found): found for found in (tuple(sorted(v, key=_order)) for v in by_key.values())}
+
+
+def _order(need: Need) -> tuple:
+    """A need's sort key (the dataclass order, computed once per need instead of per comparison)."""
+    return need.name, need.offsets, need.lengths, need.nbytes
 
 
 def _digest(needs: tuple[Need, ...]) -> str:
@@ -121,7 +126,12 @@ def shared_anywhere(digests_by_rank: Sequence[Iterable[str]]) -> bool:
 
 def plan_reads(needs_by_rank: Sequence[Iterable[Need]], manifest: Manifest) -> ReadPlan:
     """Who reads what, from the needs of every rank (indexed by rank) and the step's manifest."""
-    found = [segments(needs, manifest) for needs in needs_by_rank]
+    cache: dict[int, dict[str, tuple[Need, ...]]] = {}  # ranks given the same list (a simulation) cut it once
+    found = []
+    for needs in needs_by_rank:
+        if id(needs) not in cache:
+            cache[id(needs)] = segments(needs, manifest)
+        found.append(cache[id(needs)])
     known = {digest: needs for mine in found for digest, needs in mine.items()}
     return plan_from_digests([list(mine) for mine in found], known, manifest)
 
@@ -143,11 +153,11 @@ def plan_from_digests(
     for ranks, digests in sorted(by_ranks.items()):
         if any(d not in known for d in digests):
             continue
-        needs = sorted(n for d in digests for n in known[d] if n.nbytes)
+        needs = sorted((n for d in digests for n in known[d] if n.nbytes), key=_order)
         if len(ranks) == 1:
             alone[ranks[0]] = needs
         elif needs:
-            parts = sorted(part for need in needs for part, _offset in pieces_of(need, manifest))
+            parts = sorted((part for need in needs for part, _offset in pieces_of(need, manifest)), key=_order)
             groups.append(ShareGroup(ranks, tuple(parts), assign_readers(parts, ranks, manifest)))
     return ReadPlan(groups, alone)
 
@@ -211,7 +221,7 @@ def assign_readers(needs: Sequence[Need], ranks: Sequence[int], manifest: Manife
     load = dict.fromkeys(ranks, 0)
     heap = [(0, r) for r in ordered]  # (load, rank); entries go stale as loads grow
     readers: list[int] = [0] * len(needs)
-    for i in sorted(range(len(needs)), key=lambda i: (-needs[i].nbytes, needs[i])):
+    for i in sorted(range(len(needs)), key=lambda i: (-needs[i].nbytes, _order(needs[i]))):
         need = needs[i]
         preferred = {w if w in members else ordered[w % count] for w in writers_of(need, manifest)}
         reader = min(preferred, key=lambda r: (load[r], r)) if preferred else None
