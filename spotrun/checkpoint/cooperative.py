@@ -52,7 +52,7 @@ class PeerError(SpotrunError):
     """A transfer between the ranks of a restore failed or timed out (the group is closed)."""
 
 
-class HeldBack(SpotrunError):  # noqa: N818 (not an error of this rank)
+class HeldBack(SpotrunError):
     """Another rank could not load the step, so this one stops loading it too (its own
     problem, if any, is the other rank's to report)."""
 

@@ -1,6 +1,8 @@
 """Reading a committed step's tensors into where they go, every byte verified: the live tensors
 that fit (:mod:`spotrun.checkpoint.reader`), a DTensor's own box (format 4: only the byte ranges
 it needs, :mod:`spotrun.checkpoint.chunk_reader`), or new tensors; for :mod:`.restore` and tools.
+At a restore on several ranks, what several of them need is read by one and sent to the others
+(:func:`fetch_shared`, :mod:`spotrun.checkpoint.cooperative`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ lacks, bytes that do not fit the record) fails verification like a bad checksum:
 chunks, indexes and headers of what is read, :meth:`ChunkReader.check`), and a state the
 objects then refuse for its content (an RNG state the generator rejects). Local rank 0
 shows a bar of the bytes it reads on a terminal (:mod:`spotrun.tools.progress`; format 4).
+On several ranks the manifest is read once, by rank 0, and what several ranks need is read by
+one of them and sent to the others (:mod:`spotrun.checkpoint.cooperative`).
 """
 
 from __future__ import annotations
