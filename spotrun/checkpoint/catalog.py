@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spotrun.checkpoint.fencing import Fences, read_fences
 from spotrun.checkpoint.layout import (
@@ -58,6 +58,8 @@ class StepInfo:
             (:mod:`spotrun.checkpoint.retention`); an incomplete step then says so.
         objects: every object of the step as listed (its step directory and, in the spread
             key layout, its ranks' prefixes): what deleting the step deletes.
+        manifest_text: the bytes ``manifest`` was parsed from (a restore sends them to the
+            other ranks instead of each reading them).
     """
 
     step: int
@@ -73,6 +75,7 @@ class StepInfo:
     object_count: int = 0
     being_deleted: bool = False
     objects: tuple[ObjectInfo, ...] = ()
+    manifest_text: bytes | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
         """The fields ``spotrun ls --json`` prints."""
@@ -130,14 +133,14 @@ def inspect_step(storage: Storage, step: int, fences: Fences | None = None) -> S
     objects = storage.list(prefix)
     if not objects:
         return None
-    read: dict[str, Manifest | str | None] = {}
+    read: dict[str, tuple[Manifest, bytes] | str | None] = {}
     prefixes = {prefix}
     manifests = [o for o in objects if parse_manifest_name(o.key[len(prefix) :])[0]]
     for info in manifests:
         if info.size_bytes <= MANIFEST_MAX_BYTES:  # a larger one is refused by its size, unread
-            manifest = read[info.key] = _read(storage, info.key)
-            if isinstance(manifest, Manifest) and manifest.step == step:
-                prefixes.update(step_prefixes(step, manifest))
+            found = read[info.key] = _read(storage, info.key)
+            if isinstance(found, tuple) and found[0].step == step:
+                prefixes.update(step_prefixes(step, found[0]))
     for other in sorted(prefixes - {prefix}):
         objects.extend(storage.list(other))
     if fences is None:
@@ -182,10 +185,11 @@ def deleted_since_listed(storage: Storage, info: StepInfo) -> bool:
     return marker is not None and marker.mtime_s >= max(o.mtime_s for o in objects.values())
 
 
-def _read(storage: Storage, key: str) -> Manifest | str | None:
-    """The parsed manifest, a problem description, or ``None`` when it vanished."""
+def _read(storage: Storage, key: str) -> tuple[Manifest, bytes] | str | None:
+    """The parsed manifest and its bytes, a problem description, or ``None`` when it vanished."""
     try:
-        return Manifest.from_json(storage.get(key), where=f"{storage.uri}/{key}")
+        text = storage.get(key)
+        return Manifest.from_json(text, where=f"{storage.uri}/{key}"), text
     except ObjectNotFoundError:
         return None
     except (ManifestError, UnsafeObjectError) as exc:
@@ -197,7 +201,7 @@ def _inspect(
     step: int,
     objects: list[ObjectInfo],
     fences: Fences,
-    read: dict[str, Manifest | str | None] | None = None,
+    read: dict[str, tuple[Manifest, bytes] | str | None] | None = None,
 ) -> StepInfo:
     """The status of a step from its listed objects; ``read``: manifests already read, by key."""
     size_bytes = sum(o.size_bytes for o in objects)
@@ -209,7 +213,9 @@ def _inspect(
     marker = [o for o in objects if o.key == prefix + DELETION_MARKER_NAME]
     being_deleted = bool(marker) and marker[0].mtime_s >= newest_mtime
 
-    def result(status: str, problem: str | None, manifest: Manifest | None = None, key: str | None = None) -> StepInfo:
+    def result(
+        status: str, problem: str | None, manifest: Manifest | None = None, key: str | None = None, text=None
+    ) -> StepInfo:
         return StepInfo(
             step=step,
             status=status,
@@ -224,6 +230,7 @@ def _inspect(
             object_count=len(objects),
             being_deleted=being_deleted,
             objects=tuple(objects),
+            manifest_text=text if manifest is not None else None,
         )
 
     refused = [o for o in objects if o.refused is not None]
@@ -283,7 +290,7 @@ def _check_manifest(
     incarnation: int | None,
     sizes: dict[str, int],
     result,
-    read: dict[str, Manifest | str | None] | None,
+    read: dict[str, tuple[Manifest, bytes] | str | None] | None,
 ) -> StepInfo:
     if sizes[key] > MANIFEST_MAX_BYTES:  # refused by its listed size, before it is read
         return result(
@@ -293,11 +300,12 @@ def _check_manifest(
             None,
             key,
         )
-    manifest = read[key] if read is not None and key in read else _read(storage, key)
-    if manifest is None:
+    found = read[key] if read is not None and key in read else _read(storage, key)
+    if found is None:
         return result(INCOMPLETE, f"{key} disappeared while listing")
-    if isinstance(manifest, str):
-        return result(CORRUPT, manifest, None, key)
+    if isinstance(found, str):
+        return result(CORRUPT, found, None, key)
+    manifest, text = found
     if manifest.step != step:
         return result(CORRUPT, f"manifest says step {manifest.step}, directory says {step}", manifest, key)
     if incarnation is not None and manifest.incarnation != incarnation:
@@ -315,7 +323,7 @@ def _check_manifest(
                 manifest,
                 key,
             )
-    return result(COMPLETE, None, manifest, key)
+    return result(COMPLETE, None, manifest, key, text)
 
 
 def refuse_start_over(storage: Storage, steps: list[StepInfo]) -> None:
