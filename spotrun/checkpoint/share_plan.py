@@ -205,11 +205,12 @@ def assign_readers(needs: Sequence[Need], ranks: Sequence[int], manifest: Manife
     Largest needs first (ties by name, as the save assigns replicated tensors:
     :func:`spotrun.checkpoint.plan.assign_by_bytes`), each to the least loaded of its *preferred*
     ranks unless that rank would then read more than ``total / len(ranks)`` plus the largest
-    need, else to the least loaded rank (ties to the lowest). A need's preferred ranks are its
-    writers among ``ranks``, and for a writer not among them ``ranks[writer % len(ranks)]``
-    (so one rank reads each such writer's file). At the world size that saved, a DDP rank so
-    reads exactly what it wrote (that save's greedy plan never exceeds this bound) and only its
-    own index.
+    need and more than it wrote of them itself, else to the least loaded rank (ties to the
+    lowest). A need's preferred ranks are its writers among ``ranks``, and for a writer not among
+    them ``ranks[writer % len(ranks)]`` (so one rank reads each such writer's file). At the world
+    size that saved, a DDP rank so reads exactly what it wrote (the save packs small tensors into
+    bundles, so a writer may hold more than this bound: :mod:`spotrun.checkpoint.plan`) and only
+    its own index.
     """
     if not needs:
         return ()
@@ -219,13 +220,20 @@ def assign_readers(needs: Sequence[Need], ranks: Sequence[int], manifest: Manife
     total = sum(n.nbytes for n in needs)
     bound = total + max(n.nbytes for n in needs) * count  # a load times count must stay at or under it
     load = dict.fromkeys(ranks, 0)
+    wrote = dict.fromkeys(ranks, 0)  # bytes of these needs each rank wrote itself
+    for need in needs:
+        for writer in writers_of(need, manifest):
+            if writer in members:
+                wrote[writer] += need.nbytes
     heap = [(0, r) for r in ordered]  # (load, rank); entries go stale as loads grow
     readers: list[int] = [0] * len(needs)
     for i in sorted(range(len(needs)), key=lambda i: (-needs[i].nbytes, _order(needs[i]))):
         need = needs[i]
         preferred = {w if w in members else ordered[w % count] for w in writers_of(need, manifest)}
         reader = min(preferred, key=lambda r: (load[r], r)) if preferred else None
-        if reader is None or (load[reader] + need.nbytes) * count > bound:
+        if reader is None or (
+            (load[reader] + need.nbytes) * count > bound and load[reader] + need.nbytes > wrote[reader]
+        ):
             while heap[0][0] != load[heap[0][1]]:
                 heapq.heappop(heap)
             reader = heap[0][1]
