@@ -16,7 +16,6 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,13 +24,14 @@ import torch
 from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.dtypes import to_stored
 from spotrun.checkpoint.encode import EncodedState, encode_state, structure_digest
-from spotrun.checkpoint.layout import manifest_key
-from spotrun.checkpoint.manifest import Manifest
+from spotrun.checkpoint.layout import SPREAD_DIGITS, manifest_key
+from spotrun.checkpoint.manifest import Manifest, SpreadLayout
 from spotrun.checkpoint.manifest_build import build_manifest, tensor_fields
 from spotrun.checkpoint.plan import assign_by_bytes
 from spotrun.checkpoint.rank_index import chunk_key
 from spotrun.checkpoint.restore import reject_step
 from spotrun.checkpoint.save_bounds import collectives_deadline_s, phase_timeout_s
+from spotrun.checkpoint.save_failures import describe, raise_if_failed
 from spotrun.checkpoint.shard import ShardLimits, split_into_parts
 from spotrun.checkpoint.shard_write import SaveProgress, write_index, write_shard
 from spotrun.checkpoint.sharded import local_box, predicted_box, predicted_grid, writes_chunk
@@ -224,15 +224,30 @@ def commit_save(
             the ranks); nothing committed, and ``group`` is unusable.
     """
     until_s = collective_deadline_s or collectives_deadline_s(DEFAULT_SAVE_TIMEOUT_S)
-    _agree(storage, prepared, context, group, until_s)
-    reports = _write(storage, prepared, context, limits, group, abort, progress, show_progress, until_s)
-    manifest = _commit(storage, prepared, context, reports, group=group, abort=abort, until_s=until_s)
+    layout = _agree(storage, prepared, context, group, until_s)
+    reports = _write(
+        storage,
+        prepared,
+        context,
+        limits,
+        layout,
+        group=group,
+        abort=abort,
+        progress=progress,
+        show_progress=show_progress,
+        until_s=until_s,
+    )
+    manifest = _commit(storage, prepared, context, reports, layout, group=group, abort=abort, until_s=until_s)
     return SavedStep(manifest=manifest, size_bytes=sum(f["size_bytes"] for rep in reports for f in rep["files"]))
 
 
-def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group: Any, until_s: float) -> None:
+def _agree(
+    storage: Storage, prepared: PreparedSave, context: SaveContext, group: Any, until_s: float
+) -> SpreadLayout | None:
     """Phase 1 (1 gather): every rank encoded its state, rank 0 may save the step, and the
-    replicated structure is the same everywhere; otherwise every rank raises."""
+    replicated structure is the same everywhere; otherwise every rank raises. Returns the key
+    layout of the step, rank 0's choice (:meth:`~spotrun.storage.base.Storage.spreads_rank_keys`),
+    so that every rank writes where the manifest will say."""
     rank, world_size, step = prepared.rank, prepared.world_size, prepared.step
     local_error: SpotrunError | None = prepared.error
     first: dict[str, Any]
@@ -243,13 +258,14 @@ def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group
         # compared between ranks; one rank has nothing to compare
         first = {"digest": structure_digest(prepared.encoded) if world_size > 1 else ""}
         if rank == 0:
+            first["spread_digits"] = SPREAD_DIGITS if storage.spreads_rank_keys(world_size) else None
             try:
                 first["committed"] = _clear_the_way(storage, step, context.incarnation)
             except FencedError as exc:  # reported to the other ranks so none waits alone
                 local_error, first = exc, {"error": f"{type(exc).__name__}: {exc}", "fenced": True}
             except (SpotrunError, OSError) as exc:
                 local_error = CheckpointSaveError(
-                    f"save of step {step} failed on rank 0: {_describe(exc)} - nothing was committed"
+                    f"save of step {step} failed on rank 0: {describe(exc)} - nothing was committed"
                 )
                 local_error.__cause__ = exc
                 first = {"error": f"{type(local_error).__name__}: {local_error}", "fenced": False}
@@ -264,7 +280,7 @@ def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group
             f"step {step} is already committed under {storage.uri} ({firsts[0]['committed']}); "
             "not overwriting it - nothing was written"
         )
-    _raise_if_failed(
+    raise_if_failed(
         firsts, lambda failed: f"save of step {step} refused: " + "; ".join(f"rank {r}: {e}" for r, e in failed.items())
     )
     digests = [f["digest"] for f in firsts]
@@ -274,6 +290,8 @@ def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group
             f"replicated state differs in structure between rank 0 and rank(s) {differing}; "
             "state passed to Checkpointer(state=...) must be identical on every rank (as in DDP)"
         )
+    digits = firsts[0].get("spread_digits")
+    return None if digits is None else SpreadLayout(digits)
 
 
 def _write(
@@ -281,6 +299,8 @@ def _write(
     prepared: PreparedSave,
     context: SaveContext,
     limits: ShardLimits | None,
+    layout: SpreadLayout | None,
+    *,
     group: Any,
     abort: threading.Event | None,
     progress: SaveProgress | None,
@@ -306,12 +326,13 @@ def _write(
                 prepared,
                 context.incarnation,
                 parts,
+                layout,
                 abort=abort,
                 progress=progress or SaveProgress(on_add=bar.update),
             )
         if abort is not None and abort.is_set():  # abandoned while its last bytes were written
             raise SaveAbortedError(f"save of step {step} abandoned")
-        records.append(write_index(storage, index, context.incarnation))
+        records.append(write_index(storage, index, context.incarnation, layout))
         assert prepared.reported is not None
         report.update(
             write_s=time.monotonic() - write_started_s,
@@ -322,12 +343,12 @@ def _write(
             rank_tensors={n: tensor_fields(t) for n, t in encoded.rank_tensors.items()},
         )
     except Exception as exc:  # any failure is reported, so that no rank waits alone at the gather
-        write_error, report = exc, {"ok": False, "error": _describe(exc), "aborted": isinstance(exc, SaveAbortedError)}
+        write_error, report = exc, {"ok": False, "error": describe(exc), "aborted": isinstance(exc, SaveAbortedError)}
         if not isinstance(exc, SaveAbortedError):
             log.error("rank %d failed to write its shard of step %d: %s", prepared.rank, step, report["error"])
     what = f"the write gather of step {step}'s save"
     reports = dist.all_gather_json(report, group=group, timeout_s=phase_timeout_s(until_s), what=what)
-    _raise_if_failed(
+    raise_if_failed(
         reports,
         lambda failed: (
             f"save of step {step} failed on rank(s) {sorted(failed)}: "
@@ -344,6 +365,7 @@ def _commit(
     prepared: PreparedSave,
     context: SaveContext,
     reports: list[dict[str, Any]],
+    layout: SpreadLayout | None,
     *,
     group: Any,
     abort: threading.Event | None,
@@ -358,7 +380,7 @@ def _commit(
         assert prepared.encoded is not None
         try:
             with gc_paused():
-                manifest = build_manifest(step, prepared.encoded, reports, context, prepared.world_size)
+                manifest = build_manifest(step, prepared.encoded, reports, context, prepared.world_size, layout)
                 manifest_json = manifest.to_json()
             fencing.check_not_fenced(storage, context.incarnation)
             if abort is not None and abort.is_set():  # the last moment an abandon takes effect
@@ -367,7 +389,7 @@ def _commit(
         except Exception as exc:  # reported through the broadcast, so no rank waits for it
             outcome = {
                 "ok": False,
-                "error": _describe(exc),
+                "error": describe(exc),
                 "fenced": isinstance(exc, FencedError),
                 "aborted": isinstance(exc, SaveAbortedError),
                 "retryable": not isinstance(exc, (FencedError, CommitUnsupportedError)),
@@ -377,38 +399,13 @@ def _commit(
             outcome["manifest"] = manifest_json.decode()
     what = f"the commit broadcast of step {step}'s save"
     outcome = dist.broadcast_json(outcome, group=group, timeout_s=phase_timeout_s(until_s), what=what)
-    _raise_if_failed([outcome], lambda failed: f"commit of step {step} failed on rank 0: {failed[0]}")
+    raise_if_failed([outcome], lambda failed: f"commit of step {step} failed on rank 0: {failed[0]}")
     if "manifest" in outcome and prepared.rank != 0 and dist.local_rank() == 0:
         try:  # the step is committed: a node without its copy reads it from the others
             storage.put(manifest_key(step, context.incarnation), outcome["manifest"].encode())
         except (SpotrunError, OSError) as exc:
             log.warning("step %d is committed, but this node's copy of its manifest failed: %s", step, exc)
     return manifest
-
-
-def _raise_if_failed(
-    reports: list[dict[str, Any]], message: Callable[[dict[int, str]], str], cause: BaseException | None = None
-) -> None:
-    """Raise on every rank alike the error that a phase's gathered ``reports`` carry (a failed
-    rank's report has an ``error``); ``message`` builds the text from {failed rank: error}.
-
-    The error is a :class:`FencedError` when a failed rank was fenced, a
-    :class:`SaveAbortedError` when every failed rank was abandoned, else a
-    :class:`CheckpointSaveError`; ``retryable`` comes from the reports where they say it.
-    """
-    failed = {r: rep for r, rep in enumerate(reports) if "error" in rep}
-    if not failed:
-        return
-    if any(rep.get("fenced") for rep in failed.values()):
-        error: type[CheckpointSaveError] = FencedError
-    elif all(rep.get("aborted") for rep in failed.values()):
-        error = SaveAbortedError
-    else:
-        error = CheckpointSaveError
-    said = [rep["retryable"] for rep in failed.values() if "retryable" in rep]
-    raise error(
-        message({r: rep["error"] for r, rep in failed.items()}), retryable=all(said) if said else None
-    ) from cause
 
 
 def _clear_the_way(storage: Storage, step: int, incarnation: int) -> str | None:
@@ -431,9 +428,3 @@ def _clear_the_way(storage: Storage, step: int, incarnation: int) -> str | None:
         return f"run {manifest.run_id}, incarnation {manifest.incarnation}, {manifest.reason}"
     reject_step(storage, info.manifest_key, f"re-saving over a {info.status} step: {info.problem}")
     return None
-
-
-def _describe(exc: Exception) -> str:
-    """``"StorageError: put s3://...: S3 error SlowDown (HTTP 503)"`` (no ``[Errno N]``)."""
-    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    return f"{type(exc).__name__}: {text}"

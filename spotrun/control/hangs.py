@@ -5,7 +5,8 @@ Any rank that raises it writes ``collective-timeout.json`` into its node's contr
 (:mod:`spotrun.control.files`). A background save's thread writes it as soon as its gather
 gave up, while the training thread may be stuck in the job's own collective with the rank that
 stopped (which spotrun cannot bound): the supervisor, reading the file about once a second,
-stops the command and restarts it, and its log names the rank. The fields:
+names the rank in its log, and stops the command when the process that reported still runs 10 s
+later (stuck; one that exited leaves the rest to torchrun). The fields:
 ``docs/design/internals.md`` (Supervisor and control channel).
 """
 
@@ -34,7 +35,7 @@ class CollectiveTimeoutReport:
         message: the error's text.
         rank: the rank that wrote the report.
         reported_unix_s: when it was written.
-        pid: the process that wrote it (the supervisor stops the command while it still runs).
+        pid: the process that wrote it (the supervisor stops the command when it still runs 10 s later).
     """
 
     ranks: list[int]

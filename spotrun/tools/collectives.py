@@ -4,8 +4,9 @@ did not arrive.
 spotrun never runs its collectives on the job's default group: that group's timeout is the
 job's (torch's default: 30 min on gloo, 10 min on NCCL) and an NCCL collective would sync the
 device. It makes gloo groups over all ranks instead (CPU only): one for the training thread
-(:func:`training_group`, made at its first collective) and one per background saver. Each
-collective has its own bound; when it passes, the ranks hold a roll call on the job's store
+(:func:`training_group`, made at its first collective), one per background saver, and one per
+step a cooperative restore tries (its point-to-point transfers, :meth:`BoundedGroup.transfer`).
+Each collective has its own bound; when it passes, the ranks hold a roll call on the job's store
 (:mod:`spotrun.tools.rollcall`) and raise :class:`~spotrun.errors.CollectiveTimeoutError`
 naming the ranks that did not check in. A group that failed once is never used again: a
 later collective on it raises the same error at once. The bounds of each path and their
@@ -112,6 +113,58 @@ class BoundedGroup:
         work = self.group.allreduce([tensor], op=dist.ReduceOp.MAX, timeout=self._gloo_timeout(timeout_s))
         return Pending(self, work, sequence, what, timeout_s, tensor.tolist)
 
+    def begin_transfers(self, what: str) -> int:
+        """Start a phase of point-to-point :meth:`transfer` calls (every rank at the same point,
+        as for a collective, though each rank transfers with its own peers): the phase's number,
+        under which the ranks whose transfer gave up hold their roll call."""
+        return self._next(what)
+
+    def transfer(
+        self,
+        sends: list[tuple[int, int, torch.Tensor]],
+        recvs: list[tuple[int, int, torch.Tensor]],
+        *,
+        phase: int,
+        timeout_s: float,
+        what: str,
+    ) -> None:
+        """Send each ``(peer, tag, tensor)`` of ``sends`` and receive each of ``recvs`` (contiguous
+        CPU tensors), all at once; returns when every one is done, within ``timeout_s`` from now.
+
+        Otherwise this rank holds the roll call of ``phase`` (:meth:`begin_transfers`): a wait that
+        timed out closed its connections, so the ranks blocked on it fail at once and check in too.
+        The error names the peers whose transfers failed that did not check in (or, when they all
+        did, being blocked themselves, every rank that did not).
+        """
+        self._refuse_if_broken(what)
+        started_s = time.monotonic()
+        failed: dict[int, RuntimeError] = {}
+        works = []
+        for start, transfers in ((dist.isend, sends), (dist.irecv, recvs)):
+            for peer, tag, tensor in transfers:
+                try:
+                    works.append((peer, start(tensor, peer, group=self.group, tag=tag)))
+                except RuntimeError as exc:  # the peer's connection closed already
+                    failed.setdefault(peer, exc)
+        for peer, work in works:  # gloo's point-to-point works have no future: each wait is bounded
+            try:  # one peer's closed connection leaves the others' transfers going: wait for them too
+                work.wait(datetime.timedelta(seconds=max(0.001, started_s + timeout_s - time.monotonic())))
+            except RuntimeError as exc:  # timed out, or the peer's connection closed
+                failed.setdefault(peer, exc)
+        if not failed:
+            return
+        failure = next(iter(failed.values()))
+        store = dist.PrefixStore(f"{ROLLCALL_PREFIX}/{self._epoch}/{phase}", self.group.get_group_store())
+        call = rollcall.hold(store, self._rank, self._world_size, rollcall.window_s(timeout_s))
+        missing = call.missing(self._world_size)
+        silent = [peer for peer in sorted(failed) if missing is not None and peer in missing]
+        if silent:
+            text = f"rank(s) {silent} did not answer {what} within {_seconds(timeout_s)} s"
+            self.broken = CollectiveTimeoutError(text, ranks=silent, what=what, timeout_s=timeout_s)
+        else:
+            self.broken = timeout_error(call, self._world_size, what, timeout_s, failure)
+        raise self.broken from failure
+
     def destroy(self) -> None:
         """Free the group (its connections); never raises. A broken group is left to the process's
         end: its operation may still be pending in gloo's thread, which freeing it would wait for
@@ -124,6 +177,11 @@ class BoundedGroup:
             pass
 
     def _next(self, what: str) -> int:
+        self._refuse_if_broken(what)
+        self._sequence += 1
+        return self._sequence
+
+    def _refuse_if_broken(self, what: str) -> None:
         if self.broken is not None:
             raise CollectiveTimeoutError(
                 f"{self.broken} (spotrun's {self.name} process group is not used again: {what} cannot run)",
@@ -131,8 +189,6 @@ class BoundedGroup:
                 what=what,
                 timeout_s=self.broken.timeout_s,
             ) from self.broken
-        self._sequence += 1
-        return self._sequence
 
     def _gather_sizes(self, size: int, sequence: int, what: str, timeout_s: float) -> list[int]:
         sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self._world_size)]

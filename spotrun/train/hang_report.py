@@ -4,9 +4,9 @@ When one of spotrun's collectives gives up (:class:`~spotrun.errors.CollectiveTi
 naming the ranks that did not arrive), spotrun's process group is unusable and the job must
 restart. The rank says so in its log and, under ``spotrun run``, writes the report of
 :mod:`spotrun.control.hangs` before the error reaches the training script: the supervisor
-stops the command and restarts it (``--max-restarts``) even when the training thread is stuck
-in the job's own collective with the rank that stopped. Without a supervisor nothing is
-written; the error is raised as always.
+names the rank, and stops the command (then restarts it, ``--max-restarts``) when this process
+still runs 10 s later, its training thread stuck in the job's own collective with the rank that
+stopped. Without a supervisor nothing is written; the error is raised as always.
 """
 
 from __future__ import annotations

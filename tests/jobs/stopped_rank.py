@@ -2,7 +2,12 @@
 collectives on 3 gloo ranks, first with every rank there, then with one rank stopped (SIGSTOP)
 or killed (SIGKILL) by its own hand just before it.
 
-Usage: torchrun --nproc-per-node 3 stopped_rank.py OUT_DIR gather|broadcast|allreduce stop|kill VICTIM TIMEOUT_S
+Usage: torchrun --nproc-per-node 3 stopped_rank.py OUT_DIR COLLECTIVE stop|kill VICTIM TIMEOUT_S
+
+COLLECTIVE: gather, broadcast, allreduce or transfer.
+
+``transfer``: point-to-point transfers on a bounded group of its own (a cooperative restore's):
+every rank sends its rank to each other rank and receives theirs, in one phase per call.
 
 Each rank writes OUT_DIR/pid-rank-R (its pid, before anything else: the test's teardown ends a
 stopped rank with it) and, unless it is the victim, OUT_DIR/rank-R.json: the happy collective's
@@ -17,9 +22,11 @@ import signal
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 
 from spotrun.errors import CollectiveTimeoutError
+from spotrun.tools import collectives
 from spotrun.tools import dist as sdist
 
 out_dir, collective, how, victim, timeout_s = (
@@ -36,7 +43,23 @@ with open(os.path.join(out_dir, f"pid-rank-{rank}"), "w") as f:
     f.write(str(os.getpid()))
 
 
+group = collectives.new_group("test", timeout_s=timeout_s, what="the test") if collective == "transfer" else None
+
+
+def transfer(what):
+    """Every rank's rank, sorted, as this rank has it after the phase's transfers."""
+    phase = group.begin_transfers(what)
+    received = {peer: torch.empty(1, dtype=torch.int64) for peer in range(3) if peer != rank}
+    sends = [(peer, phase, torch.tensor([rank])) for peer in received]
+    group.transfer(
+        sends, [(peer, phase, t) for peer, t in received.items()], phase=phase, timeout_s=timeout_s, what=what
+    )
+    return sorted([rank] + [int(t.item()) for t in received.values()])
+
+
 def run(value, what):
+    if collective == "transfer":
+        return transfer(what)
     if collective == "gather":
         return sdist.all_gather_json(value, timeout_s=timeout_s, what=what)
     if collective == "broadcast":

@@ -36,6 +36,7 @@ HAPPY = {
     "gather": [{"rank": 0}, {"rank": 1}, {"rank": 2}],
     "broadcast": {"rank": 2},
     "allreduce": [True, False],
+    "transfer": [0, 1, 2],
 }
 
 
@@ -56,11 +57,26 @@ def test_a_stopped_rank_is_named_by_the_others_within_the_bound(tmp_path, collec
         assert report["again_elapsed_s"] < TIMEOUT_S, report
 
 
-def test_a_killed_rank_is_named_too(tmp_path):
-    """Issue 26 point 4: rank 1 dies (SIGKILL) before an all-gather; ranks 0 and 2 fail (gloo sees its
-    connection closed, or the bound passes) and name rank 1 within the bound."""
-    for report in run(tmp_path, "gather", "kill"):
+def test_a_rank_stopped_before_its_transfers_is_named_by_its_peers_within_the_bound(tmp_path):
+    """Issue 26 point 4: point-to-point transfers (a cooperative restore's) on a bounded group of 3
+    ranks, each sending to and receiving from the others; rank 1 is SIGSTOPped before a phase of them.
+    Ranks 0 and 2 name rank 1 (it never checked in at the phase's roll call, they both did) after
+    the bound and the roll call's window, and the group refuses the next phase at once."""
+    for report in run(tmp_path, "transfer", "stop"):
+        assert report["happy"] == HAPPY["transfer"]
         assert report["ranks"] == [1], report
-        assert "rank(s) [1] did not arrive" in report["error"]
+        assert "rank(s) [1] did not answer the test's collective within 3 s" in report["error"]
+        assert TIMEOUT_S <= report["elapsed_s"] < TIMEOUT_S + rollcall.window_s(TIMEOUT_S) + SLACK_S, report
+        assert "is not used again: the collective after it cannot run" in report["again"]
+        assert report["again_elapsed_s"] < TIMEOUT_S, report
+
+
+@pytest.mark.parametrize("collective", ["gather", "transfer"])
+def test_a_killed_rank_is_named_too(tmp_path, collective):
+    """Issue 26 point 4: rank 1 dies (SIGKILL) before an all-gather or a phase of transfers; ranks 0
+    and 2 fail (gloo sees its connection closed, or the bound passes) and name rank 1 within the bound."""
+    for report in run(tmp_path, collective, "kill"):
+        assert report["ranks"] == [1], report
+        assert "rank(s) [1] did not " in report["error"]
         assert report["elapsed_s"] < TIMEOUT_S + rollcall.window_s(TIMEOUT_S) + SLACK_S, report
         assert report["again"] is not None
