@@ -67,6 +67,8 @@ MEMORY_FAILURE_DOMAIN = "SPOTRUN_MEMORY_FAILURE_DOMAIN"
 RESTORE_TIMEOUT_S = "SPOTRUN_RESTORE_TIMEOUT_S"
 #: Bound of the per-step agreement (``Checkpointer(agreement_timeout_s=...)`` wins), seconds.
 AGREEMENT_TIMEOUT_S = "SPOTRUN_AGREEMENT_TIMEOUT_S"
+#: The per-step agreement: ``immediate``, ``pipelined`` or ``auto`` (``Checkpointer(agreement=...)`` wins).
+AGREEMENT = "SPOTRUN_AGREEMENT"
 
 DEFAULT_CHECKPOINT_URI = "./checkpoints"
 #: Default bound of one save's storage operations (``Checkpointer(save_timeout_s=...)``), in
@@ -114,6 +116,7 @@ class WorkerEnv:
             failure domain (several nodes); ``None`` if unset.
         restore_timeout_s, agreement_timeout_s: bounds of the restore's collectives and of the
             per-step agreement (``docs/reference/timeouts.md``); ``None`` if unset.
+        agreement: the per-step agreement (``immediate``, ``pipelined``, ``auto``); ``None`` if unset.
     """
 
     checkpoint_uri: str | None
@@ -137,6 +140,7 @@ class WorkerEnv:
     memory_failure_domain: str | None = None
     restore_timeout_s: float | None = None
     agreement_timeout_s: float | None = None
+    agreement: str | None = None
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -188,4 +192,5 @@ class WorkerEnv:
             memory_failure_domain=env.get(MEMORY_FAILURE_DOMAIN) or None,
             restore_timeout_s=_seconds(RESTORE_TIMEOUT_S),
             agreement_timeout_s=_seconds(AGREEMENT_TIMEOUT_S),
+            agreement=env.get(AGREEMENT, "").strip() or None,
         )

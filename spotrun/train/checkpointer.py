@@ -8,6 +8,7 @@ and the stop path (:mod:`spotrun.train.stopping`); "when to save" is :func:`spot
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import fields, replace
 from functools import partial
@@ -26,6 +27,7 @@ from spotrun.state.rng import RNGState
 from spotrun.storage import Storage, open_storage
 from spotrun.tools import dist
 from spotrun.tools.gc_pause import gc_paused
+from spotrun.train.agreement import Agreement, Flags, pipelines
 from spotrun.train.apply import check_state_names
 from spotrun.train.decision import Action, StepContext, decide
 from spotrun.train.events import TrainingEvents
@@ -39,6 +41,8 @@ from spotrun.train.requests import Asked, StopRequests
 from spotrun.train.restoring import Restored, restore_state
 from spotrun.train.saving import Saves
 from spotrun.train.stopping import report_stop, stop
+
+log = logging.getLogger("spotrun.checkpointer")  # the Checkpointer's log lines, as they always were
 
 
 class Checkpointer:
@@ -88,6 +92,7 @@ class Checkpointer:
         memory_budget_bytes: int | None = None,
         restore_timeout_s: float | None = None,
         agreement_timeout_s: float | None = None,
+        agreement: str | None = None,
     ) -> None:
         check_state_names(state, rank_state)
         settle_vector_math()  # before the restore and the first step: a resumed run computes as the first one did
@@ -110,10 +115,17 @@ class Checkpointer:
         self._checkpoint_requests = control.CheckpointRequestWatcher(env.control_dir) if env.control_dir else None
         self._events = TrainingEvents(self._storage, env, event_interval_s, interval_steps)
         self._identity = Identity(self._storage, env, self._events)
+        self._agreement = Agreement(pipelines(options.agreement, dist.world_size()))
+        if self._agreement.pipelined and dist.rank() == 0:
+            log.info(
+                "the per-step agreement is pipelined (%d ranks): a request is acted on one look after it was seen",
+                dist.world_size(),
+            )
         self._meter = SaveMeter(
             env.control_dir,
             publishes=dist.local_rank() == 0,
-            check_interval_steps=check_interval_steps,
+            # the steps from a request to acting on it, as the supervisor's estimate counts them
+            check_interval_steps=check_interval_steps * (2 if self._agreement.pipelined else 1),
             on_save_ended=self._events.save_ended,
         )
         self._saves = Saves(options, env, self._storage, self._meter, self._identity, self._state, self._rank_state)
@@ -259,33 +271,29 @@ class Checkpointer:
         self._events.step_reached(step)
         self._saves.saver.publish_progress()
         context = StepContext(step, self.interval_steps, self._env.stop_at_step)
-        asked, still_running, tier_running = None, None, None  # None: not looked at this step
-        if step % self.check_interval_steps == 0:
+        asked, still_running, tier_running = None, None, None  # None: not known at this step
+        looks = step % self.check_interval_steps == 0
+        if looks:
             asked = self._requests.read()
-            checkpoint = self._checkpoint_requests is not None and self._checkpoint_requests.pending()
-            # one more flag in the same all-reduce: is a background save still being written anywhere?
-            save_and_stop, stop_without_save, to_memory, checkpoint, still_running, tier_running = dist.any_rank_each(
-                [
-                    asked.save_and_stop,
-                    asked.stop_without_save,
-                    asked.save_to_memory,
-                    checkpoint,
-                    self._saves.saver.running,
-                    self._tier is not None and self._tier.running,
-                ],
+            agreed = self._agreement.look(
+                partial(self._flags, asked),
+                self._saves.saver.in_flight,
+                self._tier_in_flight(),
                 timeout_s=self._agreement_timeout_s(asked),
                 what=f"the per-step agreement at step {step}",
             )
-            context = replace(
-                context,
-                save_and_stop=save_and_stop,
-                stop_without_save=stop_without_save,
-                save_to_memory=to_memory,
-                checkpoint_requested=checkpoint,
-            )
-            if not still_running and self._saves.saver.in_flight is not None:  # ended on every rank:
+            if agreed is not None:
+                context = replace(
+                    context,
+                    save_and_stop=agreed.save_and_stop,
+                    stop_without_save=agreed.stop_without_save,
+                    save_to_memory=agreed.save_to_memory,
+                    checkpoint_requested=agreed.checkpoint_requested,
+                )
+                still_running, tier_running = agreed.save_running, agreed.tier_running
+            if still_running is False and self._saves.saver.in_flight is not None:  # ended on every rank:
                 self._saves.report(self._saves.saver.take())  # every rank reports it at this step
-            if self._tier is not None and not tier_running:
+            if self._tier is not None and tier_running is False:
                 self._tier.report_ended()
         decision = decide(context)
         if decision.stops:
@@ -306,7 +314,31 @@ class Checkpointer:
                 self._checkpoint_requests.handled()
         if not decision.stops and self._tier is not None and self._tier.due(step):
             self._tier.save(step, tier_running)
+        if decision.stops:
+            self._agreement.drop()
+        elif looks:  # pipelined: the next look reads it, the saves started at this step included
+            self._agreement.start_next(
+                self._flags(asked),
+                timeout_s=self._agreement_timeout_s(asked),
+                what=f"the agreement started at step {step}",
+            )
         return decision.stops
+
+    def _flags(self, asked: Asked) -> Flags:
+        """This rank's flags for the agreement (one more: is a background save still being written?)."""
+        return Flags(
+            save_and_stop=asked.save_and_stop,
+            stop_without_save=asked.stop_without_save,
+            save_to_memory=asked.save_to_memory,
+            checkpoint_requested=self._checkpoint_requests is not None and self._checkpoint_requests.pending(),
+            save_running=self._saves.saver.running,
+            tier_running=self._tier is not None and self._tier.running,
+            save_in_flight=self._saves.saver.in_flight,
+            tier_in_flight=self._tier_in_flight(),
+        )
+
+    def _tier_in_flight(self) -> object:
+        return self._tier.saves.saver.in_flight if self._tier is not None and self._tier.enabled else None
 
     def _agreement_timeout_s(self, asked: Asked) -> float:
         """The agreement's bound: ``agreement_timeout_s``; when this rank was asked to stop, short enough

@@ -17,6 +17,7 @@ from spotrun.control.env import (
     WorkerEnv,
 )
 from spotrun.errors import ConfigError
+from spotrun.train.agreement import check_agreement
 
 #: What a due save does while the previous background save is still in flight.
 ON_SAVE_IN_FLIGHT = ("wait", "skip")
@@ -76,6 +77,8 @@ class CheckpointerOptions:
     """Bound of each collective of ``restore()``, seconds; ``None``: ``$SPOTRUN_RESTORE_TIMEOUT_S``, else 1800."""
     agreement_timeout_s: float | None = None
     """Bound of ``end_of_step``'s agreement, seconds; ``None``: ``$SPOTRUN_AGREEMENT_TIMEOUT_S``, else 300."""
+    agreement: str | None = None
+    """The per-step agreement: immediate, pipelined or auto (from 64 ranks); ``None``: ``$SPOTRUN_AGREEMENT``."""
 
     def __post_init__(self) -> None:
         if self.interval_steps < 0 or self.check_interval_steps < 1:
@@ -90,6 +93,8 @@ class CheckpointerOptions:
             self.memory_budget_bytes is not None and self.memory_budget_bytes < 0
         ):
             raise ConfigError("memory_interval_steps and memory_budget_bytes must be >= 0")
+        if self.agreement is not None:
+            check_agreement(self.agreement)
         if self.on_save_in_flight not in ON_SAVE_IN_FLIGHT:
             raise ConfigError(f"on_save_in_flight must be one of {ON_SAVE_IN_FLIGHT}, got {self.on_save_in_flight!r}")
 
@@ -100,6 +105,7 @@ class CheckpointerOptions:
             self,
             restore_timeout_s=self.restore_timeout_s or env.restore_timeout_s or DEFAULT_RESTORE_TIMEOUT_S,
             agreement_timeout_s=self.agreement_timeout_s or env.agreement_timeout_s or DEFAULT_AGREEMENT_TIMEOUT_S,
+            agreement=check_agreement(self.agreement or env.agreement or "auto"),
         )
 
 

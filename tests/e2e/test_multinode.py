@@ -119,7 +119,11 @@ def reference(tmp_path_factory):
     return losses, final_tensors(str(root / "ck"), STEPS), numerics
 
 
-def test_notice_to_one_node_saves_both_and_resumes_exactly(reference, tmp_path, processes):
+@pytest.mark.parametrize("agreement", ["immediate", "pipelined"])
+def test_notice_to_one_node_saves_both_and_resumes_exactly(reference, tmp_path, processes, monkeypatch, agreement):
+    """Pipelined (issue 26, point 5): the agreement read one look after it started still stops
+    every rank at the same step, and the resume is as exact."""
+    monkeypatch.setenv("SPOTRUN_AGREEMENT", agreement)  # the supervisors' workers inherit it
     ck, log_file = str(tmp_path / "ck"), tmp_path / "train.jsonl"
     nodes = start_nodes(ck, log_file, tmp_path / "first", processes, "--step-sleep-s", "0.05")
     wait_for_step(log_file, 8, nodes[0])
@@ -131,6 +135,7 @@ def test_notice_to_one_node_saves_both_and_resumes_exactly(reference, tmp_path, 
     assert "preemption notice: SIGTERM" in logs[0]
     assert "preemption notice:" not in logs[1]
     assert "without a notice here" in logs[1]
+    assert ("per-step agreement is pipelined" in logs[0]) == (agreement == "pipelined")
     committed = [[int(s) for s in _COMMITTED.findall(text)] for text in logs]
     assert committed[0] == committed[1] and len(committed[0]) == 1, committed  # the same step on both nodes
     step = committed[0][0]
