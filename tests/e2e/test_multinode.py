@@ -135,7 +135,8 @@ def test_notice_to_one_node_saves_both_and_resumes_exactly(reference, tmp_path, 
     assert "preemption notice: SIGTERM" in logs[0]
     assert "preemption notice:" not in logs[1]
     assert "without a notice here" in logs[1]
-    assert ("per-step agreement is pipelined" in logs[0]) == (agreement == "pipelined")
+    said = any("per-step agreement is pipelined" in text for text in logs)  # rank 0 may be on either node
+    assert said == (agreement == "pipelined")
     committed = [[int(s) for s in _COMMITTED.findall(text)] for text in logs]
     assert committed[0] == committed[1] and len(committed[0]) == 1, committed  # the same step on both nodes
     step = committed[0][0]
