@@ -51,9 +51,7 @@ def replicated_owners(encoded: EncodedState, world_size: int) -> dict[str, int]:
     return assign_by_bytes({n: t.numel() * t.element_size() for n, t in encoded.tensors.items()}, world_size)
 
 
-def plan_writes(
-    encoded: EncodedState, rank: int, world_size: int, owner: dict[str, int] | None = None
-) -> WritePlan:
+def plan_writes(encoded: EncodedState, rank: int, world_size: int, owner: dict[str, int] | None = None) -> WritePlan:
     """What ``rank`` writes of ``encoded`` (``owner``: :func:`replicated_owners`, computed here
     when not given).
 

@@ -4,12 +4,14 @@ DCP saves none), and rank 0 writes ``.metadata``: torch's own ``Metadata`` objec
 lists every chunk of every tensor and where it lies, and which every rank reads whole at load.
 
 The ``.metadata`` size is measured by building DCP's objects and pickling them (as
-``FileSystemWriter.finish`` does). Past :data:`EXACT_CHUNKS` chunks it is built for every
-``m``-th tensor and every ``2m``-th, and extrapolated linearly (:func:`metadata_bytes` says which).
+``FileSystemWriter.finish`` does). Past :data:`EXACT_CHUNKS` chunks it is built for one tensor of
+each kind (dtype, shape, chunk count) and for one more, and each further tensor of a kind adds
+what that one added, corrected for its name's length (:attr:`DcpSave.how` says which).
 """
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections import Counter
 from dataclasses import dataclass
@@ -55,13 +57,15 @@ def _tensors(saved: SavePlanner) -> list[tuple[str, torch.dtype, tuple[int, ...]
     return found
 
 
-def _metadata(tensors: list, world_size: int) -> Metadata:
+def _metadata(tensors: list, world_size: int, at: list[int] | None = None) -> Metadata:
+    """DCP's ``Metadata`` of ``tensors``; ``at``: where each tensor's chunks start in their files
+    (default: each writer's file filled in order)."""
     state: dict = {"optimizer.param_groups": BytesStorageMetadata()}
     storage: dict = {}
     planner: dict = {"optimizer.param_groups": ("optimizer", "param_groups")}
     paths = [f"__{rank}_0.distcp" for rank in range(world_size)]
     written = [0] * world_size
-    for fqn, dtype, shape, chunks in tensors:
+    for t, (fqn, dtype, shape, chunks) in enumerate(tensors):
         listed = []
         for i, (offsets, lengths, rank) in enumerate(chunks):
             listed.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(lengths)))
@@ -70,7 +74,7 @@ def _metadata(tensors: list, world_size: int) -> Metadata:
                 nbytes *= n
             # each rank's results reach rank 0 through a pickle of their own: its names are its own objects
             index = MetadataIndex("".join(fqn), torch.Size(offsets), i)
-            storage[index] = _StorageInfo(paths[rank], written[rank], nbytes)
+            storage[index] = _StorageInfo(paths[rank], written[rank] if at is None else at[t], nbytes)
             written[rank] += nbytes
         state[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), listed)
         planner[fqn] = tuple(fqn.split(".", 1))
@@ -84,19 +88,33 @@ def dcp_save(saved: SavePlanner) -> DcpSave:
     files = [0] * saved.world_size
     for _, dtype, _, listed in tensors:
         for _, lengths, rank in listed:
-            nbytes = dtype.itemsize
-            for n in lengths:
-                nbytes *= n
-            files[rank] += nbytes
+            files[rank] += dtype.itemsize * math.prod(lengths)
     if chunks <= EXACT_CHUNKS:
         return DcpSave(len(pickle.dumps(_metadata(tensors, saved.world_size))), "exact", chunks, files)
-    every = -(-chunks // (EXACT_CHUNKS // 2))
-    every -= every % 2
-    one = len(pickle.dumps(_metadata(tensors[::every], saved.world_size)))
-    two = len(pickle.dumps(_metadata(tensors[:: every // 2], saved.world_size)))
-    # every (m/2)-th tensor is the m-th ones and as many more: per m-th share, (two - one)
-    estimate = one + (every - 1) * (two - one)
-    return DcpSave(estimate, f"extrapolated from every {every}th and {every // 2}th tensor", chunks, files)
+    # tensors of one kind (dtype, shape, chunk count) add the same bytes but for their names,
+    # which every chunk's index repeats
+    kinds: dict[tuple, list[int]] = {}
+    for i, (_, dtype, shape, listed) in enumerate(tensors):
+        kinds.setdefault((dtype, shape, len(listed)), []).append(i)
+    at, filled = [], 0  # where a tensor's chunks start in the files, as in the whole (the size of the numbers)
+    for _, dtype, _, listed in tensors:
+        at.append(filled)
+        filled += dtype.itemsize * max(math.prod(lengths) for _, lengths, _ in listed)
+    base = [found[0] for found in kinds.values()]
+
+    def size(picked: list[int]) -> int:
+        return len(pickle.dumps(_metadata([tensors[i] for i in picked], saved.world_size, [at[i] for i in picked])))
+
+    base_bytes = size(base)
+    estimate = base_bytes
+    for found in kinds.values():
+        if len(found) < 2:
+            continue
+        reference = tensors[found[1]]
+        added = size(base + [found[1]]) - base_bytes
+        for i in found[1:]:
+            estimate += added + (len(tensors[i][3]) + 1) * (len(tensors[i][0]) - len(reference[0]))
+    return DcpSave(estimate, f"extrapolated from one tensor of each of {len(kinds)} kinds", chunks, files)
 
 
 def dcp_save_requests(store: Store, dcp: DcpSave) -> Counter:

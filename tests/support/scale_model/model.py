@@ -36,6 +36,7 @@ class ScaleConfig:
     check_ranks: int = 2
     restore_sample: int = SAMPLE_RANKS
     dcp: bool = True
+    restore: bool = True
     gpus_per_node: int = 8
     step: int = 1000
     layers: int | None = None
@@ -77,10 +78,29 @@ def run(config: ScaleConfig) -> dict:
     classes = saved.classes()
     count = max(1, config.check_ranks)  # evenly spread, the first and the last rank among them
     checked = sorted({round(i * (config.ranks - 1) / max(1, count - 1)) for i in range(count)})
-    save_s = max(saved.check_rank(rank) for rank in checked)
+    class_of = {rank: c for c in classes for rank in c.ranks}
+    save_s = max(saved.check_rank(rank, class_of[rank]) for rank in checked)
     manifest, gathered_bytes, build_s = saved.manifest(classes)
-    kinds, prefixes = save_requests(store, config.step, classes, len(manifest))
+    restore_layout = Layout.parse(config.restore_layout or config.layout, config.restore_ranks or config.ranks)
+    result = _save_figures(config, shape, saved, classes, manifest, gathered_bytes, build_s, save_s, checked)
+    result["layout"] = {"save": layout.name, "restore": restore_layout.name, "mesh": list(layout.mesh_shape)}
+    if config.restore:
+        restore_builder = builder if restore_layout == layout else StateBuilder(shape, restore_layout, config.dtype)
+        restorer = RestorePlanner(saved, classes, manifest, restore_builder)
+        plan = restorer.plan(sample=config.restore_sample)
+        figures = _restore_figures(store, saved, classes, manifest, restorer, plan)
+        result["busiest_prefix_request_share"]["restore"] = figures.pop("restore_share")
+        result["planning_s_per_rank"]["restore"] = figures.pop("restore_plan_s")
+        result["planned"]["restore"] = figures.pop("restore_planned")
+        result.update(figures)
+        if config.dcp:
+            result["dcp"] = _dcp_figures(store, saved, plan)
+    result["model_s"] = round(time.perf_counter() - started, 1)
+    return result
 
+
+def _save_figures(config, shape, saved, classes, manifest, gathered_bytes, build_s, save_s, checked) -> dict:
+    kinds, prefixes = save_requests(saved.store, config.step, classes, len(manifest))
     file_bytes = [0] * config.ranks
     index_bytes = [0] * config.ranks
     files = 0
@@ -90,15 +110,7 @@ def run(config: ScaleConfig) -> dict:
             index_bytes[rank] = c.files.index_record.size_bytes
         files += len(c.ranks) * (len(c.files.records) + 1)
     nodes = _per_node([f + i for f, i in zip(file_bytes, index_bytes)], config.gpus_per_node)
-
-    restore_layout = Layout.parse(config.restore_layout or config.layout, config.restore_ranks or config.ranks)
-    restore_builder = builder if restore_layout == layout else StateBuilder(shape, restore_layout, config.dtype)
-    restorer = RestorePlanner(saved, classes, manifest, restore_builder)
-    plan = restorer.plan(sample=config.restore_sample)
-    gets, get_prefixes, per_rank = restore_requests(store, plan, saved, classes, len(manifest))
-    restoring = sum(count for count, _ in per_rank)
-
-    result = {
+    return {
         "config": asdict(config),
         "model": {
             **asdict(shape),
@@ -107,11 +119,9 @@ def run(config: ScaleConfig) -> dict:
             "dtype": config.dtype,
             "state_bytes": sum(file_bytes),
         },
-        "layout": {"save": layout.name, "restore": restore_layout.name, "mesh": list(layout.mesh_shape)},
-        "store": store.kind,
+        "store": saved.store.kind,
         "manifest_bytes": len(manifest),
         "manifest_build_s": round(build_s, 3),
-        "manifest_parse_s": round(restorer.manifest_parse_s, 3),
         "report_bytes_gathered": gathered_bytes,
         "index_bytes_per_rank_max": max(index_bytes),
         "index_bytes_per_rank_mean": round(sum(index_bytes) / config.ranks),
@@ -119,16 +129,8 @@ def run(config: ScaleConfig) -> dict:
         "save_bytes_per_rank": {"max": max(file_bytes), "mean": round(sum(file_bytes) / config.ranks)},
         "save_bytes_per_node": {"max": max(nodes), "mean": round(sum(nodes) / len(nodes))},
         "save_requests": {"total": sum(kinds.values()), **dict(kinds)},
-        "restore_get_requests": {"total": round(sum(gets.values())), **{k: round(v) for k, v in gets.items()}},
-        "restore_bytes_per_rank": {
-            "max": max(b for _, b in per_rank),
-            "mean": round(sum(c * b for c, b in per_rank) / restoring),
-        },
-        "busiest_prefix_request_share": {"save": round(_share(prefixes), 4), "restore": round(_share(get_prefixes), 4)},
-        "planning_s_per_rank": {
-            "save": round(save_s, 3),
-            "restore": round(max(reads.plan_s for _, reads in plan.classes), 3),
-        },
+        "busiest_prefix_request_share": {"save": round(_share(prefixes), 4)},
+        "planning_s_per_rank": {"save": round(save_s, 3)},
         "memory": {
             "staging_bytes_per_rank_max": max(file_bytes),
             "staging_bytes_per_node_max": max(_per_node(file_bytes, config.gpus_per_node)),
@@ -137,26 +139,39 @@ def run(config: ScaleConfig) -> dict:
         "planned": {
             "save": f"{len(classes)} classes of ranks with same-sized files, one rank each through the product's "
             f"file planning; ranks {checked} also through plan_writes from their own DTensors",
-            "restore": f"{len(plan.classes)} ranks through ChunkReader.plan_units ({plan.method})",
         },
     }
-    if config.dcp:
-        dcp = dcp_save(saved)
-        dcp_gets, dcp_per_rank = dcp_restore_requests(store, plan, dcp.metadata_bytes)
-        dcp_kinds = dcp_save_requests(store, dcp)
-        result["dcp"] = {
-            "metadata_bytes": dcp.metadata_bytes,
-            "metadata": dcp.how,
-            "chunks": dcp.chunks,
-            "save_requests": {"total": sum(dcp_kinds.values()), **dict(dcp_kinds)},
-            "restore_get_requests": {
-                "total": round(sum(dcp_gets.values())),
-                **{k: round(v) for k, v in dcp_gets.items()},
-            },
-            "restore_bytes_per_rank": {
-                "max": max(b for _, b in dcp_per_rank),
-                "mean": round(sum(c * b for c, b in dcp_per_rank) / restoring),
-            },
-        }
-    result["model_s"] = round(time.perf_counter() - started, 1)
-    return result
+
+
+def _restore_figures(store, saved, classes, manifest, restorer, plan) -> dict:
+    gets, prefixes, per_rank = restore_requests(store, plan, saved, classes, len(manifest))
+    restoring = sum(count for count, _ in per_rank)
+    return {
+        "manifest_parse_s": round(restorer.manifest_parse_s, 3),
+        "restore_get_requests": {"total": round(sum(gets.values())), **{k: round(v) for k, v in gets.items()}},
+        "restore_bytes_per_rank": {
+            "max": max(b for _, b in per_rank),
+            "mean": round(sum(c * b for c, b in per_rank) / restoring),
+        },
+        "restore_share": round(_share(prefixes), 4),
+        "restore_plan_s": round(max(reads.plan_s for _, reads in plan.classes), 3),
+        "restore_planned": f"{len(plan.classes)} ranks through ChunkReader.plan_units ({plan.method})",
+    }
+
+
+def _dcp_figures(store, saved, plan) -> dict:
+    dcp = dcp_save(saved)
+    gets, per_rank = dcp_restore_requests(store, plan, dcp.metadata_bytes)
+    kinds = dcp_save_requests(store, dcp)
+    restoring = sum(count for count, _ in per_rank)
+    return {
+        "metadata_bytes": dcp.metadata_bytes,
+        "metadata": dcp.how,
+        "chunks": dcp.chunks,
+        "save_requests": {"total": sum(kinds.values()), **dict(kinds)},
+        "restore_get_requests": {"total": round(sum(gets.values())), **{k: round(v) for k, v in gets.items()}},
+        "restore_bytes_per_rank": {
+            "max": max(b for _, b in per_rank),
+            "mean": round(sum(c * b for c, b in per_rank) / restoring),
+        },
+    }

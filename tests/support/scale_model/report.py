@@ -31,20 +31,24 @@ def text(r: dict) -> str:
         f"layout: save {r['layout']['save']} on {r['config']['ranks']} ranks (mesh {r['layout']['mesh']}), "
         f"restore {r['layout']['restore']} on {r['config']['restore_ranks'] or r['config']['ranks']}; "
         f"store: {r['store']}",
-        f"planned: save: {r['planned']['save']}; restore: {r['planned']['restore']}",
+        "planned: " + "; ".join(f"{k}: {v}" for k, v in r["planned"].items()),
         f"manifest_bytes: {r['manifest_bytes']} ({_size(r['manifest_bytes'])}; built in {r['manifest_build_s']} s "
-        f"on rank 0, parsed in {r['manifest_parse_s']} s on each rank)",
+        f"on rank 0, parsed in {r.get('manifest_parse_s', '-')} s on each rank)",
         f"reports gathered by every rank: {_size(r['report_bytes_gathered'])}",
         f"index_bytes_per_rank_max: {r['index_bytes_per_rank_max']} (mean {r['index_bytes_per_rank_mean']})",
         f"save: {r['save_objects']} objects; bytes per rank max {_size(r['save_bytes_per_rank']['max'])}, "
         f"per node max {_size(r['save_bytes_per_node']['max'])}",
         "save_requests: " + ", ".join(f"{k} {v}" for k, v in r["save_requests"].items()),
-        "restore_get_requests: " + ", ".join(f"{k} {v}" for k, v in r["restore_get_requests"].items()),
-        f"restore bytes per rank: max {_size(r['restore_bytes_per_rank']['max'])}, "
-        f"mean {_size(r['restore_bytes_per_rank']['mean'])}",
-        f"busiest_prefix_request_share: save {r['busiest_prefix_request_share']['save']}, "
-        f"restore {r['busiest_prefix_request_share']['restore']}",
-        f"planning_s_per_rank: save {r['planning_s_per_rank']['save']}, restore {r['planning_s_per_rank']['restore']}",
+    ]
+    if "restore_get_requests" in r:
+        lines += [
+            "restore_get_requests: " + ", ".join(f"{k} {v}" for k, v in r["restore_get_requests"].items()),
+            f"restore bytes per rank: max {_size(r['restore_bytes_per_rank']['max'])}, "
+            f"mean {_size(r['restore_bytes_per_rank']['mean'])}",
+        ]
+    lines += [
+        "busiest_prefix_request_share: " + ", ".join(f"{k} {v}" for k, v in r["busiest_prefix_request_share"].items()),
+        "planning_s_per_rank: " + ", ".join(f"{k} {v}" for k, v in r["planning_s_per_rank"].items()),
         f"memory: staging per node {_size(r['memory']['staging_bytes_per_node_max'])}, "
         f"fast tier per node {_size(r['memory']['fast_tier_bytes_per_node_max'])}",
     ]

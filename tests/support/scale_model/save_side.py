@@ -188,10 +188,14 @@ class SavePlanner:
             return rank_tensors[name]
         if name in self.encoded.tensors:
             return self.encoded.tensors[name]
-        dtype = self.encoded.sharded[name].dtype
-        if (lengths, dtype) not in self._meta:
-            self._meta[(lengths, dtype)] = torch.empty(lengths, dtype=dtype, device="meta")
-        return self._meta[(lengths, dtype)]
+        return self._meta_like(torch.empty(lengths, dtype=self.encoded.sharded[name].dtype, device="meta"))
+
+    def _meta_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A meta tensor of ``tensor``'s shape and dtype (one per pair: only sizes are read)."""
+        key = (tuple(tensor.shape), tensor.dtype)
+        if key not in self._meta:
+            self._meta[key] = torch.empty(key[0], dtype=key[1], device="meta")
+        return self._meta[key]
 
     def files(self, rank: int, entries: list[Entry]) -> RankFiles:
         """``rank``'s files and index for ``entries``, planned by the product's write path."""
@@ -200,6 +204,8 @@ class SavePlanner:
         return self._files(rank, tensors)
 
     def _files(self, rank: int, tensors: dict[str, torch.Tensor]) -> RankFiles:
+        # an expanded stand-in (DDP's) as the meta tensor of its shape: a file would copy it whole
+        tensors = {k: t if t.is_contiguous() else self._meta_like(t) for k, t in tensors.items()}
         records, headers, indexed, located = [], [], [], {}
         for part, names in enumerate(split_into_parts(tensors, self.limits)):
             path, source = shard_file(self.step, rank, INCARNATION, part, tensors, names)
@@ -214,13 +220,14 @@ class SavePlanner:
         index_record = write_index(_Recorder(), index, INCARNATION)
         return RankFiles(records, headers, index, index_record, [located[key] for key in tensors])
 
-    def check_rank(self, rank: int) -> float:
+    def check_rank(self, rank: int, rank_class: RankClass) -> float:
         """Plan ``rank`` from its own meta DTensors as ``prepare_save`` does and check that it writes
-        what :meth:`writes` says, into files of the sizes its class has; returns the seconds the
-        product's planning took (encoding, :func:`plan_writes`, ``split_into_parts``, headers, index).
+        what :meth:`writes` says, into files of the sizes and places of its class
+        (``rank_class``); returns the seconds the product's planning took (encoding,
+        :func:`plan_writes`, ``split_into_parts``, the files' headers, the index).
 
         Raises:
-            AssertionError: the two plans differ (the scale model no longer matches the product).
+            AssertionError: they differ (the scale model no longer matches the product).
         """
         replicated, rank_local = self.builder.state(rank)
         started = time.perf_counter()
@@ -228,12 +235,13 @@ class SavePlanner:
         plan = plan_writes(encoded, rank, self.world_size, self.owner)
         files = self._files(rank, plan.tensors)
         elapsed = time.perf_counter() - started
-        derived = self.writes(rank)
         product = [(k, *plan.chunks[k], k in plan.reported) for k in plan.tensors]
-        assert product == derived, f"rank {rank}: the product's plan differs from the scale model's"
-        mine = self.files(rank, derived)
-        assert [r.size_bytes for r in files.records] == [r.size_bytes for r in mine.records], f"rank {rank}: file sizes"
-        assert files.index_record.size_bytes == mine.index_record.size_bytes, f"rank {rank}: index size"
+        assert product == self.writes(rank), f"rank {rank}: the product's plan differs from the scale model's"
+        mine = rank_class.files
+        assert [r.size_bytes for r in files.records] == [r.size_bytes for r in mine.records], f"rank {rank}: files"
+        assert files.header_bytes == mine.header_bytes, f"rank {rank}: headers"
+        assert files.positions == mine.positions, f"rank {rank}: chunk places"
+        assert files.index_record.size_bytes == mine.index_record.size_bytes, f"rank {rank}: index"
         return elapsed
 
     # --- the reports and the manifest ---------------------------------------------------------

@@ -133,11 +133,14 @@ class StateBuilder:
         """``(replicated, rank_local)`` state dicts of ``rank``, as the Checkpointer hands them to a save."""
         mesh = None if self.layout.kind == "ddp" else self.layout.mesh(rank)
         local_shapes: dict[tuple, tuple[int, ...]] = {}
+        # DDP's plain tensors: one element each, expanded (a meta tensor has no address, and
+        # encode_state would take tensors of one shape at address 0 for tied weights)
+        elements = iter(torch.empty(3 * len(self.parameters), dtype=self.dtype))
 
         def tensor(shape: tuple[int, ...], tp: str) -> torch.Tensor:
             placements = self.layout.placements(tp)
             if placements is None:
-                return torch.empty(shape, dtype=self.dtype, device="meta")
+                return next(elements).expand(shape)
             key = (shape, placements)
             if key not in local_shapes:
                 local_shapes[key] = tuple(compute_local_shape_and_global_offset(shape, mesh, placements)[0])
