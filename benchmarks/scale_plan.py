@@ -77,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         heads=args.heads,
         kv_heads=args.kv_heads,
     )
-    result = run(config)
+    try:
+        result = run(config)
+    except ValueError as exc:  # a layout that does not fit its rank count
+        parser.error(str(exc))
     print(json.dumps(result, indent=None) if args.json else text(result))
     return 0
 
