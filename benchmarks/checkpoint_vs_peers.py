@@ -1,6 +1,6 @@
 """spotrun's checkpoints against the peers a user would otherwise pick, and the machine's limits.
 
-    python benchmarks/checkpoint_vs_peers.py [--size-mib 768] [--rounds 3] [--s3] [--quick] [--profile]
+    python benchmarks/checkpoint_vs_peers.py [--size-mib 768] [--rounds 3] [--s3] [--quick] [--profile] [--device cuda]
 
 One training state (a float32 model of 16 square Linear layers and its AdamW state after one
 step, ``--size-mib`` MiB of tensors in all), one process, and round by round, interleaved on
@@ -24,6 +24,11 @@ that same state (the order rotates every round):
 
 Prints median seconds, ratios to DCP and to the limit, CPU time and page faults (where the
 time goes), and the issue's targets with PASS/MISS. Figures are medians of ``--rounds``.
+
+``--device cuda``: the state lives on the GPU (background saves stage it into pinned memory,
+restores copy it back); every figure then waits for the device's queued work before it stops
+(no tool hides copies still running), and the limit of a stall is a device-to-host copy of the
+state into pinned buffers allocated once. ``benchmarks/gpu_check.sh`` runs this on a GPU machine.
 """
 
 from __future__ import annotations
@@ -69,15 +74,20 @@ MEMORY_ACTIONS = {
 
 
 class Samples:
-    """Per figure: seconds, minor page faults, user and system CPU seconds of each round."""
+    """Per figure: seconds, minor page faults, user and system CPU seconds of each round.
+    ``device_sync``: called before a timing starts and before it stops (a GPU's queued work)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_sync=lambda: None) -> None:
         self.rows: dict[str, list[tuple[float, int, float, float]]] = defaultdict(list)
+        self._sync = device_sync
 
     def __call__(self, figure: str, fn, since=None):
         """Time ``fn`` as ``figure`` (from ``since``, a token an earlier call returned, if given)."""
+        if since is None:
+            self._sync()
         token = since or (time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF))
         fn()
+        self._sync()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.rows[figure].append(
             (
@@ -100,9 +110,9 @@ class Samples:
         return statistics.median(values) if values else None
 
 
-def run_local(model, optimizer, root: str, rounds: int) -> tuple[Samples, dict[str, str]]:
+def run_local(model, optimizer, root: str, rounds: int, device: str = "cpu") -> tuple[Samples, dict[str, str]]:
     tools, missing = peers.local_tools(model, optimizer, root)
-    samples = Samples()
+    samples = Samples(peers.device_sync(device))
     for index in range(rounds):
         order = tools[index % len(tools) :] + tools[: index % len(tools)]
         for tool in order:
@@ -178,6 +188,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-tiny", action="store_true")
     parser.add_argument("--no-world2", action="store_true")
     parser.add_argument("--profile", action="store_true", help="cProfile one spotrun save and restore")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives (cuda: the GPU's paths)"
+    )
     parser.add_argument("--world2-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -197,13 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix="spotrun-bench-", dir=args.dir)
     try:
         started = time.perf_counter()
-        model, optimizer = memory_probe.build_training_state(int(args.size_mib * MIB))
+        model, optimizer = memory_probe.build_training_state(int(args.size_mib * MIB), device=args.device)
         state_bytes = memory_probe.state_tensor_bytes(model, optimizer)
         width = model[0].weight.shape[0]
         print(
             f"load average {os.getloadavg()[0]:.1f}; state: {state_bytes / MIB:.1f} MiB "
             f"({len(model)} Linear layers {width}x{width}, float32, "
-            f"AdamW after one step); {os.cpu_count()} CPUs; files under {root}",
+            f"AdamW after one step) on {peers.describe_device(args.device)}; {os.cpu_count()} CPUs; files under {root}",
             flush=True,
         )
         phases: dict[str, float] = {}
@@ -214,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             phases[name] = time.perf_counter() - phase_started
             return result
 
-        samples, missing = phase("local rounds", lambda: run_local(model, optimizer, root, args.rounds))  # noqa: F821 (called at once, before the del)
+        samples, missing = phase("local rounds", lambda: run_local(model, optimizer, root, args.rounds, args.device))  # noqa: F821 (called at once, before the del)
         if args.profile:
             phase("profile", lambda: profile_spotrun(model, optimizer, root))  # noqa: F821 (called at once)
         del model, optimizer

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spotrun.checkpoint.fencing import Fences, read_fences
 from spotrun.checkpoint.layout import (
@@ -19,8 +19,9 @@ from spotrun.checkpoint.layout import (
     REJECTED_PREFIX,
     file_key,
     parse_manifest_name,
-    parse_step_dir,
     step_dir,
+    step_of_key,
+    step_prefixes,
 )
 from spotrun.checkpoint.manifest import Manifest
 from spotrun.checkpoint.strict_json import MANIFEST_MAX_BYTES
@@ -55,6 +56,10 @@ class StepInfo:
         being_deleted: a deletion was started and nothing was written into the step since:
             its marker ``deleting.json`` is there and no object is newer
             (:mod:`spotrun.checkpoint.retention`); an incomplete step then says so.
+        objects: every object of the step as listed (its step directory and, in the spread
+            key layout, its ranks' prefixes): what deleting the step deletes.
+        manifest_text: the bytes ``manifest`` was parsed from (a restore sends them to the
+            other ranks instead of each reading them).
     """
 
     step: int
@@ -69,6 +74,8 @@ class StepInfo:
     newest_object_unix_s: float = 0.0
     object_count: int = 0
     being_deleted: bool = False
+    objects: tuple[ObjectInfo, ...] = ()
+    manifest_text: bytes | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
         """The fields ``spotrun ls --json`` prints."""
@@ -98,11 +105,11 @@ def list_root(storage: Storage) -> tuple[list[StepInfo], Fences]:
 
 
 def objects_by_step(objects: list[ObjectInfo]) -> dict[int, list[ObjectInfo]]:
-    """The objects of a root's listing under each step directory (a linked step dir too)."""
+    """The objects of a root's listing of each step, in its step directory or under a spread
+    prefix (:func:`~spotrun.checkpoint.layout.step_of_key`; a linked step dir too)."""
     by_step: dict[int, list[ObjectInfo]] = defaultdict(list)
     for info in objects:
-        top, sep, _rest = info.key.partition("/")
-        step = parse_step_dir(top) if sep or info.refused is not None else None  # a linked step dir
+        step = step_of_key(info.key, directory=info.refused is not None)  # refused: a linked step dir
         if step is not None:
             by_step[step].append(info)
     return by_step
@@ -115,18 +122,36 @@ def newest_complete(storage: Storage, *, below: int | None = None) -> StepInfo |
 
 
 def inspect_step(storage: Storage, step: int, fences: Fences | None = None) -> StepInfo | None:
-    """What one step directory holds (``None`` when it is empty or absent).
+    """What one step holds (``None`` when its step directory is empty or absent).
 
-    The incarnation records are read (``fences`` ``None``) only when the step has a manifest.
+    Lists the step directory, then the spread prefixes its manifests record (one listing each,
+    never the whole root): the files of a save that never committed a manifest under spread
+    prefixes are found by :func:`list_root` (``spotrun ls``, ``spotrun gc``), not here. The
+    incarnation records are read (``fences`` ``None``) only when the step has a manifest.
     """
     prefix = f"{step_dir(step)}/"
     objects = storage.list(prefix)
     if not objects:
         return None
+    read: dict[str, tuple[Manifest, bytes] | str | None] = {}
+    prefixes = {prefix}
+    manifests = [o for o in objects if parse_manifest_name(o.key[len(prefix) :])[0]]
+    for info in manifests:
+        if info.size_bytes <= MANIFEST_MAX_BYTES:  # a larger one is refused by its size, unread
+            found = read[info.key] = _read(storage, info.key)
+            if isinstance(found, tuple) and found[0].step == step:
+                prefixes.update(step_prefixes(step, found[0]))
+    for other in sorted(prefixes - {prefix}):
+        objects.extend(storage.list(other))
     if fences is None:
-        has_manifest = any(parse_manifest_name(o.key[len(prefix) :])[0] for o in objects)
-        fences = read_fences(storage) if has_manifest else Fences()
-    return _inspect(storage, step, objects, fences)
+        fences = read_fences(storage) if manifests else Fences()
+    return _inspect(storage, step, objects, fences, read)
+
+
+def step_objects(storage: Storage, step: int, manifest: Manifest | None) -> list[ObjectInfo]:
+    """The objects of ``step`` where ``manifest`` says its files lie (its step directory, and
+    its writers' spread prefixes): one listing per prefix."""
+    return [o for prefix in step_prefixes(step, manifest) for o in storage.list(prefix)]
 
 
 def committed(storage: Storage, step: int) -> StepInfo:
@@ -149,35 +174,48 @@ def deleted_since_listed(storage: Storage, info: StepInfo) -> bool:
 
     A reader whose read of a listed file failed (``spotrun verify``, ``export``) asks this to
     tell a step that retention or gc removed meanwhile (gone) from a damaged one (its manifest
-    still there, no deletion under way, and a file missing). One listing of the step.
+    still there, no deletion under way, and a file missing). One listing of each prefix of the
+    step (:func:`step_objects`).
     """
     prefix = f"{step_dir(info.step)}/"
-    objects = {o.key: o for o in storage.list(prefix)}
+    objects = {o.key: o for o in step_objects(storage, info.step, info.manifest)}
     if info.manifest_key is not None and info.manifest_key not in objects:
         return True
     marker = objects.get(prefix + DELETION_MARKER_NAME)
     return marker is not None and marker.mtime_s >= max(o.mtime_s for o in objects.values())
 
 
-def _read(storage: Storage, key: str) -> Manifest | str | None:
-    """The parsed manifest, a problem description, or ``None`` when it vanished."""
+def _read(storage: Storage, key: str) -> tuple[Manifest, bytes] | str | None:
+    """The parsed manifest and its bytes, a problem description, or ``None`` when it vanished."""
     try:
-        return Manifest.from_json(storage.get(key), where=f"{storage.uri}/{key}")
+        text = storage.get(key)
+        return Manifest.from_json(text, where=f"{storage.uri}/{key}"), text
     except ObjectNotFoundError:
         return None
     except (ManifestError, UnsafeObjectError) as exc:
         return str(exc)
 
 
-def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fences) -> StepInfo:
+def _inspect(
+    storage: Storage,
+    step: int,
+    objects: list[ObjectInfo],
+    fences: Fences,
+    read: dict[str, tuple[Manifest, bytes] | str | None] | None = None,
+) -> StepInfo:
+    """The status of a step from its listed objects; ``read``: manifests already read, by key."""
     size_bytes = sum(o.size_bytes for o in objects)
     newest_mtime = max(o.mtime_s for o in objects)
     sizes = {o.key: o.size_bytes for o in objects}
     prefix = f"{step_dir(step)}/"
+    # manifests, the marker and rejected manifests count only in the step directory itself
+    own = [key[len(prefix) :] for key in sizes if key.startswith(prefix)]
     marker = [o for o in objects if o.key == prefix + DELETION_MARKER_NAME]
     being_deleted = bool(marker) and marker[0].mtime_s >= newest_mtime
 
-    def result(status: str, problem: str | None, manifest: Manifest | None = None, key: str | None = None) -> StepInfo:
+    def result(
+        status: str, problem: str | None, manifest: Manifest | None = None, key: str | None = None, text=None
+    ) -> StepInfo:
         return StepInfo(
             step=step,
             status=status,
@@ -191,23 +229,18 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
             newest_object_unix_s=newest_mtime,
             object_count=len(objects),
             being_deleted=being_deleted,
+            objects=tuple(objects),
+            manifest_text=text if manifest is not None else None,
         )
 
     refused = [o for o in objects if o.refused is not None]
     if refused:  # nothing of the step is read: what a link leads to is not the checkpoint's
         return result(CORRUPT, f"{refused[0].key} is refused: {refused[0].refused}")
-    manifests: list[tuple[int | None, str]] = []  # (incarnation in the name, key)
-    for key in sizes:
-        is_manifest, incarnation = parse_manifest_name(key[len(prefix) :])
-        if is_manifest:
-            manifests.append((incarnation, key))
-    # Newest incarnation first: when two manifests are valid (never written so), it wins.
-    manifests.sort(key=lambda m: -1 if m[0] is None else m[0], reverse=True)
     fenced: list[str] = []
-    for incarnation, key in manifests:
+    for incarnation, key in _manifests_newest_first(prefix, own):
         newer = fences.fenced_by(incarnation, step)
         if newer is not None:
-            checked = _check_manifest(storage, step, key, incarnation, sizes, result)
+            checked = _check_manifest(storage, step, key, incarnation, sizes, result, read)
             if checked.status == CORRUPT:  # damaged whoever fenced it: `ls` says what is wrong
                 return checked
             fenced.append(
@@ -216,7 +249,7 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
                 + ("scratch" if fences.resumed[newer] is None else f"step {fences.resumed[newer]}")
             )
             continue
-        info = _check_manifest(storage, step, key, incarnation, sizes, result)
+        info = _check_manifest(storage, step, key, incarnation, sizes, result, read)
         if (
             info.status == CORRUPT
             and info.manifest is not None
@@ -232,7 +265,7 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
         return info
     if fenced:
         return result(FENCED, "; ".join(fenced) + ": never resumed from")
-    if any(k[len(prefix) :].startswith(REJECTED_PREFIX) for k in sizes):
+    if any(name.startswith(REJECTED_PREFIX) for name in own):
         return result(CORRUPT, "failed verification on restore; see the rejected-manifest file")
     if being_deleted:
         return result(
@@ -243,8 +276,21 @@ def _inspect(storage: Storage, step: int, objects: list[ObjectInfo], fences: Fen
     return result(INCOMPLETE, "no manifest: the save never committed")
 
 
+def _manifests_newest_first(prefix: str, names: list[str]) -> list[tuple[int | None, str]]:
+    """``(incarnation in the name, key)`` of the manifests among ``names`` (in the step directory
+    ``prefix``), newest incarnation first: when two are valid (never written so), it wins."""
+    found = [(parse_manifest_name(name)[1], prefix + name) for name in names if parse_manifest_name(name)[0]]
+    return sorted(found, key=lambda m: -1 if m[0] is None else m[0], reverse=True)
+
+
 def _check_manifest(
-    storage: Storage, step: int, key: str, incarnation: int | None, sizes: dict[str, int], result
+    storage: Storage,
+    step: int,
+    key: str,
+    incarnation: int | None,
+    sizes: dict[str, int],
+    result,
+    read: dict[str, tuple[Manifest, bytes] | str | None] | None,
 ) -> StepInfo:
     if sizes[key] > MANIFEST_MAX_BYTES:  # refused by its listed size, before it is read
         return result(
@@ -254,11 +300,12 @@ def _check_manifest(
             None,
             key,
         )
-    manifest = _read(storage, key)
-    if manifest is None:
+    found = read[key] if read is not None and key in read else _read(storage, key)
+    if found is None:
         return result(INCOMPLETE, f"{key} disappeared while listing")
-    if isinstance(manifest, str):
-        return result(CORRUPT, manifest, None, key)
+    if isinstance(found, str):
+        return result(CORRUPT, found, None, key)
+    manifest, text = found
     if manifest.step != step:
         return result(CORRUPT, f"manifest says step {manifest.step}, directory says {step}", manifest, key)
     if incarnation is not None and manifest.incarnation != incarnation:
@@ -266,7 +313,7 @@ def _check_manifest(
             CORRUPT, f"manifest says incarnation {manifest.incarnation}, its name says {incarnation}", manifest, key
         )
     for record in manifest.files:
-        fkey = file_key(step, record.path)
+        fkey = file_key(step, record, manifest)
         if fkey not in sizes:
             return result(CORRUPT, f"{record.path} is missing", manifest, key)
         if sizes[fkey] != record.size_bytes:
@@ -276,7 +323,7 @@ def _check_manifest(
                 manifest,
                 key,
             )
-    return result(COMPLETE, None, manifest, key)
+    return result(COMPLETE, None, manifest, key, text)
 
 
 def refuse_start_over(storage: Storage, steps: list[StepInfo]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from spotrun.checkpoint.chunks import Box, byte_runs, overlap
 from spotrun.checkpoint.layout import file_key
 from spotrun.checkpoint.manifest import FileRecord, Manifest, TensorRecord
 from spotrun.checkpoint.rank_index import RankIndex, chunk_key
+from spotrun.checkpoint.read_slabs import ScratchPool, Slab
 from spotrun.checkpoint.reader import _dtype_info, _read
 from spotrun.checkpoint.step_checks import block_problems, parse_index
 from spotrun.checkpoint.stream import CHECKSUM_CHUNK_BYTES, byte_view
@@ -51,60 +51,12 @@ class BoxRead:
 SMALL_RUN_BYTES = 64 * 2**10
 
 
-class _ScratchPool:
-    """Scratch buffers of up to one read unit, reused from slab to slab (a fresh buffer costs a
-    page fault per 4 KiB when first written)."""
-
-    def __init__(self) -> None:
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            for i, buffer in enumerate(self._free):
-                if buffer.numel() >= nbytes:
-                    return self._free.pop(i)
-        return torch.empty(max(nbytes, CHECKSUM_CHUNK_BYTES), dtype=torch.uint8)
-
-    def give_back(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buffer)
-
-
-class _Slab:
-    """Rows of a chunk read into a scratch buffer (taken when its first part is read), then
-    copied into the receiving box once every part of it has been read and verified."""
-
-    def __init__(self, nbytes: int, copy: Callable[[torch.Tensor], None], pool: _ScratchPool) -> None:
-        self.nbytes = nbytes
-        self.copy = copy
-        self.pending = 1  # parts not yet read (a slab cut by a read unit has two)
-        self._pool = pool
-        self._scratch: torch.Tensor | None = None
-        self._lock = threading.Lock()
-
-    def view(self, lo: int, hi: int) -> torch.Tensor:
-        with self._lock:
-            if self._scratch is None:
-                self._scratch = self._pool.take(self.nbytes)
-            return self._scratch[lo:hi]
-
-    def part_read(self) -> None:
-        with self._lock:
-            self.pending -= 1
-            if self.pending:
-                return
-            scratch, self._scratch = self._scratch, None
-        self.copy(scratch[: self.nbytes])
-        self._pool.give_back(scratch)
-
-
 @dataclass
 class _Piece:
     begin: int  # byte range [begin, end) of the file
     end: int
     target: torch.Tensor | None  # 1-D uint8 view of the receiving memory, or None: a slab's
-    slab: _Slab | None = None
+    slab: Slab | None = None
     slab_offset: int = 0  # where [begin, end) starts in the slab
 
 
@@ -147,7 +99,7 @@ class ChunkReader:
         self._covered: set[str] = set()  # tensors whose chunk layout passed coverage_problem
         self._checked: set[tuple[str, Box]] = set()
         self._lock = threading.Lock()
-        self._scratch = _ScratchPool()
+        self._scratch = ScratchPool()
         self._progress = progress
         self._bar = None
         self.bytes_read = 0
@@ -164,7 +116,7 @@ class ChunkReader:
             raise CorruptShardError(
                 f"{where}: {record.size_bytes} bytes, more than the {INDEX_MAX_BYTES} a rank index may have"
             )
-        data = self._storage.get(file_key(step, record.path))
+        data = self._storage.get(file_key(step, record, self._manifest))
         self.bytes_read += len(data)
         try:  # the checks spotrun verify makes of it
             index = parse_index(data, record, self._manifest)
@@ -175,8 +127,14 @@ class ChunkReader:
         self._indexes[rank] = index
         return index
 
+    def _key(self, path: str) -> str:
+        """The key of a file the manifest lists (every caller checked that it does)."""
+        return file_key(self._manifest.step, self._files[path], self._manifest)
+
     def _where(self, path: str) -> str:
-        return f"{self._storage.uri}/{file_key(self._manifest.step, path)}"
+        if path not in self._files:
+            return f"{self._storage.uri} step {self._manifest.step}: {path}"
+        return f"{self._storage.uri}/{self._key(path)}"
 
     def _header(self, path: str) -> ShardHeader:
         """The safetensors header of data file ``path``, which must describe a valid file of
@@ -187,9 +145,7 @@ class ChunkReader:
             if record is None:  # parse_index made sure the manifest lists it
                 raise CorruptShardError(f"{self._where(path)}: not in the manifest")
             try:
-                header = read_header(
-                    self._storage, file_key(self._manifest.step, path), record.size_bytes, record.size_bytes
-                )
+                header = read_header(self._storage, self._key(path), record.size_bytes, record.size_bytes)
             except CorruptShardError as exc:
                 raise CorruptShardError(f"{self._where(path)}: {exc}") from exc
             for problem in header.problems:
@@ -259,13 +215,26 @@ class ChunkReader:
 
     def plan_units(self, reads: list[BoxRead]) -> list[tuple]:
         """The read units of ``reads``, ``(writer's index, file number, start, stop, pieces)``: whole
-        blocks of one file, up to CHECKSUM_CHUNK_BYTES each (checks nothing: :meth:`read` does)."""
+        blocks of one file, each up to the store's read unit for the planned bytes
+        (:meth:`~spotrun.storage.base.Storage.read_unit_bytes`; checks nothing: :meth:`read` does)."""
         pieces: dict[tuple[int, int], list[_Piece]] = {}  # (writer rank, file index) -> pieces
         for item in reads:
             self._plan(item, pieces)
+        blocks = {
+            (rank, file_index): self._blocks(self._indexes[rank].files[file_index].block_bytes, file_pieces)
+            for (rank, file_index), file_pieces in pieces.items()
+        }
+        # units grow with the read on an object store (one GET each), stay small on files
+        planned_bytes = sum(
+            len(numbers) * self._indexes[rank].files[file_index].block_bytes
+            for (rank, file_index), numbers in blocks.items()
+        )
+        unit_bytes = self._storage.read_unit_bytes(planned_bytes, CHECKSUM_CHUNK_BYTES)
         units = []
         for (rank, file_index), file_pieces in pieces.items():
-            units.extend(self._units(self._indexes[rank], file_index, file_pieces))
+            units.extend(
+                self._units(self._indexes[rank], file_index, file_pieces, blocks[rank, file_index], unit_bytes)
+            )
         return units
 
     def _plan(self, item: BoxRead, pieces: dict[tuple[int, int], list[_Piece]]) -> None:
@@ -347,7 +316,7 @@ class ChunkReader:
                 item.into[(slice(at, at + rows),) + inner_target].copy_(source[(slice(None),) + inner])
 
             start = begin + row * row_bytes
-            found.append(_Piece(start, start + rows * row_bytes, None, _Slab(rows * row_bytes, copy, self._scratch)))
+            found.append(_Piece(start, start + rows * row_bytes, None, Slab(rows * row_bytes, copy, self._scratch)))
 
     @staticmethod
     def _located(index: RankIndex, key: str, where: str) -> tuple[int, int, int]:
@@ -356,13 +325,20 @@ class ChunkReader:
         except KeyError:
             raise CorruptShardError(f"{where}: chunk {key!r} is missing from rank {index.rank}'s index") from None
 
-    def _units(self, index: RankIndex, file_index: int, file_pieces: list[_Piece]) -> list[tuple]:
-        """Split one file's pieces into read units: whole blocks, up to a chunk's bytes each."""
+    @staticmethod
+    def _blocks(block: int, file_pieces: list[_Piece]) -> list[int]:
+        """The numbers of the blocks of one file that ``file_pieces`` touch, sorted (the pieces too)."""
+        file_pieces.sort(key=lambda p: p.begin)
+        return sorted({b for p in file_pieces for b in range(p.begin // block, (p.end - 1) // block + 1)})
+
+    def _units(
+        self, index: RankIndex, file_index: int, file_pieces: list[_Piece], blocks: list[int], unit_bytes: int
+    ) -> list[tuple]:
+        """Split one file's pieces (sorted) into read units: runs of whole ``blocks``, up to
+        ``unit_bytes`` each (:meth:`~spotrun.storage.base.Storage.read_unit_bytes`)."""
         item = index.files[file_index]
         block = item.block_bytes
-        per_unit = max(1, CHECKSUM_CHUNK_BYTES // block)
-        file_pieces.sort(key=lambda p: p.begin)
-        blocks = sorted({b for p in file_pieces for b in range(p.begin // block, (p.end - 1) // block + 1)})
+        per_unit = max(1, unit_bytes // block)
         units = []
         group: list[int] = []
         for b in blocks:
@@ -397,10 +373,10 @@ class ChunkReader:
 
     def _read_unit(self, index: RankIndex, file_index: int, start: int, stop: int, inside: list[_Piece]) -> None:
         item = index.files[file_index]
-        key = file_key(self._manifest.step, item.path)
-        where = f"{self._storage.uri}/{key}"
         if self._files.get(item.path) is None or self._files[item.path].size_bytes != item.size_bytes:
-            raise CorruptShardError(f"{where}: not in the manifest with the size its index records")
+            raise CorruptShardError(f"{self._where(item.path)}: not in the manifest with the size its index records")
+        key = self._key(item.path)
+        where = f"{self._storage.uri}/{key}"
         views: list[memoryview] = []
         position = start
         for piece in inside:

@@ -1,21 +1,28 @@
 """Reading a committed step's tensors into where they go, every byte verified: the live tensors
 that fit (:mod:`spotrun.checkpoint.reader`), a DTensor's own box (format 4: only the byte ranges
 it needs, :mod:`spotrun.checkpoint.chunk_reader`), or new tensors; for :mod:`.restore` and tools.
+At a restore on several ranks, what several of them need is read by one and sent to the others
+(:func:`fetch_shared`, :mod:`spotrun.checkpoint.cooperative`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from spotrun.checkpoint.chunk_reader import BoxRead, ChunkReader, dtype_of
+from spotrun.checkpoint.chunks import Box
+from spotrun.checkpoint.cooperative import HeldBack, Peers, share
 from spotrun.checkpoint.dtypes import from_stored
 from spotrun.checkpoint.layout import file_key
-from spotrun.checkpoint.manifest import Manifest
+from spotrun.checkpoint.manifest import Manifest, TensorRecord
 from spotrun.checkpoint.reader import fits, read_shard_into
 from spotrun.checkpoint.shard import decode_shard
 from spotrun.checkpoint.sharded import is_dtensor, local_box
+from spotrun.checkpoint.share_plan import Need, pieces_of, plan_from_digests, segments, shared_anywhere
+from spotrun.checkpoint.stream import byte_view
 from spotrun.errors import CorruptShardError, StateMismatchError
 from spotrun.storage.base import Storage
 
@@ -54,7 +61,7 @@ def fetch_tensors(
         by_file.setdefault(manifest.tensors[target].file, []).append(name)
     loaded: dict[str, torch.Tensor] = {}
     for path, file_names in by_file.items():
-        key = file_key(manifest.step, path)
+        key = file_key(manifest.step, records[path], manifest)
         where = f"{storage.uri}/{key}"
         if records[path].algorithm == "sha256":  # formats 1 and 2: whole-file checksum
             content = decode_shard(storage.get(key), records[path], where=where)
@@ -102,6 +109,17 @@ def fetch_chunked(
     :class:`StateMismatchError` (a tensor of another shape here: another model). A DTensor of
     another global shape has every chunk of the tensor checked, not its box alone.
     """
+    reader.check([(target, record, box) for target, record, box, _reshaped in _boxes(manifest, names, destinations)])
+    prepared = _prepare(manifest, names, destinations)
+    reader.read(prepared.reads)
+    return prepared.finish()
+
+
+def _boxes(
+    manifest: Manifest, names: list[str], destinations: dict[str, torch.Tensor]
+) -> list[tuple[str, TensorRecord, Box, bool]]:
+    """Each needed tensor's box to check (name, record, box, whether the destination is a DTensor
+    of another global shape: then the whole tensor)."""
     boxes = []
     for name in names:
         target = manifest.aliases.get(name, name)
@@ -109,9 +127,34 @@ def fetch_chunked(
         if record is None or record.chunks is None:
             raise CorruptShardError(f"step {manifest.step}: manifest lists no chunks of tensor {target!r}")
         dest = destinations.get(name, destinations.get(target))
-        fitting = is_dtensor(dest) and list(dest.shape) == record.shape
-        boxes.append((target, record, local_box(dest) if fitting else ((0,) * len(record.shape), tuple(record.shape))))
-    reader.check(boxes)
+        reshaped = is_dtensor(dest) and list(dest.shape) != record.shape
+        whole = ((0,) * len(record.shape), tuple(record.shape))
+        boxes.append((target, record, local_box(dest) if is_dtensor(dest) and not reshaped else whole, reshaped))
+    return boxes
+
+
+@dataclass
+class _Prepared:
+    """The boxes to read (one per tensor), the copies once they are read (into destinations of
+    another dtype or device), and what each name then holds."""
+
+    reads: list[BoxRead]
+    copies: list[tuple[torch.Tensor, torch.Tensor]]
+    loaded: dict[str, torch.Tensor]
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            for dest, into in self.copies:
+                dest.copy_(into)
+        return self.loaded
+
+
+def _prepare(manifest: Manifest, names: list[str], destinations: dict[str, torch.Tensor]) -> _Prepared:
+    """Where each box is read into (see :func:`fetch_chunked`).
+
+    Raises:
+        StateMismatchError: a DTensor of another global shape than the saved tensor's.
+    """
     reads: list[BoxRead] = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, what was read for it)
     loaded: dict[str, torch.Tensor] = {}
@@ -143,11 +186,72 @@ def fetch_chunked(
                 into = result = _allocate(manifest, record.shape, dtype, target)
         reads.append(BoxRead(target, record, box, into))
         loaded[target] = loaded[name] = result
-    reader.read(reads)
-    with torch.no_grad():
-        for dest, into in copies:
-            dest.copy_(into)
-    return loaded
+    return _Prepared(reads, copies, loaded)
+
+
+def fetch_shared(
+    reader: ChunkReader,
+    manifest: Manifest,
+    names: list[str],
+    destinations: dict[str, torch.Tensor],
+    peers: Peers,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """:func:`fetch_chunked` on every rank together: boxes that several ranks need are read by
+    one of them and sent to the others (:mod:`spotrun.checkpoint.cooperative`); the tensors and
+    the bytes this rank received. Collective: every rank calls it for the same step.
+
+    A rank that cannot plan its reads, or read and verify its share, makes every rank stop
+    before anything is sent: it raises its own error, the others :class:`HeldBack`.
+
+    Raises:
+        HeldBack: another rank failed.
+        PeerError: a transfer failed.
+        Whatever :func:`fetch_chunked` raises.
+    """
+    try:
+        # what a DTensor of another global shape relies on is checked before it is refused
+        boxes = _boxes(manifest, names, destinations)
+        reader.check([(target, record, box) for target, record, box, reshaped in boxes if reshaped])
+        prepared = _prepare(manifest, names, destinations)
+        by_need = {
+            Need(r.name, tuple(r.box[0]), tuple(r.box[1]), r.into.numel() * r.into.element_size()): r
+            for r in prepared.reads
+        }
+        mine = segments(by_need, manifest)
+    except Exception:
+        peers.gather_json(None)  # the others learn that this rank stops
+        raise
+    digests_by_rank = peers.gather_json(list(mine))
+    if any(d is None for d in digests_by_rank):
+        raise HeldBack("another rank could not plan its reads")
+    if not shared_anywhere(digests_by_rank):  # nobody shares: each reads what it needs, as without peers
+        reader.read(prepared.reads)
+        return prepared.finish(), 0
+    plan = plan_from_digests(digests_by_rank, mine, manifest)
+    groups = plan.groups_of(peers.rank)
+    parts = _parts(by_need, [part for group in groups for part in group.needs], manifest)
+    try:
+        reader.read([parts[need] if need in parts else by_need[need] for need in plan.reads(peers.rank)])
+    except Exception:
+        peers.gather_json(False)
+        raise
+    if not all(peers.gather_json(True)):
+        raise HeldBack("another rank could not read its share")
+    received = share(peers, groups, {need: read.into for need, read in {**by_need, **parts}.items()})
+    return prepared.finish(), received
+
+
+def _parts(by_need: dict[Need, BoxRead], parts: list[Need], manifest: Manifest) -> dict[Need, BoxRead]:
+    """The reads of the pieces of this rank's needs that the plan shares (:func:`pieces_of`),
+    each into its bytes of the need's tensor (one contiguous range)."""
+    wanted = set(parts)
+    found = {}
+    for need, read in by_need.items():
+        for part, offset in pieces_of(need, manifest):
+            if part in wanted and part != need:
+                view = byte_view(read.into)[offset : offset + part.nbytes]
+                found[part] = BoxRead(need.name, read.record, part.box, view.view(read.into.dtype).view(part.lengths))
+    return found
 
 
 def _allocate(manifest: Manifest, shape: list[int], dtype: torch.dtype, name: str) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The checkpoint manifest: versioned JSON, written last, whose presence commits a step.
 
-Builds, writes and parses format 4 (sharded tensors as chunk layouts) and reads formats 1 to 3.
+Builds, writes and parses formats 4 (sharded tensors as chunk layouts) and 5 (the same, each
+rank's files under a key prefix of their own: ``key_layout``) and reads formats 1 to 3.
 The format specification, every field and what changed in each version:
 docs/reference/checkpoint-format.md.
 """
@@ -15,10 +16,14 @@ from typing import Any
 
 from spotrun.checkpoint import strict_json
 from spotrun.checkpoint.chunks import ChunkLayout, brief
+from spotrun.checkpoint.key_layout import SPREAD_LAYOUT_FORMAT_VERSION, SpreadLayout, parse_key_layout
 from spotrun.errors import ManifestError
 
 FORMAT_NAME = "spotrun-checkpoint"
-FORMAT_VERSION = 4
+#: The newest format this spotrun reads and writes.
+FORMAT_VERSION = 5
+#: The format of a step whose files all lie in its step directory (no ``key_layout``).
+STEP_LAYOUT_FORMAT_VERSION = 4
 MANIFEST_NAME = "manifest.json"
 #: ``TensorRecord.stored_as`` of a tensor kept as its raw bytes (a 1-D uint8 tensor).
 STORED_AS_BYTES = "bytes"
@@ -132,9 +137,10 @@ class Manifest:
     incarnation: int = 0
     spotrun_version: str = ""
     torch_version: str = ""
-    format_version: int = FORMAT_VERSION
+    format_version: int = STEP_LAYOUT_FORMAT_VERSION
     timing: SaveTiming | None = None
     meshes: list[dict[str, Any]] = field(default_factory=list)
+    key_layout: SpreadLayout | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -160,6 +166,12 @@ class Manifest:
         doc["files"] = [f.to_json() for f in self.files]
         doc["tensors"] = {name: _tensor_json(r) for name, r in self.tensors.items()}
         doc["timing"] = None if self.timing is None else vars(self.timing)
+        if self.key_layout is None:  # format 4 and older: no such field
+            del doc["key_layout"]
+        elif self.format_version < SPREAD_LAYOUT_FORMAT_VERSION:  # would not parse back
+            raise ValueError(f"a key_layout needs format_version {SPREAD_LAYOUT_FORMAT_VERSION}")
+        else:
+            doc["key_layout"] = self.key_layout.to_json()
         return json.dumps(doc, sort_keys=True, allow_nan=False).encode("utf-8")
 
     @classmethod
@@ -261,6 +273,7 @@ def _parse_v1(doc: dict[str, Any]) -> Manifest:
         format_version=doc["format_version"],
         timing=_timing(doc.get("timing")),
         meshes=_meshes(doc.get("meshes", [])),
+        key_layout=parse_key_layout(doc),
     )
 
 

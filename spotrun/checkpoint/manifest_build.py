@@ -13,7 +13,8 @@ from spotrun._version import __version__
 from spotrun.checkpoint.chunks import Chunk, ChunkLayout
 from spotrun.checkpoint.dtypes import dtype_name, stored_as
 from spotrun.checkpoint.encode import EncodedState
-from spotrun.checkpoint.manifest import FileRecord, Manifest, SaveTiming, TensorRecord
+from spotrun.checkpoint.key_layout import SPREAD_LAYOUT_FORMAT_VERSION, SpreadLayout
+from spotrun.checkpoint.manifest import STEP_LAYOUT_FORMAT_VERSION, FileRecord, Manifest, SaveTiming, TensorRecord
 from spotrun.checkpoint.sharded import mesh_description, predicted_grid
 
 
@@ -28,10 +29,12 @@ def build_manifest(
     reports: list[dict[str, Any]],
     context: Any,
     world_size: int,
+    layout: SpreadLayout | None = None,
 ) -> Manifest:
     """The manifest of ``step`` from rank 0's encoded state and every rank's save report
     (``chunks``, ``rank_tensors``, ``rank_state``, ``files``, ``write_s``); ``context`` is the
-    save's :class:`~spotrun.checkpoint.save.SaveContext`."""
+    save's :class:`~spotrun.checkpoint.save.SaveContext`; ``layout`` where the files lie (format
+    5 when spread, else 4)."""
     fields_of = {n: tensor_fields(t) for n, t in {**encoded.tensors, **encoded.sharded}.items()}
     for rep in reports:
         fields_of.update(rep["rank_tensors"])
@@ -72,6 +75,8 @@ def build_manifest(
             step_time_s=None if context.step_time_s is None else round(context.step_time_s, 6),
         ),
         meshes=meshes,
+        key_layout=layout,
+        format_version=STEP_LAYOUT_FORMAT_VERSION if layout is None else SPREAD_LAYOUT_FORMAT_VERSION,
     )
 
 

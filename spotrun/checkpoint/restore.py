@@ -13,6 +13,8 @@ lacks, bytes that do not fit the record) fails verification like a bad checksum:
 chunks, indexes and headers of what is read, :meth:`ChunkReader.check`), and a state the
 objects then refuse for its content (an RNG state the generator rejects). Local rank 0
 shows a bar of the bytes it reads on a terminal (:mod:`spotrun.tools.progress`; format 4).
+On several ranks the manifest is read once, by rank 0, and what several ranks need is read by
+one of them and sent to the others (:mod:`spotrun.checkpoint.cooperative`).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import torch
 
 from spotrun.checkpoint import catalog, tree
 from spotrun.checkpoint.chunk_reader import ChunkReader
+from spotrun.checkpoint.cooperative import HeldBack, PeerError, Peers, relay_manifest
 from spotrun.checkpoint.fencing import read_fences
-from spotrun.checkpoint.fetch import fetch_chunked, fetch_tensors, into_dtensors
+from spotrun.checkpoint.fetch import fetch_chunked, fetch_shared, fetch_tensors, into_dtensors
 from spotrun.checkpoint.layout import REJECTED_PREFIX
 from spotrun.checkpoint.manifest import Manifest
 from spotrun.checkpoint.sharded import is_dtensor
@@ -63,6 +66,8 @@ class LoadedStep:
         rank_source: the saved rank whose own state this rank took: itself at the same world
             size; at another world size rank ``r`` takes rank ``r mod N``'s (N: saved world size).
         bytes_read: bytes this rank read from storage (format 4; 0 before).
+        bytes_received: bytes this rank received from other ranks instead of reading them
+            (:mod:`spotrun.checkpoint.cooperative`).
     """
 
     manifest: Manifest
@@ -70,6 +75,7 @@ class LoadedStep:
     rank_local: dict[str, Any]
     rank_source: int = 0
     bytes_read: int = 0
+    bytes_received: int = 0
     tier: str = "storage"
     """Where it was read: ``"memory"`` (the fast tier) or ``"storage"``."""
 
@@ -93,6 +99,7 @@ def load_step(
     world_size: int,
     manifest: Manifest | None = None,
     destinations: dict[str, torch.Tensor] | None = None,
+    peers: Peers | None = None,
 ) -> LoadedStep:
     """Load everything ``rank`` needs from ``step`` (its manifest under ``key``, as the
     catalog found it), verifying every file it reads.
@@ -110,8 +117,12 @@ def load_step(
     formats 1-3 hold whole tensors, of which it keeps its box). At another world size than
     the step's, rank ``r`` takes the own state (RNGs) of saved rank ``r mod N``.
 
+    ``peers``: every rank loads the step together (collective), and boxes several ranks need
+    are read by one of them and sent to the others (format 4: :func:`fetch_shared`).
+
     Raises:
         StateMismatchError: a DTensor's global shape differs from the saved tensor's.
+        HeldBack, PeerError: with ``peers``, another rank failed, or a transfer did.
         CorruptShardError: a file's size, checksum, or a tensor's dtype/shape is wrong.
         ManifestError, ObjectNotFoundError, StorageError: as the reads raise them.
     """
@@ -128,9 +139,12 @@ def load_step(
         if manifest.format_version >= 4
         else None
     )
+    received = 0
     try:
         needed = tree.tensor_names(manifest.state) + tree.tensor_names(rank_skeleton)
-        if reader is not None:
+        if reader is not None and peers is not None:
+            tensors, received = fetch_shared(reader, manifest, needed, destinations or {}, peers)
+        elif reader is not None:
             tensors = fetch_chunked(reader, manifest, needed, destinations or {})
         else:
             tensors = fetch_tensors(storage, manifest, needed, _plain(destinations or {}))
@@ -148,6 +162,7 @@ def load_step(
         rank_local=rank_local,
         rank_source=rank_source,
         bytes_read=reader.bytes_read if reader is not None else 0,
+        bytes_received=received,
     )
 
 
@@ -205,10 +220,12 @@ def load_newest(
         destinations = destinations()
     for index, (step, key, tier) in enumerate(listing["steps"]):
         source = tiers[tier]
-        loaded, problem, raised = _try_load(source, step, key, listed.pop((step, tier), None), destinations, apply)
-        verdict = judge(dist.all_gather_json(problem))
+        loaded, raised, reports = _try_together(source, step, key, listed.pop((step, tier), None), destinations, apply)
+        verdict = judge([report["problem"] for report in reports])
         if verdict.loads:
             loaded.tier = tier
+            if dist.rank() == 0:
+                _log_totals(step, reports, loaded.manifest)
             return loaded
         if verdict.mismatch is not None:
             if raised is not None:  # this rank's objects refused it: their own words
@@ -235,9 +252,10 @@ def load_newest(
 
 def _list_candidates(
     storage: Storage, supervisor_step: int | None, fast_tier: Storage | None, run_id: str | None
-) -> tuple[dict, dict[tuple[int, str], Manifest]]:
+) -> tuple[dict, dict[tuple[int, str], tuple[Manifest, bytes | None]]]:
     """Rank 0: the complete steps of both tiers, newest first (the fast tier first at the same step),
-    as told to every rank, and the manifest of the first (parsed already: not parsed again)."""
+    as told to every rank, and the manifest of the first with its bytes (parsed already: not
+    parsed again, nor read again to send to the other ranks)."""
     try:
         memory = _fast_tier_newest_first(fast_tier, storage, run_id) if fast_tier is not None else []
         complete = _complete_newest_first(storage, supervisor_step, newer=memory[0].step if memory else None)
@@ -248,7 +266,7 @@ def _list_candidates(
     both = [(s, "memory") for s in memory] + [(s, "storage") for s in complete]
     both.sort(key=lambda pair: (pair[0].step, pair[1] == "memory"), reverse=True)
     listing = {"steps": [(s.step, s.manifest_key, tier) for s, tier in both]}
-    return listing, {(s.step, tier): s.manifest for s, tier in both[:1]}
+    return listing, {(s.step, tier): (s.manifest, s.manifest_text) for s, tier in both[:1]}
 
 
 def _described(candidate: tuple[int, str] | None, tiers: bool) -> str:
@@ -288,24 +306,54 @@ def _complete_newest_first(
     return complete
 
 
+def _try_together(
+    storage: Storage,
+    step: int,
+    key: str,
+    listed: tuple[Manifest, bytes | None] | None,
+    destinations: Any,
+    apply: Callable[[LoadedStep], None] | None,
+) -> tuple[LoadedStep | None, Exception | None, list[dict]]:
+    """:func:`_try_load` on every rank, with a new :class:`Peers` (a group whose transfer timed out
+    is never used again): this rank's step and exception, and every rank's report (its problem
+    and its bytes read and received)."""
+    peers = Peers.open()
+    try:
+        loaded, problem, raised = _try_load(storage, step, key, listed, destinations, apply, peers)
+        read, received = (loaded.bytes_read, loaded.bytes_received) if loaded is not None else (0, 0)
+        reports = dist.all_gather_json({"problem": problem, "read": read, "received": received})
+    finally:  # after the gather: every rank is done with the group
+        if peers is not None:
+            peers.close()
+    return loaded, raised, reports
+
+
 def _try_load(
     storage: Storage,
     step: int,
     key: str,
-    manifest: Manifest | None,
+    listed: tuple[Manifest, bytes | None] | None,
     destinations: Any,
     apply: Callable[[LoadedStep], None] | None,
+    peers: Peers | None,
 ) -> tuple[LoadedStep | None, dict | None, Exception | None]:
     """Load (and apply) one step on this rank: (the step, None, None), or (None, this rank's
     problem with it for :func:`judge`, the exception to raise again when the job's own code
-    failed)."""
+    failed); (None, None, None) when another rank's problem stopped it (:class:`HeldBack`).
+    With ``peers``, every rank loads the step together (:func:`load_step`)."""
     try:
-        loaded = load_step(storage, step, key, dist.rank(), dist.world_size(), manifest, destinations)
+        if peers is not None:
+            manifest = relay_manifest(peers, storage, key, listed)
+        else:
+            manifest = listed[0] if listed is not None else None
+        loaded = load_step(storage, step, key, dist.rank(), dist.world_size(), manifest, destinations, peers)
+    except HeldBack:
+        return None, None, None
     except (CorruptShardError, ManifestError) as exc:
         return None, {"corrupt": True, "message": str(exc)}, None
     except StateMismatchError as exc:  # not a bad step: every rank refuses it together
         return None, {"corrupt": False, "mismatch": True, "message": str(exc)}, None
-    except StorageError as exc:  # missing object, or the store failed after retries
+    except (StorageError, PeerError) as exc:  # missing object, the store failed after retries, a peer failed
         return None, {"corrupt": False, "message": f"{type(exc).__name__}: {exc}"}, None
     if apply is None:
         return loaded, None, None
@@ -318,6 +366,22 @@ def _try_load(
     except Exception as exc:  # the job's own load_state_dict: never the step's fault to un-commit
         return None, {"corrupt": False, "mismatch": True, "message": f"{type(exc).__name__}: {exc}"}, exc
     return loaded, None, None
+
+
+def _log_totals(step: int, reports: list[dict], manifest: Manifest) -> None:
+    """Rank 0: one line with the bytes every rank read from storage and received from the others."""
+    read = [report["read"] for report in reports]
+    received = sum(report["received"] for report in reports)
+    log.info(
+        "restored step %d: %d rank(s) read %d bytes from storage in total (at most %d on one rank; "
+        "the step's data files hold %d) and received %d bytes from each other",
+        step,
+        len(reports),
+        sum(read),
+        max(read),
+        manifest.data_bytes,
+        received,
+    )
 
 
 def _plain(destinations: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

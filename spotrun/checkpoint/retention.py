@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.layout import DELETION_MARKER_NAME, parse_manifest_name, step_dir
 from spotrun.errors import ConfigError, FencedError, SpotrunError
-from spotrun.storage.base import Storage
+from spotrun.storage.base import ObjectInfo, Storage
 
 log = logging.getLogger(__name__)
 
@@ -205,14 +205,19 @@ def delete_step(
     why: str,
     timeout_s: float | None = None,
     on_deleted: Callable[[int], None] | None = None,
+    objects: Sequence[ObjectInfo] | None = None,
 ) -> DeletedStep:
     """Delete every object of ``step``: marker, manifests, the other objects, the marker
     (see the module docstring for why in this order).
 
-    Objects written into the step directory after it was listed here are left alone.
+    Objects written into the step after it was listed are left alone.
 
     Args:
         why: recorded in the marker (``"retention: keep_last=2"``).
+        objects: the step's objects as the caller listed them
+            (:attr:`~spotrun.checkpoint.catalog.StepInfo.objects`: its spread prefixes too, even
+            once its manifests are gone); ``None``: listed here, where its manifest says
+            (:func:`~spotrun.checkpoint.catalog.inspect_step`).
         timeout_s: bound of the storage operations of the deletion, in seconds (``None``:
             each operation's own bound).
         on_deleted: called with 1 after each object deleted (progress).
@@ -222,7 +227,9 @@ def delete_step(
             deleted, and the step lists as incomplete (being deleted) once its manifests are gone.
     """
     prefix = f"{step_dir(step)}/"
-    objects = storage.list(prefix)
+    if objects is None:
+        info = catalog.inspect_step(storage, step)
+        objects = info.objects if info is not None else ()
     marker = prefix + DELETION_MARKER_NAME
     if not objects:
         return DeletedStep(step, 0, 0)
@@ -241,7 +248,7 @@ def delete_step(
             indent=1,
         ).encode("utf-8"),
     )
-    manifests = [o.key for o in objects if parse_manifest_name(o.key[len(prefix) :])[0]]
+    manifests = [o.key for o in objects if o.key.startswith(prefix) and parse_manifest_name(o.key[len(prefix) :])[0]]
     rest = [o.key for o in objects if o.key != marker and o.key not in manifests]
 
     def delete(key: str) -> None:
@@ -319,6 +326,7 @@ class Retainer:
         if resumed is not None:
             protected[resumed] = f"the step incarnation {incarnation} resumed from"
         complete = [s.step for s in steps if s.status == catalog.COMPLETE]
+        listed = {s.step: s.objects for s in steps}
         for decision in plan_retention(complete, self.policy, protected=protected):
             if not decision.delete:
                 continue
@@ -329,6 +337,7 @@ class Retainer:
                 why=f"retention ({self.policy.describe()}) after "
                 f"step {step}, incarnation {incarnation}: {decision.reason}",
                 timeout_s=end_s - time.monotonic(),
+                objects=listed[decision.step],
             )
             deleted.append(decision.step)
             log.info(

@@ -22,8 +22,8 @@ import torch
 from spotrun.checkpoint import catalog, fencing
 from spotrun.checkpoint.dtypes import to_stored
 from spotrun.checkpoint.encode import EncodedState, encode_state, structure_digest
-from spotrun.checkpoint.layout import manifest_key
-from spotrun.checkpoint.manifest import Manifest
+from spotrun.checkpoint.layout import SPREAD_DIGITS, manifest_key
+from spotrun.checkpoint.manifest import Manifest, SpreadLayout
 from spotrun.checkpoint.manifest_build import build_manifest
 from spotrun.checkpoint.restore import reject_step
 from spotrun.checkpoint.shard import ShardLimits, split_into_parts
@@ -187,17 +187,27 @@ def commit_save(
         SaveAbortedError: ``abort`` was set; nothing committed.
         CheckpointSaveError: writing or committing failed on some rank; nothing committed.
     """
-    _agree(storage, prepared, context, group)
+    layout = _agree(storage, prepared, context, group)
     reports = _write(
-        storage, prepared, context, limits, group=group, abort=abort, progress=progress, show_progress=show_progress
+        storage,
+        prepared,
+        context,
+        limits,
+        layout,
+        group=group,
+        abort=abort,
+        progress=progress,
+        show_progress=show_progress,
     )
-    manifest = _commit(storage, prepared, context, reports, group=group, abort=abort)
+    manifest = _commit(storage, prepared, context, reports, layout, group=group, abort=abort)
     return SavedStep(manifest=manifest, size_bytes=sum(f["size_bytes"] for rep in reports for f in rep["files"]))
 
 
-def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group: Any) -> None:
+def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group: Any) -> SpreadLayout | None:
     """Phase 1 (1 gather): every rank encoded its state, rank 0 may save the step, and the
-    replicated structure is the same everywhere; otherwise every rank raises."""
+    replicated structure is the same everywhere; otherwise every rank raises. Returns the key
+    layout of the step, rank 0's choice (:meth:`~spotrun.storage.base.Storage.spreads_rank_keys`),
+    so that every rank writes where the manifest will say."""
     rank, world_size, step = prepared.rank, prepared.world_size, prepared.step
     local_error: SpotrunError | None = prepared.error
     first: dict[str, Any]
@@ -208,6 +218,7 @@ def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group
         # compared between ranks; one rank has nothing to compare
         first = {"digest": structure_digest(prepared.encoded) if world_size > 1 else ""}
         if rank == 0:
+            first["spread_digits"] = SPREAD_DIGITS if storage.spreads_rank_keys(world_size) else None
             try:
                 first["committed"] = _clear_the_way(storage, step, context.incarnation)
             except FencedError as exc:  # reported to the other ranks so none waits alone
@@ -238,6 +249,8 @@ def _agree(storage: Storage, prepared: PreparedSave, context: SaveContext, group
             f"replicated state differs in structure between rank 0 and rank(s) {differing}; "
             "state passed to Checkpointer(state=...) must be identical on every rank (as in DDP)"
         )
+    digits = firsts[0].get("spread_digits")
+    return None if digits is None else SpreadLayout(digits)
 
 
 def _write(
@@ -245,6 +258,7 @@ def _write(
     prepared: PreparedSave,
     context: SaveContext,
     limits: ShardLimits | None,
+    layout: SpreadLayout | None,
     *,
     group: Any,
     abort: threading.Event | None,
@@ -270,12 +284,13 @@ def _write(
                 prepared,
                 context.incarnation,
                 parts,
+                layout,
                 abort=abort,
                 progress=progress or SaveProgress(on_add=bar.update),
             )
         if abort is not None and abort.is_set():  # abandoned while its last bytes were written
             raise SaveAbortedError(f"save of step {step} abandoned")
-        records.append(write_index(storage, index, context.incarnation))
+        records.append(write_index(storage, index, context.incarnation, layout))
         assert prepared.reported is not None
         report = save_report(encoded, prepared.reported, records, time.monotonic() - write_started_s)
     except Exception as exc:  # any failure is reported, so that no rank waits alone at the gather
@@ -300,6 +315,7 @@ def _commit(
     prepared: PreparedSave,
     context: SaveContext,
     reports: list[dict[str, Any]],
+    layout: SpreadLayout | None,
     *,
     group: Any,
     abort: threading.Event | None,
@@ -313,7 +329,7 @@ def _commit(
         assert prepared.encoded is not None
         try:
             with gc_paused():
-                manifest = build_manifest(step, prepared.encoded, reports, context, prepared.world_size)
+                manifest = build_manifest(step, prepared.encoded, reports, context, prepared.world_size, layout)
                 manifest_json = manifest.to_json()
             fencing.check_not_fenced(storage, context.incarnation)
             if abort is not None and abort.is_set():  # the last moment an abandon takes effect

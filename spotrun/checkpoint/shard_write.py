@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from spotrun.checkpoint.layout import file_key, index_name, shard_part_name
-from spotrun.checkpoint.manifest import FileRecord
+from spotrun.checkpoint.layout import data_file_key, index_name, shard_part_name
+from spotrun.checkpoint.manifest import FileRecord, SpreadLayout
 from spotrun.checkpoint.rank_index import IndexedFile, RankIndex
 from spotrun.checkpoint.shard import sha256_hex
 from spotrun.checkpoint.stream import (
@@ -66,6 +66,7 @@ def write_shard(
     prepared: PreparedSave,
     incarnation: int,
     parts: list[list[str]],
+    layout: SpreadLayout | None = None,
     *,
     abort: threading.Event | None = None,
     progress: SaveProgress | None = None,
@@ -79,6 +80,7 @@ def write_shard(
     Args:
         parts: chunk keys of ``prepared.tensors``, one list per file
             (:func:`~spotrun.checkpoint.shard.split_into_parts`).
+        layout: the step's key layout (``None``: the step directory).
         abort: when set, the write stops at the next chunk (:class:`SaveAbortedError`).
         progress: updated as bytes are written.
 
@@ -100,7 +102,12 @@ def write_shard(
             if progress is not None:
                 progress.add(len(data))
 
-        storage.put_stream(file_key(prepared.step, path), source, chunk_bytes=CHECKSUM_CHUNK_BYTES, on_chunk=on_chunk)
+        storage.put_stream(
+            data_file_key(prepared.step, prepared.rank, path, layout),
+            source,
+            chunk_bytes=CHECKSUM_CHUNK_BYTES,
+            on_chunk=on_chunk,
+        )
         records.append(
             FileRecord(
                 path=path,
@@ -149,9 +156,10 @@ def index_entry(
     return entry, {n: (part, begin, end) for n, (begin, end) in source.ranges.items()}
 
 
-def write_index(storage: Storage, index: RankIndex, incarnation: int) -> FileRecord:
-    """Write a rank's index (after its shard files) and return its manifest record."""
+def write_index(storage: Storage, index: RankIndex, incarnation: int, layout: SpreadLayout | None = None) -> FileRecord:
+    """Write a rank's index (after its shard files, where ``layout`` puts them) and return its
+    manifest record."""
     data = index.to_json()
     path = index_name(index.rank, incarnation)
-    storage.put(file_key(index.step, path), data)
+    storage.put(data_file_key(index.step, index.rank, path, layout), data)
     return FileRecord(path=path, rank=index.rank, size_bytes=len(data), digest=sha256_hex(data))

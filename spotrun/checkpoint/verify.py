@@ -26,8 +26,9 @@ from spotrun.checkpoint.catalog import (
     deleted_since_listed,
     inspect_step,
     list_steps,
+    step_objects,
 )
-from spotrun.checkpoint.layout import file_key, parse_manifest_name, step_dir
+from spotrun.checkpoint.layout import file_key, parse_manifest_name
 from spotrun.checkpoint.manifest import FileRecord, Manifest
 from spotrun.checkpoint.rank_index import IndexedFile, RankIndex
 from spotrun.checkpoint.step_checks import block_problems, parse_index, skeleton_problems
@@ -247,11 +248,11 @@ class _StepCheck:
 
     def _check_presence(self) -> dict[FileRecord, int]:
         """Every listed file's size as stored; the ones not stored are reported."""
-        prefix = f"{step_dir(self._step)}/"
-        sizes = {o.key[len(prefix) :]: o.size_bytes for o in self._storage.list(prefix)}
+        listed = step_objects(self._storage, self._step, self._manifest)
+        sizes = {o.key: o.size_bytes for o in listed}
         present = {}
         for record in self._manifest.files:
-            size = sizes.get(record.path)
+            size = sizes.get(file_key(self._step, record, self._manifest))
             if size is None:
                 self._add(record.path, f"missing (the manifest records {record.size_bytes} bytes)")
                 continue
@@ -267,7 +268,7 @@ class _StepCheck:
             self._add(record.path, f"{record.size_bytes} bytes, more than the {INDEX_MAX_BYTES} a rank index may have")
             return None
         try:
-            data = self._storage.get(file_key(self._step, record.path))
+            data = self._storage.get(file_key(self._step, record, self._manifest))
         except ObjectNotFoundError:
             self._add(record.path, "missing (deleted while verifying)")
             return None
@@ -284,7 +285,9 @@ class _StepCheck:
         if size_bytes < 8 and size_bytes != record.size_bytes:
             return None  # reported by its size
         try:
-            header = read_header(self._storage, file_key(self._step, record.path), size_bytes, record.size_bytes)
+            header = read_header(
+                self._storage, file_key(self._step, record, self._manifest), size_bytes, record.size_bytes
+            )
         except CorruptShardError as exc:
             self._add(record.path, str(exc))
             return None
@@ -314,7 +317,7 @@ class _StepCheck:
     ) -> Callable[[], None]:
         """Queue the reads that hash ``record``'s file; returns the function that waits for them
         and reports a mismatch."""
-        key = file_key(self._step, record.path)
+        key = file_key(self._step, record, self._manifest)
         size = record.size_bytes
         if record.algorithm == WHOLE_SHA256:
             whole = pool.submit(self._sha256_of_file, key, size)

@@ -141,6 +141,7 @@ class _Sweeper:
                         decision.step,
                         why=f"spotrun gc ({self.policy.describe()}): {decision.reason}",
                         on_deleted=bar.update,
+                        objects=info.objects,
                     )
                     self.objects += done.objects
                     self.size_bytes += done.size_bytes

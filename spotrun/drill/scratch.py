@@ -78,7 +78,7 @@ def copy_step(source: Storage, target: Storage, step: int) -> int:
         StorageError: a read or write failed.
     """
     info = catalog.committed(source, step)
-    keys = [file_key(step, record.path) for record in info.manifest.files]
+    keys = [file_key(step, record, info.manifest) for record in info.manifest.files]
     for key in keys:
         target.put(key, source.get(key))
     target.put_if_absent(info.manifest_key, source.get(info.manifest_key))

@@ -25,6 +25,7 @@ from spotrun.storage.azure_config import MAX_SINGLE_PUT_BYTES, AzureOptions, mak
 from spotrun.storage.azure_errors import AZURE_ERRORS, error_code, is_already_exists, is_retryable, translate
 from spotrun.storage.azure_location import parse_az_uri
 from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, UnfinishedUpload
+from spotrun.storage.part_sizes import AZURE_LIMITS, ranged_read_size, upload_part_size
 from spotrun.storage.retry import CallWithRetry, RetryingStorage
 from spotrun.storage.transfer import MemorySource
 from spotrun.tools import private_random
@@ -163,7 +164,10 @@ class AzureStorage(RetryingStorage):
                 chunk_bytes=chunk_bytes,
                 on_chunk=on_chunk,
                 discard=lambda started, tag: self._discard_quietly(key, started, tag, call),
-                **self._transfer_kwargs(),
+                part_size_bytes=upload_part_size(
+                    source.size_bytes, self._options, AZURE_LIMITS, chunk_bytes=chunk_bytes
+                ),
+                max_concurrency=self._options.max_concurrency,
             )
 
     def _discard_quietly(self, key: str, started_unix_s: int, tag: str, call: CallWithRetry) -> None:
@@ -236,7 +240,8 @@ class AzureStorage(RetryingStorage):
                 what=self._target(key),
                 offset=offset,
                 views=views,
-                **self._transfer_kwargs(),
+                part_size_bytes=ranged_read_size(self._options),
+                max_concurrency=self._options.max_concurrency,
             )
 
     def _stat(self, key: str) -> ObjectInfo:

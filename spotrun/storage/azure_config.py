@@ -21,15 +21,16 @@ from typing import Any, ClassVar
 from spotrun.errors import ConfigError, StoragePermissionError
 from spotrun.storage.azure_location import MISSING_EXTRA
 from spotrun.storage.options import ObjectStoreOptions
+from spotrun.storage.part_sizes import AZURE_LIMITS
 
 MIB = 1024 * 1024
 #: Most bytes one Put Blob may carry (service versions since 2019-12-12), so the most
 #: ``put_if_absent`` stores.
 MAX_SINGLE_PUT_BYTES = 5000 * MIB
 #: Most bytes one staged block may hold.
-MAX_BLOCK_BYTES = 4000 * MIB
+MAX_BLOCK_BYTES = AZURE_LIMITS.max_part_bytes
 #: Most committed blocks one blob may have.
-MAX_BLOCKS = 50_000
+MAX_BLOCKS = AZURE_LIMITS.max_parts
 
 CONNECTION_STRING_ENV = "AZURE_STORAGE_CONNECTION_STRING"
 ACCOUNT_ENV = "AZURE_STORAGE_ACCOUNT"
@@ -66,10 +67,11 @@ class AzureOptions(ObjectStoreOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.part_size_bytes > MAX_BLOCK_BYTES:
-            raise ConfigError(
-                f"part_size_bytes must be <= {MAX_BLOCK_BYTES} (Azure's largest block), got {self.part_size_bytes}"
-            )
+        for name in ("part_size_bytes", "max_part_size_bytes"):
+            if getattr(self, name) > MAX_BLOCK_BYTES:
+                raise ConfigError(
+                    f"{name} must be <= {MAX_BLOCK_BYTES} (Azure's largest block), got {getattr(self, name)}"
+                )
 
 
 def account_url() -> str | None:
@@ -111,7 +113,7 @@ def make_service(options: AzureOptions, *, what: str, **client_kwargs: Any) -> A
         "read_timeout": options.read_timeout_s,
         # One request per Put Blob and per ranged read: the SDK never splits them itself.
         "max_single_put_size": MAX_SINGLE_PUT_BYTES,
-        "max_single_get_size": options.part_size_bytes,
+        "max_single_get_size": max(options.part_size_bytes, options.max_part_size_bytes),
         "logger": HTTP_LOG,
         **client_kwargs,
     }

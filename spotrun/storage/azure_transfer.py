@@ -19,7 +19,6 @@ from azure.core.exceptions import HttpResponseError
 
 from spotrun.errors import ObjectTooShortError, StorageError
 from spotrun.storage.azure_blocks import block_id, new_upload
-from spotrun.storage.azure_config import MAX_BLOCKS
 from spotrun.storage.azure_errors import http_status, is_precondition_failed
 from spotrun.storage.base import ByteSource, ChunkCallback
 from spotrun.storage.retry import CallWithRetry
@@ -29,14 +28,6 @@ _CONTENT_RANGE = re.compile(r"bytes (\d+)-(-?\d+)/(\d+)")
 
 #: ``discard(started_unix_s, tag)``: removes what a failed upload staged (logs, never raises).
 Discard = Callable[[int, str], None]
-
-
-def stream_block_size(size_bytes: int, part_size_bytes: int, chunk_bytes: int) -> int:
-    """Bytes per block of a staged upload of ``size_bytes``: ``part_size_bytes`` rounded up to a
-    multiple of ``chunk_bytes``, grown (still a multiple) where the object would otherwise need
-    more than Azure's 50,000 blocks."""
-    wanted = max(part_size_bytes, -(-size_bytes // MAX_BLOCKS))
-    return -(-wanted // chunk_bytes) * chunk_bytes
 
 
 def upload_stream(
@@ -61,7 +52,8 @@ def upload_stream(
         chunk_bytes: ``on_chunk`` sees chunks of this size (the last may be shorter).
         on_chunk: ``on_chunk(offset, view)`` for every chunk, once, before its block is staged;
             ``view`` is a read-only view of a reused buffer, valid until ``on_chunk`` returns.
-        part_size_bytes: wanted bytes per block; see :func:`stream_block_size`.
+        part_size_bytes: bytes per block, a multiple of ``chunk_bytes`` within Azure's limits
+            (:func:`spotrun.storage.part_sizes.upload_part_size`).
         max_concurrency: blocks read and staged at the same time; so also the most buffers held.
         discard: called when the upload fails, before the error propagates.
 
@@ -69,7 +61,7 @@ def upload_stream(
         azure.core.exceptions.AzureError: a request failed for good; the blocks were discarded.
         Whatever ``source.readinto`` or ``on_chunk`` raised; the blocks were discarded.
     """
-    block_bytes = stream_block_size(source.size_bytes, part_size_bytes, chunk_bytes)
+    block_bytes = part_size_bytes
     ranges = part_ranges(source.size_bytes, block_bytes)
     started, tag = new_upload()
     ids = [block_id(started, tag, index) for index in range(len(ranges))]

@@ -132,6 +132,18 @@ class Storage(abc.ABC):
         """How many ``read_into`` calls a reader should keep in flight on this backend."""
         return 4
 
+    def read_unit_bytes(self, total_bytes: int, floor_bytes: int) -> int:
+        """Bytes per ``read_into`` call of a reader that reads ``total_bytes`` in units of its own,
+        :attr:`read_concurrency` at once: a multiple of ``floor_bytes``. Default: ``floor_bytes``
+        (a file read costs no request; object stores grow the unit with the read)."""
+        return floor_bytes
+
+    def spreads_rank_keys(self, world_size: int) -> bool:
+        """Whether a checkpoint that ``world_size`` ranks save here puts each rank's files under a
+        key prefix of their own (:mod:`spotrun.checkpoint.layout`): the object stores'
+        ``key_layout`` option. Default: no (local directories, the fast tier)."""
+        return False
+
     @contextlib.contextmanager
     def deadline(self, timeout_s: float) -> Iterator[None]:
         """Bound the operations this thread starts inside the block to ``timeout_s`` seconds.

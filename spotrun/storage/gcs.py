@@ -23,6 +23,7 @@ from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, Unfinish
 from spotrun.storage.gcs_config import GCSOptions, make_client
 from spotrun.storage.gcs_errors import GCS_ERRORS, is_precondition_failed, is_retryable, translate
 from spotrun.storage.gcs_location import parse_gs_uri
+from spotrun.storage.part_sizes import GCS_LIMITS, ranged_read_size, upload_part_size
 from spotrun.storage.retry import RetryingStorage
 from spotrun.storage.transfer import MemorySource, fill_buffer, part_ranges, run_parts, slice_views
 
@@ -128,7 +129,7 @@ class GCSStorage(RetryingStorage):
                 source=source,
                 chunk_bytes=chunk_bytes,
                 on_chunk=on_chunk,
-                part_size_bytes=self._options.part_size_bytes,
+                part_size_bytes=upload_part_size(source.size_bytes, self._options, GCS_LIMITS, chunk_bytes=chunk_bytes),
                 max_concurrency=self._options.max_concurrency,
                 timeout=self._options.timeout,
             )
@@ -171,7 +172,7 @@ class GCSStorage(RetryingStorage):
         total = sum(len(v) for v in views)
         if offset < 0:
             raise StorageError(errno.EINVAL, f"{what}: negative offset {offset}")
-        ranges = [(offset + a, offset + b) for a, b in part_ranges(total, self._options.part_size_bytes)]
+        ranges = [(offset + a, offset + b) for a, b in part_ranges(total, ranged_read_size(self._options))]
         generation = None
         if len(ranges) != 1:  # an empty range, or several parts: pin them all to one generation
             info = self._stat_blob(key)

@@ -17,13 +17,14 @@ from google.cloud import storage
 
 from spotrun.storage.gcs_errors import no_credentials_error
 from spotrun.storage.options import ObjectStoreOptions
+from spotrun.storage.part_sizes import GCS_COMPOSE_SOURCES, GCS_LIMITS
 from spotrun.tools import private_random
 
 MIB = 1024 * 1024
 #: Most source objects one compose request may name (GCS's limit).
-MAX_COMPOSE_SOURCES = 32
+MAX_COMPOSE_SOURCES = GCS_COMPOSE_SOURCES
 #: Most parts of one composite upload: two levels of composes.
-MAX_PARTS = MAX_COMPOSE_SOURCES * MAX_COMPOSE_SOURCES
+MAX_PARTS = GCS_LIMITS.max_parts
 
 # google-cloud-storage draws each multipart upload's boundary from the global random generator
 # (2.x: google.resumable_media), google-auth its backoff jitter: the training's generator, which a

@@ -22,7 +22,7 @@ from typing import Any
 from google.api_core import exceptions as api_exceptions
 
 from spotrun.storage.base import ByteSource, ChunkCallback
-from spotrun.storage.gcs_config import MAX_COMPOSE_SOURCES, MAX_PARTS
+from spotrun.storage.gcs_config import MAX_COMPOSE_SOURCES
 from spotrun.storage.retry import CallWithRetry
 from spotrun.storage.transfer import PartBuffers, ViewWriter, fill_buffer, part_ranges, run_parts
 
@@ -35,13 +35,6 @@ PART_NAME = re.compile(r"^(?P<key>.+)" + re.escape(UPLOAD_MARK) + r"(?P<upload_i
 
 #: ``blob_of(name)``: a fresh ``google.cloud.storage.Blob`` for a full object name.
 BlobOf = Callable[[str], Any]
-
-
-def composite_part_size(size_bytes: int, part_size_bytes: int, chunk_bytes: int) -> int:
-    """Bytes per part of a composite upload: ``part_size_bytes`` rounded up to a multiple of
-    ``chunk_bytes``, grown (still a multiple) so that the object fits in :data:`MAX_PARTS` parts."""
-    wanted = max(part_size_bytes, -(-size_bytes // MAX_PARTS), 1)
-    return -(-wanted // chunk_bytes) * chunk_bytes
 
 
 def read_range(
@@ -84,16 +77,17 @@ def upload_composite(
         blob_of: makes a fresh Blob for a full object name.
         call: runs one request with retries, ``call(fn, what)``.
         on_chunk: as :meth:`spotrun.storage.base.Storage.put_stream`'s, from the part's thread.
+        part_size_bytes: bytes per part, a multiple of ``chunk_bytes``, at most 1,024 parts
+            (:func:`spotrun.storage.part_sizes.upload_part_size`).
         if_generation_match: ``0`` makes the last compose create-only (the commit primitive).
 
     Raises:
         google.api_core.exceptions.GoogleAPIError, requests.exceptions.RequestException: a
             request failed for good; whatever ``source.readinto`` or ``on_chunk`` raised.
     """
-    part_bytes = composite_part_size(source.size_bytes, part_size_bytes, chunk_bytes)
-    ranges = part_ranges(source.size_bytes, part_bytes)
+    ranges = part_ranges(source.size_bytes, part_size_bytes)
     base = f"{name}{UPLOAD_MARK}{uuid.uuid4().hex[:12]}/"
-    buffers = PartBuffers(part_bytes)
+    buffers = PartBuffers(part_size_bytes)
     written: list[str] = []
 
     def upload_part(number: int, start: int, stop: int) -> str:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import tenacity
 
 from spotrun.errors import StorageError
+from spotrun.storage import part_sizes
 from spotrun.storage.base import Storage
 from spotrun.storage.options import ObjectStoreOptions
 
@@ -149,6 +150,15 @@ class RetryingStorage(Storage):
     def read_concurrency(self) -> int:
         """Ranged GETs a reader keeps in flight: ``max_concurrency``."""
         return self._options.max_concurrency
+
+    def read_unit_bytes(self, total_bytes: int, floor_bytes: int) -> int:
+        """One ranged GET per unit, the unit grown with the read
+        (:func:`~spotrun.storage.part_sizes.read_unit_size`)."""
+        return part_sizes.read_unit_size(total_bytes, self._options, floor_bytes=floor_bytes)
+
+    def spreads_rank_keys(self, world_size: int) -> bool:
+        """As the ``key_layout`` option says (:meth:`ObjectStoreOptions.spreads_rank_keys`)."""
+        return self._options.spreads_rank_keys(world_size)
 
     def _name(self, key: str) -> str:
         """The store's name of the object at ``key``: ``prefix/key``."""

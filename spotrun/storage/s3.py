@@ -28,6 +28,7 @@ from spotrun.errors import (
 )
 from spotrun.storage import s3_download, s3_transfer
 from spotrun.storage.base import ByteSource, ChunkCallback, ObjectInfo, UnfinishedUpload
+from spotrun.storage.part_sizes import S3_LIMITS, ranged_read_size, upload_part_size
 from spotrun.storage.retry import RetryingStorage
 from spotrun.storage.s3_config import S3Options, make_client
 from spotrun.storage.s3_errors import (
@@ -159,7 +160,10 @@ class S3Storage(RetryingStorage):
                     source=source,
                     chunk_bytes=chunk_bytes,
                     on_chunk=on_chunk,
-                    **self._transfer_kwargs(),
+                    part_size_bytes=upload_part_size(
+                        source.size_bytes, self._options, S3_LIMITS, chunk_bytes=chunk_bytes
+                    ),
+                    max_concurrency=self._options.max_concurrency,
                 )
             else:
                 s3_transfer.put_from_source(
@@ -241,7 +245,8 @@ class S3Storage(RetryingStorage):
                 key=self._name(key),
                 offset=offset,
                 views=views,
-                **self._transfer_kwargs(),
+                part_size_bytes=ranged_read_size(self._options),
+                max_concurrency=self._options.max_concurrency,
             )
 
     def _stat(self, key: str) -> ObjectInfo:

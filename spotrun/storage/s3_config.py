@@ -16,11 +16,12 @@ from botocore.exceptions import ProfileNotFound
 
 from spotrun.errors import ConfigError
 from spotrun.storage.options import ObjectStoreOptions
+from spotrun.storage.part_sizes import S3_LIMITS
 from spotrun.tools import private_random
 
 MIB = 1024 * 1024
 #: S3's smallest allowed multipart part (all parts but the last).
-MIN_PART_SIZE_BYTES = 5 * MIB
+MIN_PART_SIZE_BYTES = S3_LIMITS.min_part_bytes
 DEFAULT_REGION = "us-east-1"
 
 # botocore jitters the refresh of instance-role credentials with the global random generator: the
@@ -32,7 +33,7 @@ private_random.isolate("botocore.utils")
 class S3Options(ObjectStoreOptions):
     """Options of :class:`~spotrun.storage.s3.S3Storage`: those of
     :class:`~spotrun.storage.options.ObjectStoreOptions` (``part_size_bytes`` at least S3's
-    5 MiB), and
+    5 MiB, ``max_part_size_bytes`` at most its 5 GiB), and
 
     Attributes:
         endpoint_url: S3 endpoint (``http://127.0.0.1:9000``); ``None`` lets boto3 use
@@ -53,6 +54,11 @@ class S3Options(ObjectStoreOptions):
         if self.part_size_bytes < MIN_PART_SIZE_BYTES:
             raise ConfigError(
                 f"part_size_bytes must be >= {MIN_PART_SIZE_BYTES} (S3 minimum), got {self.part_size_bytes}"
+            )
+        if max(self.max_part_size_bytes, self.part_size_bytes) > S3_LIMITS.max_part_bytes:
+            raise ConfigError(
+                f"part_size_bytes and max_part_size_bytes must be <= {S3_LIMITS.max_part_bytes} (S3 maximum), got "
+                f"{self.part_size_bytes} and {self.max_part_size_bytes}"
             )
 
 

@@ -1,8 +1,9 @@
 """Ranged, parallel reads of S3 objects: into the caller's memory, or whole.
 
-A range is fetched as ranged ``GET`` requests of at most ``part_size_bytes`` each, run in
-parallel (at most ``max_concurrency`` at once) and each retried on its own under one
-deadline. The first request is sent alone; as soon as its answer's headers arrive (its
+A range is fetched as ranged ``GET`` requests of at most ``part_size_bytes`` each (the
+backend passes ``max_part_size_bytes`` for :func:`read_into`, whose callers size their reads:
+:mod:`spotrun.storage.part_sizes`), run in parallel (at most ``max_concurrency`` at once) and
+each retried on its own under one deadline. The first request is sent alone; as soon as its answer's headers arrive (its
 body not read yet) the others start, pinned to its ``ETag`` with ``IfMatch``, so that an
 object replaced in the middle of the read is reported instead of being returned half old,
 half new.

@@ -17,27 +17,12 @@ from botocore.exceptions import ClientError
 
 from spotrun.storage.base import ByteSource, ChunkCallback
 from spotrun.storage.retry import CallWithRetry
-from spotrun.storage.s3_config import MIN_PART_SIZE_BYTES
 from spotrun.storage.s3_errors import error_code, http_status
 from spotrun.storage.transfer import MemorySource, PartBuffers, fill_buffer, part_ranges, run_parts
 
-__all__ = ["MAX_PARTS", "MemorySource", "part_ranges", "put_from_source", "stream_part_size", "upload_stream"]
+__all__ = ["MemorySource", "part_ranges", "put_from_source", "upload_stream"]
 
 log = logging.getLogger(__name__)
-
-#: Most parts one multipart upload may have (S3's limit).
-MAX_PARTS = 10_000
-
-
-def stream_part_size(size_bytes: int, part_size_bytes: int, chunk_bytes: int) -> int:
-    """Bytes per part of a streamed multipart upload of ``size_bytes``.
-
-    ``part_size_bytes`` rounded up to a multiple of ``chunk_bytes``, and grown (still a
-    multiple) where needed so that the part is at least S3's 5 MiB minimum and the
-    object fits in :data:`MAX_PARTS` parts.
-    """
-    wanted = max(part_size_bytes, MIN_PART_SIZE_BYTES, -(-size_bytes // MAX_PARTS))
-    return -(-wanted // chunk_bytes) * chunk_bytes
 
 
 def upload_stream(
@@ -64,7 +49,8 @@ def upload_stream(
             chunk's part, before that part is uploaded (a retried part is not re-read).
             ``view`` is a read-only view of a part buffer that is reused: valid only until
             ``on_chunk`` returns.
-        part_size_bytes: wanted bytes per part; see :func:`stream_part_size`.
+        part_size_bytes: bytes per part, a multiple of ``chunk_bytes`` within S3's limits
+            (:func:`spotrun.storage.part_sizes.upload_part_size`).
         max_concurrency: parts read and uploaded at the same time; so also the most part
             buffers held at once.
 
@@ -78,9 +64,8 @@ def upload_stream(
         Whatever ``source.readinto`` or ``on_chunk`` raised; the upload was aborted first.
     """
     what = f"s3://{bucket}/{key}"
-    part_bytes = stream_part_size(source.size_bytes, part_size_bytes, chunk_bytes)
-    ranges = part_ranges(source.size_bytes, part_bytes)
-    buffers = PartBuffers(part_bytes)
+    ranges = part_ranges(source.size_bytes, part_size_bytes)
+    buffers = PartBuffers(part_size_bytes)
     upload_id = call(
         lambda: client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"],
         f"create multipart upload {what}",

@@ -14,6 +14,7 @@ import logging
 import time
 
 from spotrun.checkpoint import catalog, fencing
+from spotrun.checkpoint.layout import file_key
 from spotrun.checkpoint.manifest import Manifest
 from spotrun.control import files as control
 from spotrun.errors import ObjectExistsError, SpotrunError
@@ -176,9 +177,10 @@ def drain_to_storage(tier: Storage, storage: Storage, step: int, *, wait_s: floa
         assert info.manifest is not None and info.manifest_key is not None
         if _complete_on(storage, step):
             return True
-        files = [i for i in tier.list(info.manifest_key.rpartition("/")[0] + "/") if i.key != info.manifest_key]
-        for item in files:
-            storage.put_stream(item.key, _TierFile(tier, item.key, item.size_bytes), chunk_bytes=DRAIN_CHUNK_BYTES)
+        # the files the manifest names, at the keys it names them by (the one mapping of layout.file_key)
+        files = [(file_key(step, r, info.manifest), r.size_bytes) for r in info.manifest.files]
+        for key, size_bytes in files:
+            storage.put_stream(key, _TierFile(tier, key, size_bytes), chunk_bytes=DRAIN_CHUNK_BYTES)
         fencing.check_not_fenced(storage, info.manifest.incarnation)
         try:
             storage.put_if_absent(info.manifest_key, tier.get(info.manifest_key))
@@ -194,7 +196,7 @@ def drain_to_storage(tier: Storage, storage: Storage, step: int, *, wait_s: floa
         step,
         "is complete" if done else "is NOT complete",
         len(files) + 1,
-        amount(sum(i.size_bytes for i in files)),
+        amount(sum(size_bytes for _key, size_bytes in files)),
         time.monotonic() - started,
     )
     return done

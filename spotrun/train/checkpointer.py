@@ -168,6 +168,12 @@ class Checkpointer:
         return self._restored.bytes_read if self._restored is not None else 0
 
     @property
+    def restore_bytes_received(self) -> int:
+        """Bytes this rank received from the other ranks in :meth:`restore` instead of reading them
+        from storage (boxes several ranks need are read once: :mod:`spotrun.checkpoint.cooperative`)."""
+        return self._restored.bytes_received if self._restored is not None else 0
+
+    @property
     def _background(self) -> BackgroundSaver:  # for tests that look at the staging buffers
         return self._saves.saver
 

@@ -363,7 +363,9 @@ class FastTier:
             keep = steps_to_keep(by_step, self.storage.holders if spread else None, self.job.copies if spread else 1)
             for step in by_step:
                 if step not in keep:
-                    delete_step(self.storage, step, why=f"fast tier: keeps {sorted(keep)} and the next")
+                    delete_step(
+                        self.storage, step, why=f"fast tier: keeps {sorted(keep)} and the next", objects=by_step[step]
+                    )
         except (SpotrunError, OSError) as exc:  # this rank alone: the tier stays on, the save may then not fit
             log.warning("the fast tier could not delete its older steps: %s", exc)
 

@@ -47,6 +47,8 @@ class Restored:
     bytes_read: int = 0
     meshes: list[dict[str, Any]] = field(default_factory=list)
     tier: str | None = None
+    bytes_received: int = 0
+    """Bytes this rank received from the other ranks instead of reading them from storage."""
 
 
 def restore_state(
@@ -111,7 +113,8 @@ def restore_state(
             else f"no checkpoint under {storage.uri}: starting from step 0",
             incarnation,
         )
-    return Restored(step, manifest, run_id, incarnation, bytes_read, list(meshes), tier)
+    received = loaded.bytes_received if loaded is not None else 0
+    return Restored(step, manifest, run_id, incarnation, bytes_read, list(meshes), tier, received)
 
 
 def _peer_reads(fast_tier: Any, step: int) -> str:

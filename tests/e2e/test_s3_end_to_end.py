@@ -25,7 +25,7 @@ import torch
 
 import spotrun
 from spotrun.checkpoint import catalog
-from spotrun.checkpoint.layout import file_key, shard_name, step_dir
+from spotrun.checkpoint.layout import data_file_key, shard_name, step_dir
 from spotrun.storage import open_storage
 from tests.support import trainrun
 from tests.support.ckpt_files import shard_key
@@ -142,7 +142,7 @@ def scenario(uri: str, caplog: pytest.LogCaptureFixture) -> dict:
         ckpt.save(step, reason="periodic")
         saved[step] = weights["w"].clone()
     storage = ckpt.storage
-    storage.put(file_key(4, shard_name(0, ckpt.incarnation)), b"a shard whose save never committed")
+    storage.put(data_file_key(4, 0, shard_name(0, ckpt.incarnation), None), b"a shard whose save never committed")
     newest_before = catalog.newest_complete(storage).step
     shard = shard_key(storage, 3, 0)
     data = bytearray(storage.get(shard))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from spotrun.checkpoint.layout import file_key, manifest_key, shard_name
+from spotrun.checkpoint.layout import data_file_key, manifest_key, shard_name
 from spotrun.checkpoint.manifest import FileRecord, Manifest
 from spotrun.storage import LocalStorage, open_storage
 
@@ -38,7 +38,7 @@ def write_step(
     records = []
     for rank in range(world_size):
         data = bytes([rank % 256]) * (shard_bytes + rank)
-        storage.put(file_key(step, shard_name(rank, incarnation)), data)
+        storage.put(data_file_key(step, rank, shard_name(rank, incarnation), None), data)
         recorded = len(data) + (1 if corrupt and rank == 0 else 0)
         records.append(FileRecord(path=shard_name(rank, incarnation), rank=rank, size_bytes=recorded, digest="0" * 64))
     if not commit:

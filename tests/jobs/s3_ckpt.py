@@ -116,7 +116,9 @@ def main() -> int:
         level=logging.WARNING, stream=sys.stderr, format=f"[rank {rank}] %(asctime)s %(name)s %(levelname)s %(message)s"
     )
     logging.getLogger("spotrun").setLevel(logging.INFO)
-    storage = open_storage(args.uri, multipart_threshold_bytes=5 * MIB, part_size_bytes=5 * MIB)
+    storage = open_storage(
+        args.uri, multipart_threshold_bytes=5 * MIB, part_size_bytes=5 * MIB, max_part_size_bytes=5 * MIB
+    )
     model, opt = build(seed=99 if args.restore else 0)
     ckpt = spotrun.Checkpointer(
         state={"model": model, "optimizer": opt},

@@ -8,8 +8,9 @@ the model in that layout, restores from DIR (any layout may have written it), tr
 ``steps`` and saves the final step. Rank 0 writes to ``--out`` a JSON list, one object per job:
 ``restored`` (step), ``losses`` ({step: loss}), ``restored_tensors`` and ``tensors`` ({name:
 SHA-256 prefix of the full tensor's bytes} right after the restore and at the end) for every
-parameter and every optimizer state tensor, gathered to full, and ``bytes_read`` (each
-rank's ``restore_bytes_read``). ``hsdp`` and ``fsdp_tp`` need 4 ranks (a 2 x 2 mesh).
+parameter and every optimizer state tensor, gathered to full, ``bytes_read`` and
+``bytes_received`` (each rank's ``restore_bytes_read`` and ``restore_bytes_received``).
+``hsdp`` and ``fsdp_tp`` need 4 ranks (a 2 x 2 mesh).
 
 Every rank trains on the same global batch (drawn from a generator seeded by the step), so
 the loss does not depend on the layout beyond the order of floating-point reductions.
@@ -123,10 +124,12 @@ def run_job(layout: str, ckpt_dir: str, steps: int, distributed: bool, model_nam
     step = ckpt.restore()
     restored, restored_tensors = step, tensor_digests(model, opt)
     bytes_read = [None] * (dist.get_world_size() if distributed else 1)
+    bytes_received = list(bytes_read)
     if distributed:
         dist.all_gather_object(bytes_read, ckpt.restore_bytes_read)
+        dist.all_gather_object(bytes_received, ckpt.restore_bytes_received)
     else:
-        bytes_read = [ckpt.restore_bytes_read]
+        bytes_read, bytes_received = [ckpt.restore_bytes_read], [ckpt.restore_bytes_received]
     losses = {}
     while step < steps:
         step += 1
@@ -152,6 +155,7 @@ def run_job(layout: str, ckpt_dir: str, steps: int, distributed: bool, model_nam
         "tensors": tensor_digests(model, opt),
         "lr": sched.get_last_lr(),
         "bytes_read": bytes_read,
+        "bytes_received": bytes_received,
     }
 
 

@@ -1,7 +1,8 @@
 """An FSDP2 model and its AdamW state saved to, or restored from, S3 on any number of ranks;
 run by tests/unit/checkpoint/test_sharded_s3.py with real torchrun and gloo.
 
-``python sharded_s3_job.py --mode save|restore --uri s3://... --width W --out-dir DIR``
+``python sharded_s3_job.py --mode save|restore --uri s3://... --width W --out-dir DIR
+[--storage-options JSON] [--save-steps 1,2]``
 
 Each rank first points ``AWS_ENDPOINT_URL`` at entry ``RANK`` of the comma-separated
 ``SPOTRUN_TEST_RANK_ENDPOINTS`` when that is set (one counting proxy per rank), so that
@@ -9,7 +10,9 @@ every byte a rank reads from S3 passes through a proxy of its own; for another s
 ``SPOTRUN_TEST_RANK_ENV`` (a JSON list) gives each rank the variables of entry ``RANK``
 (``STORAGE_EMULATOR_HOST``, an Azure connection string).
 
-* ``save``: trains one step (AdamW state exists), saves it as step 1.
+* ``save``: trains one step (AdamW state exists), saves it as step 1 (or, with ``--save-steps``,
+  one training step before each of the steps given); ``--storage-options`` are
+  ``open_storage``'s keyword arguments (``{"key_layout": "spread"}``).
 * ``restore``: builds the same model sharded over this world size, restores, and does
   nothing else with storage (the proxies see the restore's traffic only).
 
@@ -85,6 +88,8 @@ def main() -> None:
     parser.add_argument("--uri", required=True)
     parser.add_argument("--width", type=int, required=True)
     parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--storage-options", default="{}")
+    parser.add_argument("--save-steps", default="1")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     endpoints = os.environ.get("SPOTRUN_TEST_RANK_ENDPOINTS")
@@ -97,19 +102,25 @@ def main() -> None:
     torch.set_num_threads(1)
 
     import spotrun
+    from spotrun.storage import open_storage
 
     model = build(args.width)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     ckpt = spotrun.Checkpointer(
-        {"model": model, "optimizer": opt}, uri=args.uri, handle_signals=False, background_saves=False
+        {"model": model, "optimizer": opt},
+        storage=open_storage(args.uri, **json.loads(args.storage_options)),
+        handle_signals=False,
+        background_saves=False,
     )
     restored = ckpt.restore()
     if args.mode == "save":
         g = torch.Generator().manual_seed(1)
-        x = torch.randn(4, args.width, generator=g)
-        nn.functional.mse_loss(model(x), x).backward()
-        opt.step()
-        ckpt.save(1)
+        for step in [int(s) for s in args.save_steps.split(",")]:
+            x = torch.randn(4, args.width, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x).backward()
+            opt.step()
+            ckpt.save(step)
     ckpt.close()
     tensors = named_state(model, opt)
     report = {

@@ -17,7 +17,7 @@ def storage_at(path: Path | str) -> LocalStorage:
 def shard_key(storage: Storage, step: int, rank: int = 0) -> str:
     """Storage key of the (first) shard file that ``rank`` wrote for a complete step."""
     info = catalog.committed(storage, step)
-    return file_key(step, next(f.path for f in info.manifest.files if f.rank == rank))
+    return file_key(step, next(f for f in info.manifest.files if f.rank == rank), info.manifest)
 
 
 def manifest_path(root: Path | str, step: int) -> Path:

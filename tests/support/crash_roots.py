@@ -152,6 +152,7 @@ def make_storage(scenario: Scenario, uri: str, *, durable: bool = True):
 
         options = {
             "part_size_bytes": 5 * MIB,
+            "max_part_size_bytes": 5 * MIB,  # many parts: many places to crash
             "multipart_threshold_bytes": MULTIPART_THRESHOLD_BYTES,
             "max_concurrency": 2,
             "retry_deadline_s": 60.0,
@@ -272,7 +273,7 @@ def committed_snapshot(scenario: Scenario, uri: str, storage) -> dict[str, Any]:
     steps = {}
     for info in catalog.list_steps(storage):
         if info.status == catalog.COMPLETE:
-            files = [file_key(info.step, f.path) for f in info.manifest.files]
+            files = [file_key(info.step, f, info.manifest) for f in info.manifest.files]
             steps[str(info.step)] = [info.manifest_key] + files
     keys = [key for files in steps.values() for key in files]
     keys += [o.key for o in storage.list(f"{INCARNATIONS_DIR}/")]

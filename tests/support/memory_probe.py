@@ -34,15 +34,15 @@ DEFAULT_LAYERS = 16
 
 
 def build_training_state(
-    state_bytes: int, *, layers: int = DEFAULT_LAYERS, seed: int = 0
+    state_bytes: int, *, layers: int = DEFAULT_LAYERS, seed: int = 0, device: str = "cpu"
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A float32 ``Sequential`` of ``layers`` square ``Linear`` layers and its AdamW optimizer
     after one step, sized so that parameters plus AdamW state hold about ``state_bytes`` bytes
-    (3 float32 values per parameter, plus one scalar ``step`` per parameter tensor)."""
+    (3 float32 values per parameter, plus one scalar ``step`` per parameter tensor), on ``device``."""
     floats_per_layer = state_bytes / 3 / 4 / layers  # d*d + d of them
     width = max(8, round((math.sqrt(1 + 4 * floats_per_layer) - 1) / 2))
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gradients: dict[tuple, torch.Tensor] = {}  # one per shape, shared: allocating 1x the model costs seconds
     for p in model.parameters():

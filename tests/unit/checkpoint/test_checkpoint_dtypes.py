@@ -17,7 +17,7 @@ from safetensors.torch import save as safetensors_save
 
 import spotrun
 from spotrun.checkpoint import catalog
-from spotrun.checkpoint.layout import file_key, step_dir
+from spotrun.checkpoint.layout import data_file_key, step_dir
 from spotrun.checkpoint.shard import sha256_hex
 from spotrun.errors import StateSerializationError
 from tests.support.ckpt_files import chunk_files, manifest_path, storage_at
@@ -184,7 +184,7 @@ def _as_old_writer(tmp_path) -> None:
     doc = json.loads(mpath.read_text())
     (name,) = [n for n, r in doc["tensors"].items() if r["dtype"] == "float8_e8m0fnu"]
     (path,) = chunk_files(tmp_path, 2)[name]
-    shard = tmp_path / file_key(2, path)
+    shard = tmp_path / data_file_key(2, 0, path, None)  # a local root: the step directory
     # the file keeps its other tensors (a file too small for the tensors its manifest lists is
     # a corrupt step before any dtype is looked at: issue 21)
     tensors = safetensors_load(shard.read_bytes())
@@ -202,7 +202,7 @@ def _as_old_writer(tmp_path) -> None:
         }
     doc["files"] = [f for f in doc["files"] if f["path"].endswith(".safetensors")]
     for file_record in doc["files"]:
-        content = (tmp_path / file_key(2, file_record["path"])).read_bytes()
+        content = (tmp_path / data_file_key(2, file_record["rank"], file_record["path"], None)).read_bytes()
         for field in ("algorithm", "chunk_bytes", "digest"):
             file_record.pop(field, None)
         file_record.update(size_bytes=len(content), sha256=sha256_hex(content))

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 import spotrun
 from spotrun.checkpoint import catalog
-from spotrun.checkpoint.layout import file_key, shard_name, shard_part_name
+from spotrun.checkpoint.layout import data_file_key, file_key, shard_name, shard_part_name
 from spotrun.checkpoint.shard import SAFETENSORS_MAX_HEADER_BYTES
 from spotrun.errors import ConfigError
 from tests.support.ckpt_files import chunk_files, storage_at
@@ -53,12 +53,13 @@ def test_5_many_tensors_split_into_files(tmp_path):
 
     manifest = catalog.committed(storage_at(tmp_path), 3).manifest
     paths = [f.path for f in manifest.files if f.path.endswith(".safetensors")]
+    records = {f.path: f for f in manifest.files}
     assert len(paths) > 5
     assert paths == [shard_part_name(0, ckpt.incarnation, k) for k in range(len(paths))]
     assert paths[0] == shard_name(0, ckpt.incarnation)
     stored_in: dict[str, str] = {}
     for path in paths:
-        local = tmp_path / file_key(3, path)
+        local = tmp_path / file_key(3, records[path], manifest)
         assert header_bytes(local) <= max_header_bytes
         with safe_open(str(local), framework="pt") as f:
             names = list(f.keys())
@@ -87,7 +88,7 @@ def test_5_a_missing_part_marks_the_step_corrupt(tmp_path):
         {"model": state}, storage=storage_at(tmp_path), handle_signals=False, max_file_size_bytes=8 * 1024
     )
     ckpt.save(1)
-    (tmp_path / file_key(1, shard_part_name(0, ckpt.incarnation, 2))).unlink()
+    (tmp_path / data_file_key(1, 0, shard_part_name(0, ckpt.incarnation, 2), None)).unlink()
     info = catalog.inspect_step(storage_at(tmp_path), 1)
     assert info.status == "corrupt" and shard_part_name(0, ckpt.incarnation, 2) in info.problem
 
@@ -121,7 +122,7 @@ def test_5_state_past_safetensors_header_limit_saves_and_restores(tmp_path):
     manifest = catalog.committed(storage_at(tmp_path), 1).manifest
     shards = [f for f in manifest.files if f.path.endswith(".safetensors")]
     assert len(shards) > 1
-    assert all(header_bytes(tmp_path / file_key(1, f.path)) < SAFETENSORS_MAX_HEADER_BYTES for f in shards)
+    assert all(header_bytes(tmp_path / file_key(1, f, manifest)) < SAFETENSORS_MAX_HEADER_BYTES for f in shards)
     del state
     restored = build(fill=False)
     assert spotrun.Checkpointer({"m": restored}, storage=storage_at(tmp_path), handle_signals=False).restore() == 1

@@ -16,7 +16,7 @@ import torch
 
 import spotrun
 from spotrun.checkpoint import catalog
-from spotrun.checkpoint.layout import file_key, shard_name, step_dir
+from spotrun.checkpoint.layout import data_file_key, shard_name, step_dir
 from spotrun.checkpoint.retention import Retainer, RetentionPolicy, plan_retention
 from spotrun.errors import ConfigError, StorageError
 from spotrun.storage import LocalStorage, open_storage
@@ -112,7 +112,7 @@ def test_the_resume_source_is_never_deleted(tmp_path):
     with keep_last=1: saving 210 and 220 deletes 100 and 210, never 200."""
     storage = LocalStorage(str(tmp_path / "ck"))
     train(storage, 300, interval=100)
-    shard = tmp_path / "ck" / file_key(300, shard_name(0, 0))
+    shard = tmp_path / "ck" / data_file_key(300, 0, shard_name(0, 0), None)
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF  # a flipped byte in the tensor data: the checksum fails on restore
     shard.write_bytes(bytes(data))

@@ -18,7 +18,7 @@ import torch
 
 import spotrun
 from spotrun.checkpoint import catalog
-from spotrun.checkpoint.layout import file_key, shard_name, step_dir
+from spotrun.checkpoint.layout import data_file_key, shard_name, step_dir
 from spotrun.cli import main
 from spotrun.storage import LocalStorage, open_storage
 from tests.support.crash_roots import Scenario, copy_root
@@ -79,7 +79,7 @@ def test_gc_deletes_by_the_rule_and_by_age_and_keeps_what_must_stay(tmp_path):
     storage = LocalStorage(str(root))
     save_steps(storage, [10, 20, 30])
     save_steps(storage, [40, 50, 60, 70], restore=True)  # the newest start resumed from 30
-    shard_70 = root / file_key(70, shard_name(0, 1))
+    shard_70 = root / data_file_key(70, 0, shard_name(0, 1), None)
     shard_70.write_bytes(shard_70.read_bytes()[:-1])  # a truncated file: step 70 is corrupt
     for step, age_s in ((80, 2 * HOUR_S), (90, 10.0)):  # a dead save and one that may still be running
         (root / step_dir(step)).mkdir()

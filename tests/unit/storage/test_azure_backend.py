@@ -48,14 +48,15 @@ from spotrun.storage.azure_blocks import FOREIGN_BLOCKS, block_id
 from spotrun.storage.azure_config import make_service
 from spotrun.storage.azure_errors import is_retryable, translate
 from spotrun.storage.azure_location import MISSING_EXTRA
-from spotrun.storage.azure_transfer import stream_block_size
+from spotrun.storage.options import ObjectStoreOptions
+from spotrun.storage.part_sizes import AZURE_LIMITS, upload_part_size
 from tests.support.azurite_server import admin_service, connection_string, throttling_proxy
 from tests.support.byte_sources import BytesSource
 from tests.support.fake_time import FakeTime
 from tests.support.s3_server import free_loopback_port
 
 MIB = 1024 * 1024
-SMALL_TRANSFER = {"multipart_threshold_bytes": 6 * MIB, "part_size_bytes": 5 * MIB}
+SMALL_TRANSFER = {"multipart_threshold_bytes": 6 * MIB, "part_size_bytes": 5 * MIB, "max_part_size_bytes": 5 * MIB}
 LARGE_BYTES = 12 * MIB + 123
 CONNECTION_STRING = "AZURE_STORAGE_CONNECTION_STRING"
 HOUR_S = 3600
@@ -165,7 +166,8 @@ def test_large_objects_use_parallel_staged_blocks_and_one_block_list(azure_conta
     ],
 )
 def test_block_size_is_whole_chunks_within_azures_block_count(size_bytes, part_size_bytes, chunk_bytes, block_bytes):
-    assert stream_block_size(size_bytes, part_size_bytes, chunk_bytes) == block_bytes
+    fixed = ObjectStoreOptions(part_size_bytes=part_size_bytes, max_part_size_bytes=part_size_bytes)
+    assert upload_part_size(size_bytes, fixed, AZURE_LIMITS, chunk_bytes=chunk_bytes) == block_bytes
     assert -(-size_bytes // block_bytes) <= 50_000
 
 
@@ -230,7 +232,9 @@ _SLOW_WRITER = textwrap.dedent(
                 time.sleep(3600)  # killed here, two blocks staged
             out[:] = bytes([offset // MIB]) * len(out)
 
-    storage = open_storage(sys.argv[1], multipart_threshold_bytes=MIB, part_size_bytes=MIB, max_concurrency=1)
+    storage = open_storage(
+        sys.argv[1], multipart_threshold_bytes=MIB, part_size_bytes=MIB, max_part_size_bytes=MIB, max_concurrency=1
+    )
     storage.put_stream(sys.argv[2], Slow(), chunk_bytes=MIB)
     """
 )

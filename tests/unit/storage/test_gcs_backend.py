@@ -41,7 +41,7 @@ from tests.support.gcs_server import Seen
 
 REPO = Path(__file__).resolve().parents[3]
 MIB = 1024 * 1024
-SMALL_TRANSFER = {"multipart_threshold_bytes": 6 * MIB, "part_size_bytes": 5 * MIB}
+SMALL_TRANSFER = {"multipart_threshold_bytes": 6 * MIB, "part_size_bytes": 5 * MIB, "max_part_size_bytes": 5 * MIB}
 
 
 def payload(size_bytes: int, seed: int = 0) -> bytes:
@@ -70,7 +70,9 @@ def test_a_large_object_goes_up_as_parallel_parts_composed_into_it_and_the_parts
 
 
 def test_more_than_32_parts_are_composed_in_two_levels(gcs_bucket):
-    storage = open_storage(gcs_bucket.uri, multipart_threshold_bytes=1, part_size_bytes=64 * 1024)
+    storage = open_storage(
+        gcs_bucket.uri, multipart_threshold_bytes=1, part_size_bytes=64 * 1024, max_part_size_bytes=64 * 1024
+    )
     data = payload(40 * 64 * 1024 + 1, seed=1)
     storage.put_stream("big", BytesSource(data), chunk_bytes=64 * 1024)
     assert storage.get("big") == data
@@ -267,7 +269,10 @@ KILLED_WRITER = textwrap.dedent(
                 threading.Event().wait()
             super().readinto(offset, out)
 
-    storage = open_storage(sys.argv[1], multipart_threshold_bytes=1, part_size_bytes=1024 * 1024, max_concurrency=1)
+    MIB = 1024 * 1024
+    storage = open_storage(
+        sys.argv[1], multipart_threshold_bytes=1, part_size_bytes=MIB, max_part_size_bytes=MIB, max_concurrency=1
+    )
     storage.put_stream("step-000000030/rank-00000.safetensors", Stalls(b"x" * 4 * 1024 * 1024), chunk_bytes=1024 * 1024)
     """
 )

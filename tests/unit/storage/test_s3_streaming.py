@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from spotrun.errors import StorageError
+from spotrun.storage.options import ObjectStoreOptions
+from spotrun.storage.part_sizes import S3_LIMITS, upload_part_size
 from spotrun.storage.s3 import S3Options, S3Storage, make_client
-from spotrun.storage.s3_transfer import MAX_PARTS, stream_part_size
 from tests.support.byte_sources import BytesSource, ChunkRecorder
 from tests.support.fault_proxy import CUT_REQUEST, DROP, LOST_RESPONSE, SLOW_DOWN, TRUNCATED_BODY, FaultRule
 from tests.unit.storage.test_storage_contract import (
@@ -31,14 +32,19 @@ from tests.unit.storage.test_storage_contract import (
 PART_BYTES = 5 * MIB
 
 
+MAX_PARTS = S3_LIMITS.max_parts
+
+
 def storage_at(endpoint_url: str, bucket: str, *, wrap: dict[str, Any] | None = None, **options: Any) -> S3Storage:
-    """S3Storage under prefix ``p``, 5 MiB parts from 6 MiB on, retries that never wait."""
+    """S3Storage under prefix ``p``, 5 MiB parts (and ranged reads) from 6 MiB on, retries that
+    never wait."""
     fake = FakeTime()
     opts = S3Options(
         **{
             "endpoint_url": endpoint_url,
             "multipart_threshold_bytes": 6 * MIB,
             "part_size_bytes": PART_BYTES,
+            "max_part_size_bytes": PART_BYTES,
             "sleep": fake.sleep,
             "clock": fake.clock,
             **options,
@@ -65,7 +71,10 @@ def storage_at(endpoint_url: str, bucket: str, *, wrap: dict[str, Any] | None = 
     ids=["multiple", "rounded-up", "small-chunks", "large-chunk", "10000-parts"],
 )
 def test_stream_part_size(size_bytes, part_bytes, chunk_bytes, expected):
-    part = stream_part_size(size_bytes, part_bytes, chunk_bytes)
+    """Parts of fixed size (``max_part_size_bytes`` = ``part_size_bytes``): whole chunks, at least
+    S3's 5 MiB, within its 10,000 parts (the growing parts: tests/unit/storage/test_part_sizes.py)."""
+    options = ObjectStoreOptions(part_size_bytes=part_bytes, max_part_size_bytes=part_bytes)
+    part = upload_part_size(size_bytes, options, S3_LIMITS, chunk_bytes=chunk_bytes)
     assert part == expected
     assert part % chunk_bytes == 0 and part >= PART_BYTES and -(-size_bytes // part) <= MAX_PARTS
 
@@ -166,6 +175,44 @@ def test_put_stream_holds_at_most_max_concurrency_parts(s3_bucket, max_concurren
     assert sum(length for _, length in source.reads) == size_bytes
     assert parts.most <= max_concurrency
     assert peak_bytes < (max_concurrency + 1) * PART_BYTES
+    assert storage.get("obj") == data
+
+
+def test_grown_parts_are_held_at_most_max_concurrency_at_once(s3_bucket):
+    """Issue 26 point 2 (memory): parts grow with the object up to ``max_part_size_bytes``, and an
+    upload still holds at most ``max_concurrency`` of them: a 40 MiB object with 2 streams and
+    parts of up to 15 MiB goes up as 15 + 15 + 10 MiB, with under 3 parts' bytes held."""
+    cap_bytes = 3 * PART_BYTES
+    bodies: list[int] = []
+    parts = PartsHeld(cap_bytes)
+
+    def make(real):
+        held = parts.wrap(real)
+
+        def upload_part(**kwargs):
+            bodies.append(len(kwargs["Body"]))
+            return held(**kwargs)
+
+        return upload_part
+
+    storage = storage_at(
+        s3_bucket.endpoint_url,
+        s3_bucket.name,
+        max_concurrency=2,
+        max_part_size_bytes=cap_bytes,
+        wrap={"upload_part": make},
+    )
+    size_bytes = 8 * PART_BYTES
+    data = payload(size_bytes, seed=8)
+    tracemalloc.start()
+    try:
+        storage.put_stream("obj", CountingSource(data, parts), chunk_bytes=MIB)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert sorted(bodies) == [2 * PART_BYTES, cap_bytes, cap_bytes]
+    assert parts.most <= 2
+    assert peak_bytes < 3 * cap_bytes
     assert storage.get("obj") == data
 
 

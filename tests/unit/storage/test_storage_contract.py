@@ -46,7 +46,7 @@ from tests.support.s3_server import failing_http_server, free_loopback_port
 MIB = 1024 * 1024
 #: Small enough to keep tests fast, large enough to need three 5 MiB parts.
 LARGE_BYTES = 12 * MIB + 123
-SMALL_TRANSFER = {"multipart_threshold_bytes": 6 * MIB, "part_size_bytes": 5 * MIB}
+SMALL_TRANSFER = {"multipart_threshold_bytes": 6 * MIB, "part_size_bytes": 5 * MIB, "max_part_size_bytes": 5 * MIB}
 
 
 def payload(size_bytes: int, seed: int = 0) -> bytes:

@@ -114,10 +114,10 @@ def test_the_fast_tier_deletes_its_older_step_off_the_training_thread_before_wri
     deleted = []
     real_delete = fast_tier.delete_step
 
-    def recording_delete(storage, step, *, why):
+    def recording_delete(storage, step, *, why, **options):
         on_training_thread = threading.current_thread() is threading.main_thread()
         deleted.append((step, on_training_thread, sorted(os.listdir(tmp_path / "mem"))))
-        real_delete(storage, step, why=why)
+        real_delete(storage, step, why=why, **options)
 
     monkeypatch.setattr(fast_tier, "delete_step", recording_delete)
     w = torch.zeros(4)
