@@ -47,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         "--restore-sample", type=int, default=64, help="restoring ranks planned when they form no classes"
     )
     parser.add_argument("--no-dcp", action="store_true", help="leave out DCP's figures")
+    parser.add_argument(
+        "--cooperative-only",
+        action="store_true",
+        help="leave out the figures without cooperative restore (each rank reading all it needs itself)",
+    )
     parser.add_argument("--gpus-per-node", type=int, default=8)
     for name in ("layers", "hidden", "ffn", "vocab", "heads", "kv-heads"):
         parser.add_argument(f"--{name}", type=int, help=f"override the shape's {name}")
@@ -69,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         check_ranks=args.check_ranks,
         restore_sample=args.restore_sample,
         dcp=not args.no_dcp,
+        non_cooperative=not args.cooperative_only,
         gpus_per_node=args.gpus_per_node,
         layers=args.layers,
         hidden=args.hidden,

@@ -37,6 +37,7 @@ class ScaleConfig:
     restore_sample: int = SAMPLE_RANKS
     dcp: bool = True
     restore: bool = True
+    non_cooperative: bool = True
     gpus_per_node: int = 8
     step: int = 1000
     layers: int | None = None
@@ -71,7 +72,7 @@ def run(config: ScaleConfig) -> dict:
         heads=config.heads,
         kv_heads=config.kv_heads,
     )
-    store = Store("s3" if config.s3 else "files")
+    store = Store("s3" if config.s3 else "files", config.ranks)
     layout = Layout.parse(config.layout, config.ranks)
     builder = StateBuilder(shape, layout, config.dtype)
     saved = SavePlanner(builder, store, config.step, ShardLimits())
@@ -88,13 +89,22 @@ def run(config: ScaleConfig) -> dict:
         restore_builder = builder if restore_layout == layout else StateBuilder(shape, restore_layout, config.dtype)
         restorer = RestorePlanner(saved, classes, manifest, restore_builder)
         plan = restorer.plan(sample=config.restore_sample)
-        figures = _restore_figures(store, saved, classes, manifest, restorer, plan)
+        figures = _restore_figures(store, saved, classes, manifest, plan)
         result["busiest_prefix_request_share"]["restore"] = figures.pop("restore_share")
         result["planning_s_per_rank"]["restore"] = figures.pop("restore_plan_s")
         result["planned"]["restore"] = figures.pop("restore_planned")
+        result["manifest_parse_s"] = round(restorer.manifest_parse_s, 3)
         result.update(figures)
-        if config.dcp:
-            result["dcp"] = _dcp_figures(store, saved, plan)
+        if config.non_cooperative or config.dcp:
+            alone = restorer.plan(sample=config.restore_sample, cooperative=False)
+            if config.non_cooperative:
+                figures = _restore_figures(store, saved, classes, manifest, alone)
+                result["non_cooperative"] = {
+                    k: figures[k] for k in ("restore_get_requests", "restore_bytes_per_rank", "restore_planned")
+                }
+                result["non_cooperative"]["busiest_prefix_request_share"] = figures["restore_share"]
+            if config.dcp:
+                result["dcp"] = _dcp_figures(store, saved, alone)
     result["model_s"] = round(time.perf_counter() - started, 1)
     return result
 
@@ -116,6 +126,10 @@ def _save_figures(config, shape, saved, classes, manifest, gathered_bytes, build
             **asdict(shape),
             "parameters": shape.parameter_count(),
             "tensors": len(saved.encoded.tensors) + len(saved.encoded.sharded),
+            # DTensors with a replicated placement (HSDP: all; FSDP + TP: the norms and their moments)
+            "replicated_placement_tensors": sum(
+                any(p.is_replicate() for p in t.placements) for t in saved.encoded.sharded.values()
+            ),
             "dtype": config.dtype,
             "state_bytes": sum(file_bytes),
         },
@@ -143,19 +157,27 @@ def _save_figures(config, shape, saved, classes, manifest, gathered_bytes, build
     }
 
 
-def _restore_figures(store, saved, classes, manifest, restorer, plan) -> dict:
+def _restore_figures(store, saved, classes, manifest, plan) -> dict:
     gets, prefixes, per_rank = restore_requests(store, plan, saved, classes, len(manifest))
     restoring = sum(count for count, _ in per_rank)
+    received = [(count, reads.received) for count, reads in plan.classes]
+    how = (
+        "cooperative: who reads what by share_plan.plan_from_digests for every rank, then " if plan.cooperative else ""
+    )
     return {
-        "manifest_parse_s": round(restorer.manifest_parse_s, 3),
         "restore_get_requests": {"total": round(sum(gets.values())), **{k: round(v) for k, v in gets.items()}},
         "restore_bytes_per_rank": {
             "max": max(b for _, b in per_rank),
             "mean": round(sum(c * b for c, b in per_rank) / restoring),
         },
+        "restore_bytes_received_per_rank": {
+            "max": max(b for _, b in received),
+            "mean": round(sum(c * b for c, b in received) / restoring),
+        },
         "restore_share": round(_share(prefixes), 4),
         "restore_plan_s": round(max(reads.plan_s for _, reads in plan.classes), 3),
-        "restore_planned": f"{len(plan.classes)} ranks through ChunkReader.plan_units ({plan.method})",
+        "restore_share_plan_s": round(plan.share_s, 3),
+        "restore_planned": f"{how}{len(plan.classes)} ranks through ChunkReader.plan_units ({plan.method})",
     }
 
 

@@ -41,10 +41,21 @@ def text(r: dict) -> str:
         "save_requests: " + ", ".join(f"{k} {v}" for k, v in r["save_requests"].items()),
     ]
     if "restore_get_requests" in r:
+        received = r["restore_bytes_received_per_rank"]
         lines += [
             "restore_get_requests: " + ", ".join(f"{k} {v}" for k, v in r["restore_get_requests"].items()),
-            f"restore bytes per rank: max {_size(r['restore_bytes_per_rank']['max'])}, "
-            f"mean {_size(r['restore_bytes_per_rank']['mean'])}",
+            f"restore bytes read from storage per rank: max {_size(r['restore_bytes_per_rank']['max'])}, "
+            f"mean {_size(r['restore_bytes_per_rank']['mean'])}; received from other ranks: max "
+            f"{_size(received['max'])}, mean {_size(received['mean'])} (cooperative plan of every rank "
+            f"in {r['restore_share_plan_s']} s)",
+        ]
+    if "non_cooperative" in r:
+        n = r["non_cooperative"]
+        lines += [
+            "without cooperative restore (each rank reads all it needs): restore_get_requests "
+            + ", ".join(f"{k} {v}" for k, v in n["restore_get_requests"].items())
+            + f"; bytes per rank max {_size(n['restore_bytes_per_rank']['max'])}, "
+            f"mean {_size(n['restore_bytes_per_rank']['mean'])}; busiest prefix {n['busiest_prefix_request_share']}",
         ]
     lines += [
         "busiest_prefix_request_share: " + ", ".join(f"{k} {v}" for k, v in r["busiest_prefix_request_share"].items()),
@@ -67,17 +78,21 @@ def text(r: dict) -> str:
 
 
 #: The jobs of docs/design/scale.md: (ranks, layout), 70B, fp32 parameters and moments.
-DOC_JOBS = ((1024, "fsdp"), (1024, "hsdp:16x64"), (1024, "fsdp+tp:8"), (1024, "ddp"), (8192, "fsdp"))
+DOC_JOBS = (
+    (1024, "fsdp"),
+    (1024, "hsdp:16x64"),
+    (1024, "fsdp+tp:8"),
+    (1024, "ddp"),
+    (8192, "fsdp"),
+    (8192, "hsdp:128x64"),
+    (8192, "ddp"),
+)
 
 
 def markdown(*, s3: bool, node_gbps: float, gpus_per_node: int, jobs=DOC_JOBS) -> str:
     """The figures section of docs/design/scale.md: one run per job, its tables and the times
     derived from them (``node_gbps``: network bandwidth per node)."""
-    node_bytes_s = node_gbps * 1e9 / 8
-    runs = []
-    for ranks, layout in jobs:
-        config = ScaleConfig(ranks=ranks, layout=layout, s3=s3, gpus_per_node=gpus_per_node)
-        runs.append(run(config))
+    runs = [run(ScaleConfig(ranks=ranks, layout=layout, s3=s3, gpus_per_node=gpus_per_node)) for ranks, layout in jobs]
     flag = " --s3" if s3 else ""
     out = [
         "Commands (each prints these figures and more; `--json` for all of them):",
@@ -97,76 +112,103 @@ def markdown(*, s3: bool, node_gbps: float, gpus_per_node: int, jobs=DOC_JOBS) -
     def row(name: str, values) -> None:
         out.append(f"| {name} | " + " | ".join(values) + " |")
 
+    def gets(figures: dict) -> str:
+        return (
+            f"{figures['total']:,} ({figures.get('index', 0):,} / {figures.get('header', 0):,} / "
+            f"{figures.get('data', 0):,})"
+        )
+
     row("manifest", [_size(r["manifest_bytes"]) for r in runs])
     row(
         "manifest: built on rank 0 / parsed on each rank",
         [f"{r['manifest_build_s']} s / {r['manifest_parse_s']} s" for r in runs],
     )
+    row("save reports gathered by every rank", [_size(r["report_bytes_gathered"]) for r in runs])
     row("index file per rank, max", [_size(r["index_bytes_per_rank_max"]) for r in runs])
-    row("objects per save", [str(r["save_objects"]) for r in runs])
-    row("bytes per node (8 GPUs), max", [_size(r["save_bytes_per_node"]["max"]) for r in runs])
+    row("objects per save", [f"{r['save_objects']:,}" for r in runs])
+    row("bytes per rank, max / mean", [_pair(r["save_bytes_per_rank"]) for r in runs])
+    row("bytes per node (8 GPUs), max / mean", [_pair(r["save_bytes_per_node"]) for r in runs])
     row("requests per save", [f"{r['save_requests']['total']:,}" for r in runs])
-    row("GETs per restore", [f"{r['restore_get_requests']['total']:,}" for r in runs])
+    row("GETs per restore (index / header / data)", [gets(r["restore_get_requests"]) for r in runs])
+    row("bytes read from storage per rank, max / mean", [_pair(r["restore_bytes_per_rank"]) for r in runs])
     row(
-        "  of them index / header / data",
+        "bytes received from other ranks per rank, max",
+        [_size(r["restore_bytes_received_per_rank"]["max"]) for r in runs],
+    )
+    row(
+        "without cooperative restore: GETs (index / header / data)",
+        [gets(r["non_cooperative"]["restore_get_requests"]) for r in runs],
+    )
+    row(
+        "without cooperative restore: bytes read per rank, max / mean",
+        [_pair(r["non_cooperative"]["restore_bytes_per_rank"]) for r in runs],
+    )
+    row(
+        "busiest prefix's share: save / restore (without cooperative restore)",
         [
-            f"{r['restore_get_requests'].get('index', 0):,} / {r['restore_get_requests'].get('header', 0):,} / "
-            f"{r['restore_get_requests'].get('data', 0):,}"
+            f"{r['busiest_prefix_request_share']['save']} / {r['busiest_prefix_request_share']['restore']} "
+            f"({r['non_cooperative']['busiest_prefix_request_share']})"
             for r in runs
         ],
     )
-    row("bytes read per rank at restore, max", [_size(r["restore_bytes_per_rank"]["max"]) for r in runs])
     row(
-        "busiest prefix's share, save / restore",
-        [f"{r['busiest_prefix_request_share']['save']} / {r['busiest_prefix_request_share']['restore']}" for r in runs],
-    )
-    row(
-        "planning per rank, save / restore",
+        "planning per rank: save / restore",
         [f"{r['planning_s_per_rank']['save']} s / {r['planning_s_per_rank']['restore']} s" for r in runs],
     )
+    row("restore planned", [r["planned"]["restore"].rsplit("(", 1)[-1].rstrip(")") for r in runs])
     row("staging memory per node", [_size(r["memory"]["staging_bytes_per_node_max"]) for r in runs])
     row("fast tier per node (2 steps)", [_size(r["memory"]["fast_tier_bytes_per_node_max"]) for r in runs])
     row("DCP .metadata", [_size(r["dcp"]["metadata_bytes"]) for r in runs])
     row("DCP GETs per restore", [f"{r['dcp']['restore_get_requests']['total']:,}" for r in runs])
     row("DCP bytes read per rank, max", [_size(r["dcp"]["restore_bytes_per_rank"]["max"]) for r in runs])
-    out += [
-        "",
+    out += ["", *_times(runs, node_gbps, gpus_per_node)]
+    return "\n".join(out)
+
+
+def _pair(figures: dict) -> str:
+    return f"{_size(figures['max'])} / {_size(figures['mean'])}"
+
+
+def _times(runs: list[dict], node_gbps: float, gpus_per_node: int) -> list[str]:
+    """The times table: a save against GCP's notice, a restore from S3 and from the fast tier."""
+    node_bytes_s = node_gbps * 1e9 / 8
+    out = [
         f"Times derived from these figures at {node_gbps:g} Gbit/s per node, S3's {S3_PUTS_PER_S:,} PUT "
         f"and {S3_GETS_PER_S:,} GET per second per prefix, and the fast tier's measured "
         f"{FAST_TIER_RESTORE_BYTES_S / GIB:.1f} GiB/s:",
         "",
-    ]
-    out += [
         "| time | " + " | ".join(f"{r['layout']['save']}, {r['config']['ranks']}" for r in runs) + " |",
         "| --- |" + " --- |" * len(runs),
     ]
+    times = []
     for r in runs:
-        node_restore = r["restore_bytes_per_rank"]["max"] * gpus_per_node
-        share_save, share_restore = (
-            r["busiest_prefix_request_share"]["save"],
-            r["busiest_prefix_request_share"]["restore"],
+        share = r["busiest_prefix_request_share"]
+        # a node's ranks read from S3 and receive from other ranks (gloo over TCP: the node's
+        # network, counted in full); the busiest rank's bytes times the ranks of a node
+        per_rank = r["restore_bytes_per_rank"]["max"] + r["restore_bytes_received_per_rank"]["max"]
+        node_restore = per_rank * gpus_per_node
+        times.append(
+            {
+                "save": r["save_bytes_per_node"]["max"] / node_bytes_s,
+                "save_requests": r["save_requests"]["total"] * share["save"] / S3_PUTS_PER_S,
+                "restore_bytes": node_restore / node_bytes_s,
+                "restore_gets": r["restore_get_requests"]["total"] * share["restore"] / S3_GETS_PER_S,
+                "restore_tier": r["save_bytes_per_node"]["max"] / FAST_TIER_RESTORE_BYTES_S,
+            }
         )
-        r["_times"] = {
-            "save": r["save_bytes_per_node"]["max"] / node_bytes_s,
-            "save_requests": r["save_requests"]["total"] * share_save / S3_PUTS_PER_S,
-            "restore_s3": max(
-                node_restore / node_bytes_s, r["restore_get_requests"]["total"] * share_restore / S3_GETS_PER_S
-            ),
-            "restore_bytes": node_restore / node_bytes_s,
-            "restore_gets": r["restore_get_requests"]["total"] * share_restore / S3_GETS_PER_S,
-            "restore_tier": r["save_bytes_per_node"]["max"] / FAST_TIER_RESTORE_BYTES_S,
-        }
-    row("save: a node's bytes at the node's bandwidth", [f"{r['_times']['save']:.1f} s" for r in runs])
-    row("save: its requests on the busiest prefix", [f"{r['_times']['save_requests']:.1f} s" for r in runs])
+
+    def row(name: str, values) -> None:
+        out.append(f"| {name} | " + " | ".join(values) + " |")
+
+    row("save: a node's bytes at the node's bandwidth", [f"{t['save']:.1f} s" for t in times])
+    row("save: the busiest prefix's requests", [f"{t['save_requests']:.2f} s" for t in times])
     row(
         f"fits GCP's {NOTICE_S} s notice",
-        ["yes" if max(r["_times"]["save"], r["_times"]["save_requests"]) < NOTICE_S else "no" for r in runs],
+        ["yes" if max(t["save"], t["save_requests"]) < NOTICE_S else "no" for t in times],
     )
     row(
-        "restore from S3: bytes / GETs on the busiest prefix",
-        [f"{r['_times']['restore_bytes']:.1f} s / {r['_times']['restore_gets']:.0f} s" for r in runs],
+        "restore from S3: bytes read and received / the busiest prefix's GETs",
+        [f"{t['restore_bytes']:.1f} s / {t['restore_gets']:.2f} s" for t in times],
     )
-    row("restore from the fast tier (a node's own step)", [f"{r['_times']['restore_tier']:.1f} s" for r in runs])
-    for r in runs:
-        del r["_times"]
-    return "\n".join(out)
+    row("restore from the fast tier (a node's own step)", [f"{t['restore_tier']:.1f} s" for t in times])
+    return out

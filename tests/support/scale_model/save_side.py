@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from spotrun.checkpoint.chunks import ChunkLayout
 from spotrun.checkpoint.encode import encode_state
-from spotrun.checkpoint.layout import index_name, manifest_name, shard_part_name
+from spotrun.checkpoint.layout import index_name, shard_part_name
 from spotrun.checkpoint.manifest import FileRecord
 from spotrun.checkpoint.manifest_build import build_manifest
 from spotrun.checkpoint.rank_index import RankIndex, chunk_key
@@ -37,7 +36,7 @@ from spotrun.checkpoint.shard_write import index_entry, shard_file, write_index
 from spotrun.checkpoint.sharded import _replica_coordinates, predicted_grid
 from spotrun.checkpoint.stream import CHECKSUM_BLOCK_BYTES, CHUNKED_BLAKE3
 from spotrun.checkpoint.write_plan import plan_writes, replicated_owners, save_report
-from tests.support.scale_model.state import Layout, StateBuilder, rank_state
+from tests.support.scale_model.state import Box, Layout, StateBuilder, box_at, rank_state
 from tests.support.scale_model.store import Store
 
 #: A digest's length in hex (BLAKE3 and SHA-256 alike): stands for every digest in a simulated file.
@@ -95,6 +94,7 @@ class SavePlanner:
         self._rank_state = rank_state(0)
         self._groups: list[_Group] = []
         self._group_of: dict[str, int] = {}
+        self.boxes: dict[tuple, Box] = {}  # box_at's memo, shared with the restore's planning
         self._group_dtensors()
         reporting = {gi for gi, g in enumerate(self._groups) if any(c[2] for c in g.chunks.values())}
         self._reported_names = [n for n in self.encoded.sharded if self._group_of[n] in reporting]
@@ -105,7 +105,6 @@ class SavePlanner:
     def _group_dtensors(self) -> None:
         mesh_shape = self.layout.mesh_shape
         ranks = torch.arange(self.world_size).view(mesh_shape)
-        boxes: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         keyed: dict[tuple, int] = {}
         for name, tensor in self.encoded.sharded.items():
             shape, placements = tuple(tensor.shape), tuple(tensor.placements)
@@ -123,14 +122,7 @@ class SavePlanner:
             group = _Group(shape, name)
             writers = ranks[tuple(chosen.get(d, slice(None)) for d in range(len(mesh_shape)))].reshape(-1).tolist()
             for rank in writers:
-                coordinate = self.layout.coordinate(rank)
-                cut = (shape, repr(placements), tuple(0 if d in chosen else c for d, c in enumerate(coordinate)))
-                if cut not in boxes:
-                    lengths, offsets = _compute_local_shape_and_global_offset(
-                        shape, mesh_shape, list(coordinate), placements
-                    )
-                    boxes[cut] = (tuple(offsets), tuple(lengths))
-                box = boxes[cut]
+                box = box_at(self.layout, shape, placements, rank, self.boxes)
                 if 0 not in box[1]:  # an empty chunk is not written
                     group.chunks[rank] = (box[0], box[1], recorded.get(rank) != box)
             keyed[key] = self._group_of[name] = len(self._groups)
@@ -217,7 +209,7 @@ class SavePlanner:
             # as write_shard records a file it wrote
             records.append(FileRecord(path, rank, source.size_bytes, DIGEST, CHUNKED_BLAKE3, CHECKSUM_BLOCK_BYTES))
         index = RankIndex(step=self.step, rank=rank, files=indexed, chunks=located)
-        index_record = write_index(_Recorder(), index, INCARNATION)
+        index_record = write_index(_Recorder(), index, INCARNATION, self.store.key_layout)
         return RankFiles(records, headers, index, index_record, [located[key] for key in tensors])
 
     def check_rank(self, rank: int, rank_class: RankClass) -> float:
@@ -270,7 +262,8 @@ class SavePlanner:
         gathered = sum(len(json.dumps(r, allow_nan=False)) for r in reports)  # as all_gather_json sends them
         context = SaveContext("periodic", "scale-model", INCARNATION)
         started = time.perf_counter()
-        data = build_manifest(self.step, self.encoded, reports, context, self.world_size).to_json()
+        layout = self.store.key_layout
+        data = build_manifest(self.step, self.encoded, reports, context, self.world_size, layout).to_json()
         return data, gathered, time.perf_counter() - started
 
 
@@ -299,5 +292,5 @@ def save_requests(store: Store, step: int, classes: list[RankClass], manifest_by
                 prefixes[store.prefix(store.key(step, rank, path))] += sum(asked.values())
     asked = store.commit_requests(manifest_bytes)
     kinds.update(asked)
-    prefixes[store.prefix(store.key(step, 0, manifest_name(INCARNATION)))] += sum(asked.values())
+    prefixes[store.prefix(store.manifest_key(step, INCARNATION))] += sum(asked.values())
     return kinds, prefixes
