@@ -18,10 +18,11 @@ c = 8 parts in flight and parts of at most C = 64 MiB, n = ceil(S / R / C) + 1 p
   parts that grow with it, a complete: spotrun.storage.part_sizes), and the manifest. A 1 TB save
   at 1,024 ranks: 19,457 < 20,000 (issue 26, point 2).
 - restore_get_requests <= 1 + R x (3 W + n + Q) (cooperative, at the saved layout): the manifest
-  once (rank 0 reads it and relays it); per rank, for each of the W writers it reads from (itself;
-  FSDP + TP: its T tensor-parallel peers, which wrote the boxes TP replicates) its index and two
-  header reads, its read units (as the save's parts: read_unit_size), and one unit for each of
-  the Q boxes it reads from a peer's file (FSDP + TP: the TP-replicated tensors; else 0).
+  once (rank 0 reads it and relays it); per rank, for each of the W writers it reads from
+  (itself; FSDP + TP: the t ranks of its tensor-parallel group, which wrote the boxes TP
+  replicates) its index and two header reads, its read units (as the save's parts:
+  read_unit_size), and one unit for each of the Q boxes it reads from a peer's file (FSDP + TP:
+  the TP-replicated tensors; else 0).
 - restore_bytes_per_rank mean <= S / R + (2 Q + 1) MiB: a cooperative restore reads each byte
   from storage once (plus whole 1 MiB blocks around a piece read from a peer's file); and the
   mean is at most the non-cooperative mean / P + 1 MiB: it drops by the replica count.
