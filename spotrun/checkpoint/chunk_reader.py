@@ -82,16 +82,19 @@ class ChunkReader:
         progress: a :func:`~spotrun.tools.progress.progress_bar` with this description over the
             bytes of each :meth:`read` (on a terminal, for reads of more than a few seconds);
             ``None``: no bar.
+        indexes: writer rank -> its index, already read and checked (the others are read when needed).
     """
 
-    def __init__(self, storage: Storage, manifest: Manifest, *, progress: str | None = None) -> None:
+    def __init__(
+        self, storage: Storage, manifest: Manifest, *, progress: str | None = None, indexes: dict | None = None
+    ) -> None:
         self._storage = storage
         self._manifest = manifest
         self._files: dict[str, FileRecord] = {f.path: f for f in manifest.files}
         self._index_of_rank: dict[int, FileRecord] = {
             f.rank: f for f in manifest.files if f.path.endswith(".index.json")
         }
-        self._indexes: dict[int, RankIndex] = {}
+        self._indexes: dict[int, RankIndex] = dict(indexes or {})
         self._headers: dict[str, ShardHeader] = {}
         self._covered: set[str] = set()  # tensors whose chunk layout passed coverage_problem
         self._checked: set[tuple[str, Box]] = set()
@@ -197,6 +200,23 @@ class ChunkReader:
             StorageError: a read failed.
         """
         self.check([(item.name, item.record, item.box) for item in reads])
+        units = self.plan_units(reads)
+        total_bytes = sum(stop - start for _, _, start, stop, _ in units)
+        with progress_bar(total_bytes, self._progress or "", show=self._progress is not None) as self._bar:
+            if len(units) <= 1:
+                for unit in units:
+                    self._read_unit(*unit)
+                return
+            with ThreadPoolExecutor(
+                max_workers=min(self._storage.read_concurrency, len(units)), thread_name_prefix="spotrun-read"
+            ) as pool:
+                for future in [pool.submit(self._read_unit, *unit) for unit in units]:
+                    future.result()
+
+    def plan_units(self, reads: list[BoxRead]) -> list[tuple]:
+        """The read units of ``reads``, ``(writer's index, file number, start, stop, pieces)``: whole
+        blocks of one file, each up to the store's read unit for the planned bytes
+        (:meth:`~spotrun.storage.base.Storage.read_unit_bytes`; checks nothing: :meth:`read` does)."""
         pieces: dict[tuple[int, int], list[_Piece]] = {}  # (writer rank, file index) -> pieces
         for item in reads:
             self._plan(item, pieces)
@@ -215,17 +235,7 @@ class ChunkReader:
             units.extend(
                 self._units(self._indexes[rank], file_index, file_pieces, blocks[rank, file_index], unit_bytes)
             )
-        total_bytes = sum(stop - start for _, _, start, stop, _ in units)
-        with progress_bar(total_bytes, self._progress or "", show=self._progress is not None) as self._bar:
-            if len(units) <= 1:
-                for unit in units:
-                    self._read_unit(*unit)
-                return
-            with ThreadPoolExecutor(
-                max_workers=min(self._storage.read_concurrency, len(units)), thread_name_prefix="spotrun-read"
-            ) as pool:
-                for future in [pool.submit(self._read_unit, *unit) for unit in units]:
-                    future.result()
+        return units
 
     def _plan(self, item: BoxRead, pieces: dict[tuple[int, int], list[_Piece]]) -> None:
         record = item.record

@@ -38,7 +38,10 @@ def grid_bounds(size: int, parts: int) -> list[int]:
     Parts are ``ceil(size / parts)`` long; the last ones are shorter or empty.
     """
     step = -(-size // parts) if parts else 0
-    return [min(i * step, size) for i in range(parts + 1)]
+    if step == 0:
+        return [0] * (parts + 1)
+    reached = min(parts, size // step)  # the parts that start within the tensor; the rest are empty
+    return list(range(0, reached * step + 1, step)) + [size] * (parts - reached)
 
 
 class ChunkLayout:
@@ -242,11 +245,15 @@ def _fill_writers(known: dict[int, int], total: int) -> list[int]:
 
 def compress_ranks(ranks: list[int]) -> list[int] | dict[str, int]:
     """``{"first": a, "step": s}`` for an arithmetic progression of 3 or more ranks, else the list."""
-    if len(ranks) >= 3:
-        step = ranks[1] - ranks[0]
-        if all(ranks[i] == ranks[0] + i * step for i in range(len(ranks))):
-            return {"first": ranks[0], "step": step}
+    if len(ranks) >= 3 and ranks == _progression(ranks[0], ranks[1] - ranks[0], len(ranks)):
+        return {"first": ranks[0], "step": ranks[1] - ranks[0]}
     return list(ranks)
+
+
+def _progression(first: int, step: int, count: int) -> list[int]:
+    """``[first, first + step, ...]``, ``count`` values (one list built in C: manifests of
+    thousands of ranks hold one per sharded tensor)."""
+    return list(range(first, first + step * count, step)) if step else [first] * count
 
 
 def expand_ranks(raw: Any, count: int) -> list[int]:
@@ -259,9 +266,10 @@ def expand_ranks(raw: Any, count: int) -> list[int]:
         first, step = raw["first"], raw["step"]
         if type(first) is not int or type(step) is not int:
             raise ValueError(f"writers must hold integers, got {raw!r}")
-        ranks = [first + i * step for i in range(count)]
-    else:
-        ranks = raw
+        if count and min(first, first + step * (count - 1)) < 0:
+            raise ValueError(f"writers must list {count} ranks >= 0, got {raw!r}")
+        return _progression(first, step, count)
+    ranks = raw
     if type(ranks) is not list or len(ranks) != count or not all(type(r) is int and r >= 0 for r in ranks):
         raise ValueError(f"writers must list {count} ranks >= 0, got {raw!r}")
     return ranks

@@ -13,7 +13,6 @@ committing are separate so that the commit can run on a background thread. The s
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -26,16 +25,14 @@ from spotrun.checkpoint.dtypes import to_stored
 from spotrun.checkpoint.encode import EncodedState, encode_state, structure_digest
 from spotrun.checkpoint.layout import SPREAD_DIGITS, manifest_key
 from spotrun.checkpoint.manifest import Manifest, SpreadLayout
-from spotrun.checkpoint.manifest_build import build_manifest, tensor_fields
-from spotrun.checkpoint.plan import assign_by_bytes
-from spotrun.checkpoint.rank_index import chunk_key
+from spotrun.checkpoint.manifest_build import build_manifest
 from spotrun.checkpoint.restore import reject_step
 from spotrun.checkpoint.save_bounds import collectives_deadline_s, phase_timeout_s
 from spotrun.checkpoint.save_failures import describe, raise_if_failed
 from spotrun.checkpoint.shard import ShardLimits, split_into_parts
 from spotrun.checkpoint.shard_write import SaveProgress, write_index, write_shard
-from spotrun.checkpoint.sharded import local_box, predicted_box, predicted_grid, writes_chunk
 from spotrun.checkpoint.staging import StagingBuffers
+from spotrun.checkpoint.write_plan import plan_writes, save_report
 from spotrun.control.env import DEFAULT_SAVE_TIMEOUT_S
 from spotrun.errors import (
     CheckpointSaveError,
@@ -104,31 +101,13 @@ def prepare_save(
     rank, world_size = dist.rank(), dist.world_size()
     try:
         encoded = encode_state(replicated, rank_local, rank)
+        plan = plan_writes(encoded, rank, world_size)
     except SpotrunError as exc:
         return PreparedSave(step, rank, world_size, None, {}, error=exc)
-    sizes = {n: t.numel() * t.element_size() for n, t in encoded.tensors.items()}
-    owner = assign_by_bytes(sizes, world_size)
-    whole = {n: t for n, t in encoded.tensors.items() if owner[n] == rank}
-    whole.update(encoded.rank_tensors)
-    mine = {n: to_stored(t.detach()) for n, t in whole.items()}
-    chunks = {n: (n, (0,) * t.dim(), tuple(t.shape)) for n, t in whole.items()}
-    reported = dict(chunks)
-    try:
-        for name, tensor in encoded.sharded.items():  # DTensors: this rank's chunk, if it writes it
-            offsets, lengths = local_box(tensor)
-            if math.prod(lengths) == 0 or not writes_chunk(tensor, name):
-                continue
-            key = chunk_key(name, offsets, lengths, tuple(tensor.shape))
-            mine[key] = to_stored(tensor.to_local().detach())
-            predicted = predicted_grid(tensor, name)
-            if predicted is None or predicted_box(tensor, predicted[0]) != (offsets, lengths):
-                reported[key] = (name, offsets, lengths)  # rank 0 cannot derive it from the placements
-            chunks[key] = (name, offsets, lengths)
-    except SpotrunError as exc:
-        return PreparedSave(step, rank, world_size, None, {}, error=exc)
+    mine = {key: to_stored(t.detach()) for key, t in plan.tensors.items()}
     if staging is not None:
         mine = staging.stage(mine)
-    return PreparedSave(step, rank, world_size, encoded, mine, chunks=chunks, reported=reported)
+    return PreparedSave(step, rank, world_size, encoded, mine, chunks=plan.chunks, reported=plan.reported)
 
 
 @dataclass(frozen=True)
@@ -334,14 +313,7 @@ def _write(
             raise SaveAbortedError(f"save of step {step} abandoned")
         records.append(write_index(storage, index, context.incarnation, layout))
         assert prepared.reported is not None
-        report.update(
-            write_s=time.monotonic() - write_started_s,
-            files=[vars(record) for record in records],
-            # the chunks rank 0 cannot derive: it builds each tensor's chunk layout from them
-            chunks=[[name, list(offsets), list(lengths)] for name, offsets, lengths in prepared.reported.values()],
-            rank_state=encoded.rank_skeleton,
-            rank_tensors={n: tensor_fields(t) for n, t in encoded.rank_tensors.items()},
-        )
+        report = save_report(encoded, prepared.reported, records, time.monotonic() - write_started_s)
     except Exception as exc:  # any failure is reported, so that no rank waits alone at the gather
         write_error, report = exc, {"ok": False, "error": describe(exc), "aborted": isinstance(exc, SaveAbortedError)}
         if not isinstance(exc, SaveAbortedError):

@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
 from spotrun.checkpoint.layout import data_file_key, index_name, shard_part_name
 from spotrun.checkpoint.manifest import FileRecord, SpreadLayout
 from spotrun.checkpoint.rank_index import IndexedFile, RankIndex
@@ -92,13 +94,7 @@ def write_shard(
     for part, names in enumerate(parts):
         if abort is not None and abort.is_set():
             raise SaveAbortedError(f"save of step {prepared.step} abandoned")
-        path = shard_part_name(prepared.rank, incarnation, part)
-        with gc_paused():
-            source = ShardSource(
-                {n: prepared.tensors[n] for n in names},
-                {"format": "spotrun-checkpoint", "step": prepared.step, "rank": prepared.rank, "part": part},
-                abort=abort,
-            )
+        path, source = shard_file(prepared.step, prepared.rank, incarnation, part, prepared.tensors, names, abort=abort)
         digests = ChunkDigests(source.size_bytes, CHECKSUM_BLOCK_BYTES)
 
         def on_chunk(offset: int, data: memoryview, digests: ChunkDigests = digests) -> None:
@@ -122,16 +118,42 @@ def write_shard(
                 chunk_bytes=CHECKSUM_BLOCK_BYTES,
             )
         )
-        indexed.append(
-            IndexedFile(
-                path=path,
-                size_bytes=source.size_bytes,
-                block_bytes=CHECKSUM_BLOCK_BYTES,
-                block_digests=digests.chunk_hexdigests(),
-            )
-        )
-        located.update({n: (part, *source.ranges[n]) for n in names})
+        entry, where = index_entry(part, path, source, digests.chunk_hexdigests())
+        indexed.append(entry)
+        located.update(where)
     return records, RankIndex(step=prepared.step, rank=prepared.rank, files=indexed, chunks=located)
+
+
+def shard_file(
+    step: int,
+    rank: int,
+    incarnation: int,
+    part: int,
+    tensors: dict[str, torch.Tensor],
+    names: list[str],
+    *,
+    abort: threading.Event | None = None,
+) -> tuple[str, ShardSource]:
+    """The path (relative to the step) and the bytes of file ``part`` of ``rank``'s shard, which
+    holds ``names`` of ``tensors`` (in stored form)."""
+    with gc_paused():
+        source = ShardSource(
+            {n: tensors[n] for n in names},
+            {"format": "spotrun-checkpoint", "step": step, "rank": rank, "part": part},
+            abort=abort,
+        )
+    return shard_part_name(rank, incarnation, part), source
+
+
+def index_entry(
+    part: int, path: str, source: ShardSource, block_digests: list[str]
+) -> tuple[IndexedFile, dict[str, tuple[int, int, int]]]:
+    """A shard file's entry in its rank's index, and where each of its chunks lies
+    (chunk key -> (part, begin, end))."""
+    entry = IndexedFile(
+        path=path, size_bytes=source.size_bytes, block_bytes=CHECKSUM_BLOCK_BYTES, block_digests=block_digests
+    )
+    return entry, {n: (part, begin, end) for n, (begin, end) in source.ranges.items()}
 
 
 def write_index(storage: Storage, index: RankIndex, incarnation: int, layout: SpreadLayout | None = None) -> FileRecord:

@@ -120,7 +120,7 @@ def predicted_grid(tensor: Any, name: str) -> tuple[list[int], list[int]] | None
     # the order of the tensor dimensions they cut
     order = sorted(range(len(sharding)), key=lambda i: sharding[sorted(sharding)[i]])
     writers = ranks.permute(order) if len(order) > 1 else ranks
-    return grid, [int(r) for r in writers.reshape(-1).tolist()]
+    return grid, writers.reshape(-1).tolist()  # Python ints
 
 
 def predicted_box(tensor: Any, grid: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
