@@ -316,7 +316,7 @@ class Checkpointer:
             self._tier.save(step, tier_running)
         if decision.stops:
             self._agreement.drop()
-        elif looks:  # pipelined: the next look reads it, the saves started at this step included
+        elif looks and self._agreement.pipelined:  # the next look reads it, this step's saves included
             self._agreement.start_next(
                 self._flags(asked),
                 timeout_s=self._agreement_timeout_s(asked),
