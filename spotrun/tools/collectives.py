@@ -11,14 +11,21 @@ Each collective has its own bound; when it passes, the ranks hold a roll call on
 naming the ranks that did not check in. A group that failed once is never used again: a
 later collective on it raises the same error at once. The bounds of each path and their
 order: ``docs/reference/timeouts.md``.
+
+Every group spotrun made and did not free is freed at the interpreter's exit (:func:`_free_at_exit`):
+gloo's worker thread drops a finished collective's tensors after the caller saw it done, taking the
+GIL to do so, and a thread that takes the GIL while Python finalizes aborts the process
+("terminate called without an active exception"). Freeing a group joins its threads first.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -59,7 +66,10 @@ class Pending(Generic[T]):
 
     def wait(self) -> T:
         """The collective's result; blocks at most until its bound and the roll call's window."""
-        self._group._finish(self._work, self._done, self._sequence, self._what, self._timeout_s, self._started_s)
+        try:
+            self._group._finish(self._work, self._done, self._sequence, self._what, self._timeout_s, self._started_s)
+        finally:
+            self._group._in_flight -= 1
         return self._result()
 
 
@@ -75,7 +85,10 @@ class BoundedGroup:
         self._epoch = epoch  # unique on the job's store: a torchrun restart reuses group names
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         self._sequence = 0
+        self._in_flight = 0  # collectives started and not yet waited for (the exit frees idle groups only)
+        self._pid = os.getpid()  # a forked child has none of gloo's threads: its exit frees nothing
         self.broken: CollectiveTimeoutError | None = None
+        _groups.live.append(self)
 
     def all_gather_bytes(self, data: bytes, *, timeout_s: float, what: str) -> list[bytes]:
         """Every rank's ``data``, by rank."""
@@ -111,6 +124,7 @@ class BoundedGroup:
         sequence = self._next(what)
         tensor = torch.tensor(values, dtype=torch.int64)
         work = self.group.allreduce([tensor], op=dist.ReduceOp.MAX, timeout=self._gloo_timeout(timeout_s))
+        self._in_flight += 1
         return Pending(self, work, sequence, what, timeout_s, tensor.tolist)
 
     def begin_transfers(self, what: str) -> int:
@@ -137,6 +151,21 @@ class BoundedGroup:
         did, being blocked themselves, every rank that did not).
         """
         self._refuse_if_broken(what)
+        self._in_flight += 1
+        try:
+            self._transfer(sends, recvs, phase=phase, timeout_s=timeout_s, what=what)
+        finally:
+            self._in_flight -= 1
+
+    def _transfer(
+        self,
+        sends: list[tuple[int, int, torch.Tensor]],
+        recvs: list[tuple[int, int, torch.Tensor]],
+        *,
+        phase: int,
+        timeout_s: float,
+        what: str,
+    ) -> None:
         started_s = time.monotonic()
         failed: dict[int, RuntimeError] = {}
         works = []
@@ -166,15 +195,20 @@ class BoundedGroup:
         raise self.broken from failure
 
     def destroy(self) -> None:
-        """Free the group (its connections); never raises. A broken group is left to the process's
-        end: its operation may still be pending in gloo's thread, which freeing it would wait for
-        until gloo's own timeout."""
-        if self.broken is not None:
+        """Free the group (its connections and gloo's threads, joined here); never raises. A broken
+        group is left to the process's end: its operation may still be pending in gloo's thread,
+        which freeing it would wait for until gloo's own timeout."""
+        if self.broken is not None or self.group is None:
             return
+        if self in _groups.live:
+            _groups.live.remove(self)
         try:
             dist.destroy_process_group(self.group)
         except (ValueError, RuntimeError, AssertionError):  # the application destroyed every group first
             pass
+        # torch's registries let go of it above: dropping the last reference runs gloo's destructor
+        # now (it releases the GIL, waits for its queue and joins its threads), not at the exit
+        self.group = None
 
     def _next(self, what: str) -> int:
         self._refuse_if_broken(what)
@@ -202,7 +236,11 @@ class BoundedGroup:
     def _wait(self, work: Any, sequence: int, what: str, timeout_s: float, started_s: float) -> None:
         done = threading.Event()
         work.get_future().add_done_callback(lambda _future: done.set())
-        self._finish(work, done, sequence, what, timeout_s, started_s)
+        self._in_flight += 1
+        try:
+            self._finish(work, done, sequence, what, timeout_s, started_s)
+        finally:
+            self._in_flight -= 1
 
     def _finish(
         self, work: Any, done: threading.Event, sequence: int, what: str, timeout_s: float, started_s: float
@@ -259,13 +297,29 @@ class _Groups:
     spotrun made in this process (in the same order on every rank: their roll calls' names)."""
 
     def __init__(self) -> None:
-        self.default: Any = None
+        # weak: the job's destroy_process_group() frees its default group (and gloo's threads) at
+        # once, as without spotrun
+        self.default: weakref.ref[Any] | None = None
         self.training: BoundedGroup | None = None
         self.made = 0
+        self.live: list[BoundedGroup] = []  # made and not freed (the exit frees them)
 
 
 # Process-wide as torch's default group is: the training thread's group lives as long as it does.
 _groups = _Groups()
+
+
+def _free_at_exit() -> None:
+    """Free every idle, unbroken group before Python finalizes (see the module docstring). A group
+    with a collective in flight (a background thread the application never closed) or a broken one
+    is left: freeing it would wait for its collective, up to gloo's own timeout."""
+    for group in list(_groups.live):
+        if group._in_flight == 0 and group._pid == os.getpid():
+            group.destroy()
+    _groups.training = _groups.default = None
+
+
+atexit.register(_free_at_exit)
 
 
 def new_group(name: str, *, timeout_s: float, what: str) -> BoundedGroup:
@@ -298,6 +352,9 @@ def training_group(*, timeout_s: float, what: str) -> BoundedGroup:
     """The training thread's bounded group, made at its first collective (collective then:
     ``timeout_s`` and ``what`` bound and name the making, as for :func:`new_group`)."""
     default = dist.distributed_c10d._get_default_group()
-    if _groups.training is None or _groups.default is not default:  # none yet, or the job made a new default group
-        _groups.training, _groups.default = new_group("training", timeout_s=timeout_s, what=what), default
+    made_for = _groups.default() if _groups.default is not None else None
+    if _groups.training is None or made_for is not default:  # none yet, or the job made a new default group
+        if _groups.training is not None:  # the old default group's: its peers made a new one too
+            _groups.training.destroy()
+        _groups.training, _groups.default = new_group("training", timeout_s=timeout_s, what=what), weakref.ref(default)
     return _groups.training

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from spotrun.errors import ConfigError
+from spotrun.errors import CollectiveTimeoutError, ConfigError
 from spotrun.tools import dist
 
 #: The agreements ``Checkpointer(agreement=...)`` and ``$SPOTRUN_AGREEMENT`` accept.
@@ -101,8 +101,16 @@ class Agreement:
             self._pending = (self._start(flags, timeout_s=timeout_s, what=what), flags)
 
     def drop(self) -> None:
-        """Forget a started all-reduce (training stops: no later look reads it)."""
-        self._pending = None
+        """Wait for a started all-reduce and forget it (training stops, or the Checkpointer closes:
+        no later look reads it). Its result is not needed, nor its failure: a rank that did not
+        arrive broke the group, whose next collective says so. Waited for all the same: gloo's
+        thread must be done with it before the process exits (see spotrun.tools.collectives)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending[0].wait()
+            except CollectiveTimeoutError:
+                pass
 
     @staticmethod
     def _start(flags: Flags, *, timeout_s: float, what: str):

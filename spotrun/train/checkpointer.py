@@ -393,6 +393,7 @@ class Checkpointer:
         if os.getpid() != self._owner_pid:
             return
         try:
+            self._agreement.drop()  # a pipelined all-reduce started at the last step
             self._saves.report(self._saves.saver.take())
         finally:
             if self._tier is not None:
