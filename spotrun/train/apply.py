@@ -16,6 +16,7 @@ from spotrun.checkpoint.encode import encode_state
 from spotrun.checkpoint.restore import LoadedStep
 from spotrun.checkpoint.sharded import is_dtensor, mesh_description
 from spotrun.errors import ConfigError, SpotrunError, StateMismatchError
+from spotrun.state.ddp_buckets import DDP_BUCKETS_STATE_NAME
 from spotrun.state.numerics import NUMERICS_STATE_NAME
 from spotrun.state.optimizer import OptimizerState
 from spotrun.state.rng import reseed_new_rank
@@ -29,7 +30,7 @@ def check_state_names(state: Any, rank_state: dict[str, Any] | None) -> None:
     """Refuse a Checkpointer's ``state`` that is not a non-empty dict, and a ``rank_state`` name spotrun uses."""
     if not isinstance(state, dict) or not state:
         raise ConfigError("Checkpointer(state=...) needs a non-empty dict of name -> object")
-    for reserved in ("rng", NUMERICS_STATE_NAME):
+    for reserved in ("rng", NUMERICS_STATE_NAME, DDP_BUCKETS_STATE_NAME):
         if reserved in (rank_state or {}):
             raise ConfigError(f"rank_state name {reserved!r} is reserved for the state spotrun saves itself")
 
@@ -102,8 +103,8 @@ def apply_loaded(loaded: LoadedStep, state: dict[str, Any], rank_state: dict[str
             )
         load_into(name, obj, loaded.replicated[name])
     for name, obj in rank_state.items():
-        if name == NUMERICS_STATE_NAME and name not in loaded.rank_local:
-            continue  # written before spotrun recorded these settings
+        if name in (NUMERICS_STATE_NAME, DDP_BUCKETS_STATE_NAME) and name not in loaded.rank_local:
+            continue  # written before spotrun recorded these
         if name not in loaded.rank_local:
             raise StateMismatchError(f"checkpoint lacks this rank's state {name!r}")
         load_into(name, obj, loaded.rank_local[name])

@@ -21,6 +21,7 @@ from spotrun.control import files as control
 from spotrun.control import listeners
 from spotrun.control.env import DEFAULT_CHECKPOINT_URI, DEFAULT_SAVE_TIMEOUT_S, WorkerEnv
 from spotrun.errors import CollectiveTimeoutError, FencedError
+from spotrun.state.ddp_buckets import DDP_BUCKETS_STATE_NAME, DDPBucketsState
 from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState, settle_vector_math
 from spotrun.state.optimizer import pair_optimizers
 from spotrun.state.rng import RNGState
@@ -59,7 +60,8 @@ class Checkpointer:
         rank_state: name -> object whose state differs per rank (saved by each rank). Every rank's RNGs
             (Python, NumPy, torch CPU, each CUDA device) are always saved, and the settings that decide its
             arithmetic (intra-op threads, torch version, CPU capability, GPU models; :mod:`spotrun.state.numerics`):
-            a restore logs a warning when they differ from the writer's. Names ``rng`` and ``numerics`` are reserved.
+            a restore logs a warning when they differ from the writer's; and the gradient bucket layout of DDP
+            wrappers (:mod:`spotrun.state.ddp_buckets`). Names ``rng``, ``numerics`` and ``ddp_buckets`` are reserved.
         storage: a ready storage backend (overrides ``uri``; for tests and embedding).
         uri, interval_steps, ..., keep_every: the settings, one line each in
             :class:`~spotrun.train.options.CheckpointerOptions`; kept as :attr:`options`.
@@ -102,7 +104,12 @@ class Checkpointer:
         options = CheckpointerOptions(**{f.name: arguments[f.name] for f in fields(CheckpointerOptions)})
         # optimizers keyed by parameter name (DCP's state_dict helpers): any layout loads them
         self._state = pair_optimizers(dict(state))
-        self._rank_state = {**(rank_state or {}), NUMERICS_STATE_NAME: NumericsState(), "rng": RNGState()}
+        self._rank_state = {
+            **(rank_state or {}),
+            NUMERICS_STATE_NAME: NumericsState(),
+            DDP_BUCKETS_STATE_NAME: DDPBucketsState(state),
+            "rng": RNGState(),  # last: loaded after everything else, nothing draws after it
+        }
         self._env = env = WorkerEnv.from_environ()
         self.options = options
         self._bounded = options = options.with_timeouts(env)  # the options with every bound a number

@@ -91,7 +91,7 @@ class SavePlanner:
         self.owned: dict[int, list[str]] = defaultdict(list)
         for name in self.encoded.tensors:
             self.owned[self.owner[name]].append(name)
-        self._rank_state = rank_state(0)
+        self._rank_state = rank_state(0, len(builder.parameters) if self.layout.kind == "ddp" else 0)
         self._groups: list[_Group] = []
         self._group_of: dict[str, int] = {}
         self.boxes: dict[tuple, Box] = {}  # box_at's memo, shared with the restore's planning

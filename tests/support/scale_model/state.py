@@ -26,6 +26,7 @@ from torch.distributed.tensor._utils import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from spotrun.checkpoint.encode import EncodedState, encode_state
+from spotrun.state.ddp_buckets import DDP_BUCKETS_STATE_NAME, encode_layout
 from spotrun.state.numerics import NUMERICS_STATE_NAME, NumericsState
 from spotrun.state.rng import RNGState
 from tests.support.scale_model.shapes import ModelShape
@@ -140,14 +141,16 @@ def _adamw_group() -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def rank_state(rank: int) -> dict[str, Any]:
-    """A rank's own state as the Checkpointer saves it: numerics, then every RNG (this process's,
-    with one CUDA generator's 16 bytes added, as on a rank that drives one GPU)."""
+def rank_state(rank: int, ddp_parameters: int = 0) -> dict[str, Any]:
+    """A rank's own state as the Checkpointer saves it: numerics, DDP's bucket layout (a DDP
+    model's ``ddp_parameters`` indices, in DDP's rebuilt order as runs; none without DDP), then every RNG
+    (this process's, with one CUDA generator's 16 bytes added, as on a rank that drives one GPU)."""
     rng = RNGState().state_dict()
     rng["cuda"] = [torch.zeros(16, dtype=torch.uint8)]
     numerics = NumericsState().state_dict()
     numerics["cuda_devices"] = ["NVIDIA H100 80GB HBM3"]
-    return {NUMERICS_STATE_NAME: numerics, "rng": rng}
+    layouts = {"model": encode_layout([list(range(ddp_parameters - 1, -1, -1))])} if ddp_parameters else {}
+    return {NUMERICS_STATE_NAME: numerics, DDP_BUCKETS_STATE_NAME: {"layouts": layouts}, "rng": rng}
 
 
 class StateBuilder:
@@ -188,7 +191,8 @@ class StateBuilder:
             },
             "param_groups": [{**_adamw_group(), "params": [name for name, _, _ in self.parameters]}],
         }
-        return {"model": model, "optimizer": optimizer}, rank_state(rank)
+        ddp_parameters = len(self.parameters) if self.layout.kind == "ddp" else 0
+        return {"model": model, "optimizer": optimizer}, rank_state(rank, ddp_parameters)
 
     def encoded(self, rank: int) -> EncodedState:
         """``rank``'s state as :func:`spotrun.checkpoint.encode.encode_state` encodes it for a save."""
