@@ -69,6 +69,9 @@ RESTORE_TIMEOUT_S = "SPOTRUN_RESTORE_TIMEOUT_S"
 AGREEMENT_TIMEOUT_S = "SPOTRUN_AGREEMENT_TIMEOUT_S"
 #: The per-step agreement: ``immediate``, ``pipelined`` or ``auto`` (``Checkpointer(agreement=...)`` wins).
 AGREEMENT = "SPOTRUN_AGREEMENT"
+#: Where a checkpoint's ranks put their files on an object store: ``auto``, ``spread`` or ``step``
+#: (``open_storage(uri, key_layout=...)`` wins; ``spotrun run --key-layout`` sets it for the workers).
+KEY_LAYOUT = "SPOTRUN_KEY_LAYOUT"
 
 DEFAULT_CHECKPOINT_URI = "./checkpoints"
 #: Default bound of one save's storage operations (``Checkpointer(save_timeout_s=...)``), in

@@ -3,11 +3,13 @@ backend's options a subclass that adds its own (an endpoint, a project) and its 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
+from spotrun.control import env as spotrun_env
 from spotrun.errors import ConfigError
 
 MIB = 1024 * 1024
@@ -21,6 +23,18 @@ KEY_LAYOUTS = ("auto", "spread", "step")
 SPREAD_FROM_WORLD_SIZE = 256
 
 OptionsT = TypeVar("OptionsT", bound="ObjectStoreOptions")
+
+
+def key_layout_from_env() -> str:
+    """``$SPOTRUN_KEY_LAYOUT`` (``spotrun run --key-layout`` sets it for the workers), else ``"auto"``.
+
+    Raises:
+        ConfigError: a value not in :data:`KEY_LAYOUTS`.
+    """
+    value = os.environ.get(spotrun_env.KEY_LAYOUT, "").strip() or "auto"
+    if value not in KEY_LAYOUTS:
+        raise ConfigError(f"${spotrun_env.KEY_LAYOUT} must be one of {list(KEY_LAYOUTS)}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -37,7 +51,8 @@ class ObjectStoreOptions:
             (:mod:`spotrun.storage.part_sizes`); an upload holds up to ``max_concurrency`` of them.
         max_concurrency: parts transferred at the same time by one call.
         key_layout: ``"auto"`` (spread from :data:`SPREAD_FROM_WORLD_SIZE` ranks on), ``"spread"``
-            or ``"step"``: where a checkpoint's ranks put their files (see :data:`KEY_LAYOUTS`).
+            or ``"step"``: where a checkpoint's ranks put their files (see :data:`KEY_LAYOUTS`);
+            default :func:`key_layout_from_env`.
         retry_deadline_s: most seconds one operation spends retrying.
         connect_timeout_s: TCP/TLS connect timeout of one request, seconds.
         read_timeout_s: socket read timeout of one request, seconds.
@@ -55,7 +70,7 @@ class ObjectStoreOptions:
     part_size_bytes: int = 16 * MIB
     max_part_size_bytes: int = 64 * MIB
     max_concurrency: int = 8
-    key_layout: str = "auto"
+    key_layout: str = field(default_factory=key_layout_from_env)
     retry_deadline_s: float = 120.0
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0

@@ -27,6 +27,7 @@ from spotrun.notices import SOURCE_NAMES, NoticeOptions, parse_notice_option
 from spotrun.notices.signals import DEFAULT_NOTICE_SIGNALS, parse_notice_signals, parse_notify_signal
 from spotrun.storage import StorageLocation, parse_location
 from spotrun.storage.location import check_endpoint_url
+from spotrun.storage.options import KEY_LAYOUTS
 from spotrun.storage.tier_dir import DEFAULT_MEMORY_DIR
 from spotrun.tools.logs import LOG_FORMATS, LOG_LEVELS
 
@@ -310,6 +311,14 @@ class SupervisorConfig:
         "(default %(default)s)",
         metavar="S",
     )
+    key_layout: str | None = option(
+        None,
+        "where the ranks of a checkpoint on an object store put their files: auto (each rank under a key "
+        "prefix of its own from 256 ranks on, spreading the requests over S3's partitions), spread (always) "
+        "or step (all under the step's prefix); default $SPOTRUN_KEY_LAYOUT, else auto. run passes it to "
+        "the workers; readers find either layout",
+        choices=KEY_LAYOUTS,
+    )
     log_level: str | None = option(
         None,
         "log verbosity on stderr (default: info for run and drill, warning for the other commands)",
@@ -398,6 +407,10 @@ class SupervisorConfig:
         if self.memory_budget_bytes is not None:
             env[spotrun_env.MEMORY_BUDGET_BYTES] = str(self.memory_budget_bytes)
         return env
+
+    def storage_env(self) -> dict[str, str]:
+        """The storage option variables for the launch command (only those given)."""
+        return {spotrun_env.KEY_LAYOUT: self.key_layout} if self.key_layout is not None else {}
 
     def retention_env(self) -> dict[str, str]:
         """The retention variables for the launch command (only those given)."""

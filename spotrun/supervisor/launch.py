@@ -162,6 +162,7 @@ def plan_launch(
     supervisor_pid: int | None = None,
     log_format: str | None = None,
     retention: dict[str, str] | None = None,
+    storage_env: dict[str, str] | None = None,
     fast_tier: Storage | None = None,
     fast_tier_env: dict[str, str] | None = None,
 ) -> LaunchPlan:
@@ -187,6 +188,9 @@ def plan_launch(
         retention: ``SPOTRUN_KEEP_LAST``/``SPOTRUN_KEEP_EVERY`` for the workers
             (:meth:`~spotrun.supervisor.config.SupervisorConfig.retention_env`); a variable
             not in it passes on from ``base_env`` unchanged.
+        storage_env: the storage options for the workers (``SPOTRUN_KEY_LAYOUT``:
+            :meth:`~spotrun.supervisor.config.SupervisorConfig.storage_env`); a variable not in it passes on
+            from ``base_env`` unchanged.
         fast_tier, fast_tier_env: this node's fast tier (its steps of this run are resume points
             too, chosen when newer than storage's) and its variables for the workers.
 
@@ -223,6 +227,7 @@ def plan_launch(
         env[spotrun_env.SUPERVISOR_PID] = str(supervisor_pid)
         env[spotrun_env.GRACE_PERIOD_S] = repr(float(grace_period_s))
     env.update(retention or {})
+    env.update(storage_env or {})
     for name in (spotrun_env.MEMORY_DIR, spotrun_env.MEMORY_INTERVAL_STEPS, spotrun_env.MEMORY_BUDGET_BYTES):
         env.pop(name, None)  # never a tier from this process's own environment
     env.update(fast_tier_env or {})

@@ -21,12 +21,13 @@ GIL to do so, and a thread that takes the GIL while Python finalizes aborts the 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -151,48 +152,34 @@ class BoundedGroup:
         did, being blocked themselves, every rank that did not).
         """
         self._refuse_if_broken(what)
-        self._in_flight += 1
-        try:
-            self._transfer(sends, recvs, phase=phase, timeout_s=timeout_s, what=what)
-        finally:
-            self._in_flight -= 1
-
-    def _transfer(
-        self,
-        sends: list[tuple[int, int, torch.Tensor]],
-        recvs: list[tuple[int, int, torch.Tensor]],
-        *,
-        phase: int,
-        timeout_s: float,
-        what: str,
-    ) -> None:
-        started_s = time.monotonic()
-        failed: dict[int, RuntimeError] = {}
-        works = []
-        for start, transfers in ((dist.isend, sends), (dist.irecv, recvs)):
-            for peer, tag, tensor in transfers:
-                try:
-                    works.append((peer, start(tensor, peer, group=self.group, tag=tag)))
-                except RuntimeError as exc:  # the peer's connection closed already
+        with self._busy():
+            started_s = time.monotonic()
+            failed: dict[int, RuntimeError] = {}
+            works = []
+            for start, transfers in ((dist.isend, sends), (dist.irecv, recvs)):
+                for peer, tag, tensor in transfers:
+                    try:
+                        works.append((peer, start(tensor, peer, group=self.group, tag=tag)))
+                    except RuntimeError as exc:  # the peer's connection closed already
+                        failed.setdefault(peer, exc)
+            for peer, work in works:  # gloo's point-to-point works have no future: each wait is bounded
+                try:  # one peer's closed connection leaves the others' transfers going: wait for them too
+                    work.wait(datetime.timedelta(seconds=max(0.001, started_s + timeout_s - time.monotonic())))
+                except RuntimeError as exc:  # timed out, or the peer's connection closed
                     failed.setdefault(peer, exc)
-        for peer, work in works:  # gloo's point-to-point works have no future: each wait is bounded
-            try:  # one peer's closed connection leaves the others' transfers going: wait for them too
-                work.wait(datetime.timedelta(seconds=max(0.001, started_s + timeout_s - time.monotonic())))
-            except RuntimeError as exc:  # timed out, or the peer's connection closed
-                failed.setdefault(peer, exc)
-        if not failed:
-            return
-        failure = next(iter(failed.values()))
-        store = dist.PrefixStore(f"{ROLLCALL_PREFIX}/{self._epoch}/{phase}", self.group.get_group_store())
-        call = rollcall.hold(store, self._rank, self._world_size, rollcall.window_s(timeout_s))
-        missing = call.missing(self._world_size)
-        silent = [peer for peer in sorted(failed) if missing is not None and peer in missing]
-        if silent:
-            text = f"rank(s) {silent} did not answer {what} within {_seconds(timeout_s)} s"
-            self.broken = CollectiveTimeoutError(text, ranks=silent, what=what, timeout_s=timeout_s)
-        else:
-            self.broken = timeout_error(call, self._world_size, what, timeout_s, failure)
-        raise self.broken from failure
+            if not failed:
+                return
+            failure = next(iter(failed.values()))
+            store = dist.PrefixStore(f"{ROLLCALL_PREFIX}/{self._epoch}/{phase}", self.group.get_group_store())
+            call = rollcall.hold(store, self._rank, self._world_size, rollcall.window_s(timeout_s))
+            missing = call.missing(self._world_size)
+            silent = [peer for peer in sorted(failed) if missing is not None and peer in missing]
+            if silent:
+                text = f"rank(s) {silent} did not answer {what} within {_seconds(timeout_s)} s"
+                self.broken = CollectiveTimeoutError(text, ranks=silent, what=what, timeout_s=timeout_s)
+            else:
+                self.broken = timeout_error(call, self._world_size, what, timeout_s, failure)
+            raise self.broken from failure
 
     def destroy(self) -> None:
         """Free the group (its connections and gloo's threads, joined here); never raises. A broken
@@ -209,6 +196,15 @@ class BoundedGroup:
         # torch's registries let go of it above: dropping the last reference runs gloo's destructor
         # now (it releases the GIL, waits for its queue and joins its threads), not at the exit
         self.group = None
+
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        """Count a collective in flight while it runs (the exit frees idle groups only)."""
+        self._in_flight += 1
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
 
     def _next(self, what: str) -> int:
         self._refuse_if_broken(what)
@@ -236,11 +232,8 @@ class BoundedGroup:
     def _wait(self, work: Any, sequence: int, what: str, timeout_s: float, started_s: float) -> None:
         done = threading.Event()
         work.get_future().add_done_callback(lambda _future: done.set())
-        self._in_flight += 1
-        try:
+        with self._busy():
             self._finish(work, done, sequence, what, timeout_s, started_s)
-        finally:
-            self._in_flight -= 1
 
     def _finish(
         self, work: Any, done: threading.Event, sequence: int, what: str, timeout_s: float, started_s: float

@@ -29,11 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import pathlib
-import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -41,6 +37,7 @@ from spotrun.checkpoint import catalog
 from spotrun.storage import open_storage
 from tests.support.fault_proxy import FaultProxy
 from tests.support.paths import JOBS
+from tests.support.rank_reports import run_ranks
 from tests.support.s3_server import make_client
 from tests.support.step_edits import edit_chunk_bytes, index_path
 
@@ -61,25 +58,9 @@ ITEMSIZE = {"float32": 4, "int64": 8, "uint8": 1, "uint32": 4, "int32": 4, "floa
 
 def torchrun(ranks: int, mode: str, uri: str, out_dir: pathlib.Path, *args: str, env=None) -> tuple[list[dict], str]:
     """Run the worker on ``ranks`` ranks: each rank's report, by rank, and torchrun's output."""
-    out_dir.mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    command += [str(WORKER), "--mode", mode, "--uri", uri, "--out-dir", str(out_dir), *args]
-    proc = subprocess.Popen(
-        command,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"workers hung for {TORCHRUN_TIMEOUT_S} s:\n{output[-4000:]}") from None
-    assert proc.returncode == 0, output[-4000:]
-    return [json.loads((out_dir / f"rank-{r}.json").read_text()) for r in range(ranks)], output
+    args = ["--mode", mode, "--uri", uri, "--out-dir", str(out_dir), *args]
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    return run_ranks(ranks, WORKER, args, out_dir, env, timeout_s=TORCHRUN_TIMEOUT_S)
 
 
 def saved_step(bucket, step: int) -> tuple[dict[str, int], dict, dict[str, int]]:

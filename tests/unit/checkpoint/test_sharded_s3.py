@@ -31,16 +31,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import pathlib
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from tests.support.fault_proxy import FaultProxy
 from tests.support.paths import JOBS
+from tests.support.rank_reports import run_ranks
 from tests.support.s3_server import make_client
 
 pytestmark = pytest.mark.slow
@@ -61,39 +58,8 @@ STEP_DIR = "job/step-000000001/"
 
 def torchrun(ranks: int, mode: str, uri: str, out_dir: pathlib.Path, env: dict[str, str]) -> list[dict]:
     """Run the worker on ``ranks`` ranks; each rank's report, by rank."""
-    out_dir.mkdir()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(ranks),
-            str(WORKER),
-            "--mode",
-            mode,
-            "--uri",
-            uri,
-            "--width",
-            str(WIDTH),
-            "--out-dir",
-            str(out_dir),
-        ],
-        env={**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"workers hung for {TORCHRUN_TIMEOUT_S} s:\n{output[-4000:]}") from None
-    assert proc.returncode == 0, output[-4000:]
-    return [json.loads((out_dir / f"rank-{r}.json").read_text()) for r in range(ranks)]
+    args = ["--mode", mode, "--uri", uri, "--width", str(WIDTH), "--out-dir", str(out_dir)]
+    return run_ranks(ranks, WORKER, args, out_dir, env, timeout_s=TORCHRUN_TIMEOUT_S)[0]
 
 
 def saved_files(bucket) -> tuple[dict[str, int], dict[int, dict]]:

@@ -15,9 +15,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import os
 import pathlib
-import signal
 import subprocess
 import sys
 import urllib.parse
@@ -34,6 +32,7 @@ from spotrun.cli import main
 from spotrun.storage import open_storage
 from tests.support.fault_proxy import FaultProxy
 from tests.support.paths import JOBS
+from tests.support.rank_reports import run_ranks
 from tests.support.s3_server import make_client
 
 pytestmark = pytest.mark.slow
@@ -50,25 +49,8 @@ DATA_FILE_SUFFIXES = (".safetensors", ".index.json")
 
 def torchrun(ranks: int, mode: str, uri: str, out_dir: pathlib.Path, env: dict[str, str], *extra: str) -> list[dict]:
     """Run the worker on ``ranks`` ranks; each rank's report, by rank."""
-    out_dir.mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    command += [str(WORKER), "--mode", mode, "--uri", uri, "--width", str(WIDTH), "--out-dir", str(out_dir), *extra]
-    proc = subprocess.Popen(
-        command,
-        env={**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"workers hung for {TORCHRUN_TIMEOUT_S} s:\n{output[-4000:]}") from None
-    assert proc.returncode == 0, output[-4000:]
-    return [json.loads((out_dir / f"rank-{r}.json").read_text()) for r in range(ranks)]
+    args = ["--mode", mode, "--uri", uri, "--width", str(WIDTH), "--out-dir", str(out_dir), *extra]
+    return run_ranks(ranks, WORKER, args, out_dir, env, timeout_s=TORCHRUN_TIMEOUT_S)[0]
 
 
 def save(uri: str, out_dir: pathlib.Path, steps: str = "1", env: dict[str, str] | None = None) -> list[dict]:
@@ -244,3 +226,36 @@ def test_a_restore_reads_a_shard_in_units_that_grow_with_it(s3_bucket):
     assert torch.equal(restored.weight, saved.weight)
     large = [r.body_bytes for r in data_gets if r.body_bytes >= MIB]  # the header's reads are a few KiB
     assert len(large) == 2 and sum(large) >= 40 * MIB, [r.body_bytes for r in data_gets]
+
+
+def test_spotrun_run_key_layout_spread_reaches_the_workers_and_ls_finds_the_steps(s3_bucket, tmp_path):
+    """`spotrun run --key-layout spread` (a supervisor option, so a job at fewer than 256 ranks
+    can spread its keys without code): the workers of a user's DDP script, which opens its root
+    with defaults, write each rank's files under the rank's own prefix, and `spotrun ls` lists
+    every step complete; `--key-layout step` keeps them in the step directory."""
+    job = [str(JOBS / "ddp_mlp.py"), "8"]  # 2 saves (interval 4)
+    for layout, root in (("spread", "spread-job"), ("step", "step-job")):
+        uri = f"{s3_bucket.uri}/{root}"
+        done = subprocess.run(
+            [sys.executable, "-m", "spotrun", "run", "--checkpoint-uri", uri, "--key-layout", layout]
+            + ["--s3-endpoint-url", s3_bucket.endpoint_url, "--"]
+            + [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *job],
+            capture_output=True,
+            text=True,
+            timeout=TORCHRUN_TIMEOUT_S,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        keys = [
+            o["Key"][len(root) + 1 :]
+            for o in make_client(s3_bucket.endpoint_url)
+            .list_objects_v2(Bucket=s3_bucket.name, Prefix=f"{root}/")
+            .get("Contents", [])
+        ]
+        data = [k for k in keys if k.endswith(DATA_FILE_SUFFIXES) and "/rank-" in k]
+        assert data, keys
+        for key in data:
+            rank = int(key.rpartition("/rank-")[2].split(".")[0])
+            first = key.partition("/")[0]  # step-000000004 in the step layout
+            assert (first == spread_dir(rank, 2)) == (layout == "spread"), key
+        steps = {s.step: s.status for s in catalog.list_steps(open_storage(uri, endpoint_url=s3_bucket.endpoint_url))}
+        assert steps == {4: "complete", 8: "complete"}, steps

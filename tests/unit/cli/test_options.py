@@ -45,6 +45,7 @@ EXPECTED = {
     "memory_replica_secret_file": ("/run/secrets/spotrun-tier", "/run/secrets/spotrun-tier"),
     "memory_failure_domain": ("us-east-1a", "us-east-1a"),
     "memory_peer_timeout_s": ("5", 5.0),
+    "key_layout": ("spread", "spread"),
     "log_level": ("debug", "debug"),
     "log_format": ("json", "json"),
 }

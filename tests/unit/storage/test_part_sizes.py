@@ -164,3 +164,17 @@ def test_the_spread_layout_is_on_by_default_from_256_ranks_and_can_be_chosen():
     assert not ObjectStoreOptions(key_layout="step").spreads_rank_keys(8192)
     with pytest.raises(ConfigError, match="key_layout"):
         ObjectStoreOptions(key_layout="hash")
+
+
+def test_the_key_layout_defaults_to_spotrun_key_layout_which_spotrun_run_sets(monkeypatch):
+    """`spotrun run --key-layout` reaches the workers as $SPOTRUN_KEY_LAYOUT, the default of
+    every store's options (an argument wins); a value not among the layouts is refused, naming
+    the variable, when the storage opens."""
+    monkeypatch.setenv("SPOTRUN_KEY_LAYOUT", "spread")
+    assert ObjectStoreOptions().spreads_rank_keys(2)
+    assert not ObjectStoreOptions(key_layout="step").spreads_rank_keys(8192)
+    monkeypatch.setenv("SPOTRUN_KEY_LAYOUT", "hash")
+    with pytest.raises(ConfigError, match=r"\$SPOTRUN_KEY_LAYOUT must be one of"):
+        ObjectStoreOptions()
+    monkeypatch.delenv("SPOTRUN_KEY_LAYOUT")
+    assert ObjectStoreOptions().key_layout == "auto"

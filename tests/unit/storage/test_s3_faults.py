@@ -8,11 +8,7 @@ how long it took and a digest of the saved or restored state.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -22,6 +18,7 @@ from spotrun.storage import open_storage
 from tests.support.ckpt_files import has_manifest
 from tests.support.fault_proxy import ALL_KINDS, LOST_RESPONSE, SLOW_DOWN, FaultProxy, FaultRule, upload_of
 from tests.support.paths import JOBS
+from tests.support.rank_reports import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -42,36 +39,9 @@ def torchrun(
     proxy: FaultProxy, uri: str, out_dir: pathlib.Path, *args: str, env: dict[str, str] | None = None
 ) -> list[dict]:
     """Run the worker on 2 ranks through ``proxy``; each rank's report, by rank."""
-    out_dir.mkdir(parents=True)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(WORKER),
-            "--uri",
-            uri,
-            "--out-dir",
-            str(out_dir),
-            *args,
-        ],
-        env={**os.environ, "AWS_ENDPOINT_URL": proxy.url, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"workers hung for {TORCHRUN_TIMEOUT_S} s:\n{output[-4000:]}") from None
-    assert proc.returncode == 0, output[-4000:]
-    return [json.loads((out_dir / f"rank-{r}.json").read_text()) for r in range(2)]
+    args = ["--uri", uri, "--out-dir", str(out_dir), *args]
+    env = {"AWS_ENDPOINT_URL": proxy.url, **(env or {})}
+    return run_ranks(2, WORKER, args, out_dir, env, timeout_s=TORCHRUN_TIMEOUT_S)[0]
 
 
 def statuses(uri: str) -> dict[int, str]:
