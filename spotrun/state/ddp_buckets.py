@@ -134,6 +134,20 @@ def apply_layout(ddp: DistributedDataParallel, layout: list[list[int]]) -> str |
     return None
 
 
+def _warn_if_parent(ddp: DistributedDataParallel, modules: dict[int, str]) -> None:
+    """Say so when ``ddp`` wraps a module that holds state modules but is none itself: its
+    buckets have no state name to be saved under."""
+    held = sorted({modules[id(m)] for m in ddp.module.modules() if id(m) in modules})
+    if held and dist.rank() == 0:
+        log.warning(
+            "a DistributedDataParallel wraps a module that holds state %s but is not itself a state entry: its "
+            "gradient buckets are not saved, so the first step after a resume may differ from an uninterrupted "
+            "run in the last bits on 3 or more ranks (give the Checkpointer the wrapped module, or the DDP, as "
+            "one entry)",
+            held,
+        )
+
+
 class DDPBucketsState:
     """A ``Stateful`` (rank state) for the bucket layouts of the DDP wrappers of a Checkpointer's
     modules (see the module docstring); a job without DDP saves an empty dict."""
@@ -157,19 +171,25 @@ class DDPBucketsState:
         if not isinstance(layouts, dict):
             log.warning("ignoring the checkpoint's DDP bucket layouts: not a dict")
             return
-        for name, ddp in self._wrappers(scan_again=True):
-            text = layouts.get(name)
-            if not isinstance(text, str):
-                continue  # saved before DDP rebuilt its buckets, or by a job without DDP
-            try:
-                layout = decode_layout(text, max_indices=len(list(ddp.module.parameters())))
-            except ValueError as exc:
-                why: str | None = f"the saved layout is not one: {exc}"
+        wrapped = dict(self._wrappers(scan_again=True))
+        for name in sorted(set(layouts) | set(wrapped)):
+            text, ddp = layouts.get(name), wrapped.get(name)
+            if text is None:
+                continue  # saved before DDP rebuilt its buckets, or without DDP
+            if ddp is None:
+                why: str | None = "no DistributedDataParallel wraps it now: wrap it before the restore"
+            elif not isinstance(text, str):
+                why = f"the saved layout is a {type(text).__name__}, not text"
             else:
-                why = apply_layout(ddp, layout)
-                if why is None:  # its reducer runs with it now; DDP reports it only after its own rebuild
-                    self._layouts[name] = text
-            if why is not None and dist.rank() == 0:
+                try:
+                    layout = decode_layout(text, max_indices=len(list(ddp.module.parameters())))
+                except ValueError as exc:
+                    why = f"the saved layout is not one: {exc}"
+                else:
+                    why = apply_layout(ddp, layout)
+                    if why is None:  # its reducer runs with it now; DDP reports it only after its own rebuild
+                        self._layouts[name] = text
+            if why is not None and dist.rank() == 0 and dist.world_size() >= 3:  # 2 ranks sum either way alike
                 log.warning(
                     "DDP's gradient buckets of state %r are not restored (%s): the first step after this resume "
                     "may differ from an uninterrupted run in the last bits on 3 or more ranks",
@@ -191,5 +211,7 @@ class DDPBucketsState:
                         name = modules.get(id(obj), modules.get(id(obj.module)))
                         if name is not None:
                             self._found.append((name, weakref.ref(obj)))
+                        else:
+                            _warn_if_parent(obj, modules)
         alive = [(name, ref()) for name, ref in self._found]
         return [(name, ddp) for name, ddp in alive if ddp is not None]

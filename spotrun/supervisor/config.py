@@ -15,9 +15,8 @@ import dataclasses
 import math
 import signal
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from spotrun.checkpoint.retention import RetentionPolicy
 from spotrun.control import env as spotrun_env
@@ -29,87 +28,11 @@ from spotrun.storage import StorageLocation, parse_location
 from spotrun.storage.location import check_endpoint_url
 from spotrun.storage.options import KEY_LAYOUTS
 from spotrun.storage.tier_dir import DEFAULT_MEMORY_DIR
+from spotrun.supervisor.option_spec import OptionSpec, option
 from spotrun.tools.logs import LOG_FORMATS, LOG_LEVELS
 
 #: Upper bound of the wait before a crash restart, in seconds.
 MAX_RESTART_BACKOFF_S = 300.0
-
-
-@dataclass(frozen=True)
-class OptionSpec:
-    """One option, as :func:`option_specs` reads it from a field.
-
-    Attributes:
-        name: the field's name: the YAML key and the ``argparse`` destination.
-        kind: ``str``, ``int``, ``float`` or ``bool`` (a flag without a value; ``true``/``false`` in a file).
-        default: the default value.
-        help: the ``--help`` text.
-        metavar: the value's name in ``--help``.
-        choices: the allowed values; ``None``: any.
-        null_in_file: a YAML ``null`` (or an empty string) means the default.
-        every_command: an option of every ``spotrun`` subcommand (on their shared parser).
-        list_in_file: a YAML list of strings is accepted and joined with ``,``.
-        check_in_file: raises :class:`ConfigError` for a bad string value read from a file.
-    """
-
-    name: str
-    kind: type
-    default: object
-    help: str
-    metavar: str | None = None
-    choices: tuple[str, ...] | None = None
-    null_in_file: bool = False
-    every_command: bool = False
-    list_in_file: bool = False
-    check_in_file: Callable[[str], None] | None = None
-
-    @property
-    def flag(self) -> str:
-        """The command-line flag (``--grace-period-s``)."""
-        return "--" + self.name.replace("_", "-")
-
-    def add_to(self, parser: argparse.ArgumentParser) -> None:
-        """Add this option to ``parser``."""
-        if self.kind is bool:
-            parser.add_argument(self.flag, action="store_true", default=self.default, help=self.help)
-            return
-        parser.add_argument(
-            self.flag,
-            type=None if self.kind is str else self.kind,
-            default=self.default,
-            choices=self.choices,
-            metavar=self.metavar,
-            help=self.help,
-        )
-
-
-def option(
-    default: object,
-    help: str,
-    *,
-    metavar: str | None = None,
-    choices: tuple[str, ...] | None = None,
-    null_in_file: bool | None = None,
-    every_command: bool = False,
-    list_in_file: bool = False,
-    check_in_file: Callable[[str], None] | None = None,
-) -> Any:
-    """A field of :class:`SupervisorConfig` that is an option (arguments as :class:`OptionSpec`'s;
-    ``null_in_file`` defaults to whether the type admits ``None``)."""
-    return field(
-        default=default,
-        metadata={
-            "option": dict(
-                help=help,
-                metavar=metavar,
-                choices=choices,
-                null_in_file=null_in_file,
-                every_command=every_command,
-                list_in_file=list_in_file,
-                check_in_file=check_in_file,
-            )
-        },
-    )
 
 
 def _check_notice_in_file(value: str) -> None:
@@ -313,10 +236,8 @@ class SupervisorConfig:
     )
     key_layout: str | None = option(
         None,
-        "where the ranks of a checkpoint on an object store put their files: auto (each rank under a key "
-        "prefix of its own from 256 ranks on, spreading the requests over S3's partitions), spread (always) "
-        "or step (all under the step's prefix); default $SPOTRUN_KEY_LAYOUT, else auto. run passes it to "
-        "the workers; readers find either layout",
+        "where a checkpoint's ranks put their files on an object store: auto (a key prefix per rank from 256 "
+        "ranks on), spread or step (the step's prefix); default $SPOTRUN_KEY_LAYOUT, else auto (to the workers)",
         choices=KEY_LAYOUTS,
     )
     log_level: str | None = option(
@@ -408,13 +329,13 @@ class SupervisorConfig:
             env[spotrun_env.MEMORY_BUDGET_BYTES] = str(self.memory_budget_bytes)
         return env
 
-    def storage_env(self) -> dict[str, str]:
-        """The storage option variables for the launch command (only those given)."""
-        return {spotrun_env.KEY_LAYOUT: self.key_layout} if self.key_layout is not None else {}
-
-    def retention_env(self) -> dict[str, str]:
-        """The retention variables for the launch command (only those given)."""
-        given = {spotrun_env.KEEP_LAST: self.keep_last, spotrun_env.KEEP_EVERY: self.keep_every}
+    def option_env(self) -> dict[str, str]:
+        """The retention and key layout variables for the launch command (only those given)."""
+        given = {
+            spotrun_env.KEEP_LAST: self.keep_last,
+            spotrun_env.KEEP_EVERY: self.keep_every,
+            spotrun_env.KEY_LAYOUT: self.key_layout,
+        }
         return {name: str(value) for name, value in given.items() if value is not None}
 
     @property

@@ -161,8 +161,7 @@ def plan_launch(
     base_env: dict[str, str] | None = None,
     supervisor_pid: int | None = None,
     log_format: str | None = None,
-    retention: dict[str, str] | None = None,
-    storage_env: dict[str, str] | None = None,
+    option_env: dict[str, str] | None = None,
     fast_tier: Storage | None = None,
     fast_tier_env: dict[str, str] | None = None,
 ) -> LaunchPlan:
@@ -185,12 +184,9 @@ def plan_launch(
             (:mod:`spotrun.train.supervisor_watch`); ``None`` leaves both out.
         log_format: passed as ``SPOTRUN_LOG_FORMAT`` (:mod:`spotrun.tools.logs`); ``None``: as in
             ``base_env``.
-        retention: ``SPOTRUN_KEEP_LAST``/``SPOTRUN_KEEP_EVERY`` for the workers
-            (:meth:`~spotrun.supervisor.config.SupervisorConfig.retention_env`); a variable
+        option_env: ``SPOTRUN_KEEP_LAST``/``SPOTRUN_KEEP_EVERY``/``SPOTRUN_KEY_LAYOUT`` for the workers
+            (:meth:`~spotrun.supervisor.config.SupervisorConfig.option_env`); a variable
             not in it passes on from ``base_env`` unchanged.
-        storage_env: the storage options for the workers (``SPOTRUN_KEY_LAYOUT``:
-            :meth:`~spotrun.supervisor.config.SupervisorConfig.storage_env`); a variable not in it passes on
-            from ``base_env`` unchanged.
         fast_tier, fast_tier_env: this node's fast tier (its steps of this run are resume points
             too, chosen when newer than storage's) and its variables for the workers.
 
@@ -226,8 +222,7 @@ def plan_launch(
     if supervisor_pid is not None:
         env[spotrun_env.SUPERVISOR_PID] = str(supervisor_pid)
         env[spotrun_env.GRACE_PERIOD_S] = repr(float(grace_period_s))
-    env.update(retention or {})
-    env.update(storage_env or {})
+    env.update(option_env or {})
     for name in (spotrun_env.MEMORY_DIR, spotrun_env.MEMORY_INTERVAL_STEPS, spotrun_env.MEMORY_BUDGET_BYTES):
         env.pop(name, None)  # never a tier from this process's own environment
     env.update(fast_tier_env or {})

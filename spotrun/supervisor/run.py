@@ -183,8 +183,7 @@ class _Supervisor:
                 previous=plan,
                 supervisor_pid=os.getpid(),
                 log_format=self.config.log_format,
-                retention=self.config.retention_env(),
-                storage_env=self.config.storage_env(),
+                option_env=self.config.option_env(),
                 **fast_tier_launch(self.config, self.tier, self.tier_service),
             )
             self.resumed_manifest = plan.resume.manifest if plan.resume is not None else None

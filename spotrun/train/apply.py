@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
+from spotrun.checkpoint import tree
 from spotrun.checkpoint.encode import encode_state
 from spotrun.checkpoint.restore import LoadedStep
 from spotrun.checkpoint.sharded import is_dtensor, mesh_description
-from spotrun.errors import ConfigError, SpotrunError, StateMismatchError
+from spotrun.errors import ConfigError, ManifestError, SpotrunError, StateMismatchError
 from spotrun.state.ddp_buckets import DDP_BUCKETS_STATE_NAME
 from spotrun.state.numerics import NUMERICS_STATE_NAME
 from spotrun.state.optimizer import OptimizerState
@@ -81,6 +82,22 @@ def live_tensors(state: dict[str, Any], rank_state: dict[str, Any]) -> dict[str,
     return {**encoded.tensors, **encoded.sharded, **encoded.rank_tensors}
 
 
+def _rank_0_json(loaded: LoadedStep, name: str) -> Any:
+    """Rank 0's JSON-only rank state ``name`` of ``loaded``'s manifest (``None``: it has none, or
+    a malformed one). Every rank restores DDP's bucket layout from rank 0's: ranks that built
+    different buckets would abort at their first backward pass (gloo: "Received data size doesn't
+    match"), and DDP itself takes rank 0's when it rebuilds them."""
+    ranks = loaded.manifest.rank_state
+    skeleton = ranks[0].get(name) if ranks and isinstance(ranks[0], dict) else None
+    if skeleton is None:
+        return None  # written before spotrun recorded it
+    try:
+        return tree.decode(skeleton, {})
+    except ManifestError:
+        log.warning("ignoring the checkpoint's %s: not plain JSON", name)
+        return None
+
+
 def apply_loaded(loaded: LoadedStep, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
     """``load_state_dict`` every object from ``loaded``; the rank's own state last (its RNGs:
     nothing may draw after them).
@@ -103,7 +120,12 @@ def apply_loaded(loaded: LoadedStep, state: dict[str, Any], rank_state: dict[str
             )
         load_into(name, obj, loaded.replicated[name])
     for name, obj in rank_state.items():
-        if name in (NUMERICS_STATE_NAME, DDP_BUCKETS_STATE_NAME) and name not in loaded.rank_local:
+        if name == DDP_BUCKETS_STATE_NAME:
+            saved_by_rank_0 = _rank_0_json(loaded, name)
+            if saved_by_rank_0 is not None:
+                load_into(name, obj, saved_by_rank_0)
+            continue
+        if name == NUMERICS_STATE_NAME and name not in loaded.rank_local:
             continue  # written before spotrun recorded these
         if name not in loaded.rank_local:
             raise StateMismatchError(f"checkpoint lacks this rank's state {name!r}")

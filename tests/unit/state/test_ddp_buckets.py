@@ -4,12 +4,23 @@ its rebuild, a fresh DDP given a saved layout, and the cases left alone with a r
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from spotrun.state.ddp_buckets import apply_layout, rebuilt_layout
+from spotrun.state import ddp_buckets
+from spotrun.state.ddp_buckets import (
+    DDP_BUCKETS_STATE_NAME,
+    DDPBucketsState,
+    apply_layout,
+    decode_layout,
+    encode_layout,
+    rebuilt_layout,
+)
+from spotrun.train.apply import apply_loaded
 
 
 @pytest.fixture
@@ -77,3 +88,72 @@ def test_a_ddp_with_a_communication_hook_is_left_alone_with_the_reason(group):
     ddp.register_comm_hook(None, allreduce_hook)
     assert apply_layout(ddp, [[5, 4, 3, 2, 1, 0]]) == "it has a communication hook"
     assert reducer_layout(ddp) == [[0, 1, 2, 3, 4, 5]]
+
+
+@pytest.fixture
+def three_ranks(monkeypatch):
+    """spotrun's view of a 3-rank job (DDP runs on the 1-rank group): where buckets matter."""
+    monkeypatch.setattr(ddp_buckets.dist, "is_distributed", lambda: True)
+    monkeypatch.setattr(ddp_buckets.dist, "world_size", lambda: 3)
+    monkeypatch.setattr(ddp_buckets.dist, "rank", lambda: 0)
+
+
+def test_the_state_saves_the_rebuilt_layout_and_restores_it_into_a_fresh_ddp(group, three_ranks):
+    model = mlp()
+    ddp = DistributedDataParallel(model)
+    saving = DDPBucketsState({"model": model})
+    for _ in range(3):
+        step(ddp)
+    saved = saving.state_dict()
+    assert decode_layout(saved["layouts"]["model"], 6) == reducer_layout(ddp)
+    fresh_model = mlp()
+    fresh = DistributedDataParallel(fresh_model)
+    restoring = DDPBucketsState({"model": fresh_model})
+    restoring.load_state_dict({"layouts": {"model": encode_layout([[5, 4], [3, 2, 1, 0]])}})
+    assert reducer_layout(fresh) == [[5, 4], [3, 2, 1, 0]]
+    assert restoring.state_dict() == {"layouts": {"model": "5-4, 3-0"}}  # saved again before DDP reports it
+
+
+def test_a_layout_for_a_module_no_ddp_wraps_now_is_named_in_a_warning(group, three_ranks, caplog):
+    """Found by a new user's trial: a DDP made after the restore resumed inexactly in silence."""
+    model = mlp()
+    DDPBucketsState({"model": model}).load_state_dict({"layouts": {"model": "5-0"}})
+    assert "state 'model' are not restored (no DistributedDataParallel wraps it now" in caplog.text
+    wrapped = DistributedDataParallel(model)
+    DDPBucketsState({"model": model}).load_state_dict({"layouts": {"model": ["5-0"]}})
+    assert "the saved layout is a list, not text" in caplog.text
+    assert reducer_layout(wrapped) == [[0, 1, 2, 3, 4, 5]]
+
+
+def test_a_ddp_around_a_parent_of_the_state_modules_is_named_in_a_warning(group, three_ranks, caplog):
+    """Found by a new user's trial: state {"enc", "dec"} under DDP(Sequential(enc, dec)) saved no
+    layout and said nothing."""
+    enc, dec = torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)
+    wrapper = DistributedDataParallel(torch.nn.Sequential(enc, dec))
+    assert DDPBucketsState({"enc": enc, "dec": dec}).state_dict() == {"layouts": {}}
+    assert wrapper.module[0] is enc
+    assert "wraps a module that holds state ['dec', 'enc'] but is not itself a state entry" in caplog.text
+
+
+def test_every_rank_restores_rank_0s_layout_whatever_its_own_says():
+    """Found by a new user's trial: a hand-edited manifest whose ranks held different layouts
+    restored, then aborted the job at its first backward (gloo: "Received data size doesn't
+    match"), and so every restart. Each rank now takes rank 0's from the manifest."""
+    got = {}
+
+    class Recorder:
+        def load_state_dict(self, state):
+            got["state"] = state
+
+    rank_0 = {"layouts": {"model": "5-0"}}
+    loaded = SimpleNamespace(
+        manifest=SimpleNamespace(step=4, world_size=1, rank_state=[{DDP_BUCKETS_STATE_NAME: rank_0}]),
+        replicated={},
+        rank_local={DDP_BUCKETS_STATE_NAME: {"layouts": {"model": "0-3 5 4"}}},  # this rank's own, edited
+    )
+    apply_loaded(loaded, {}, {DDP_BUCKETS_STATE_NAME: Recorder()})
+    assert got["state"] == rank_0
+    got.clear()
+    loaded.manifest.rank_state = [{}]  # written before spotrun saved layouts: nothing to load
+    apply_loaded(loaded, {}, {DDP_BUCKETS_STATE_NAME: Recorder()})
+    assert got == {}
