@@ -81,7 +81,8 @@ def decode_layout(text: str, max_indices: int) -> list[list[int]]:
             count += abs(stop - start) + 1
             if count > max_indices:
                 raise ValueError(f"more than {max_indices} indices")
-            bucket.extend(range(start, stop + (1 if stop >= start else -1), 1 if stop >= start else -1))
+            step = 1 if stop >= start else -1
+            bucket.extend(range(start, stop + step, step))
         layout.append(bucket)
     return layout
 
@@ -172,10 +173,10 @@ class DDPBucketsState:
             log.warning("ignoring the checkpoint's DDP bucket layouts: not a dict")
             return
         wrapped = dict(self._wrappers(scan_again=True))
-        for name in sorted(set(layouts) | set(wrapped)):
-            text, ddp = layouts.get(name), wrapped.get(name)
+        for name, text in sorted(layouts.items()):  # none: saved before DDP rebuilt its buckets, or without DDP
+            ddp = wrapped.get(name)
             if text is None:
-                continue  # saved before DDP rebuilt its buckets, or without DDP
+                continue
             if ddp is None:
                 why: str | None = "no DistributedDataParallel wraps it now: wrap it before the restore"
             elif not isinstance(text, str):

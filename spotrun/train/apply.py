@@ -126,7 +126,7 @@ def apply_loaded(loaded: LoadedStep, state: dict[str, Any], rank_state: dict[str
                 load_into(name, obj, saved_by_rank_0)
             continue
         if name == NUMERICS_STATE_NAME and name not in loaded.rank_local:
-            continue  # written before spotrun recorded these
+            continue  # written before spotrun recorded these settings
         if name not in loaded.rank_local:
             raise StateMismatchError(f"checkpoint lacks this rank's state {name!r}")
         load_into(name, obj, loaded.rank_local[name])
